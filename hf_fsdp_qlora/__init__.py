@@ -1,0 +1,42 @@
+"""QLoRA fine-tuning under FSDP1/FSDP2 with the Hugging Face stack, that works the first time.
+
+The public API is imported lazily so that the command-line tools start without importing torch.
+Importing any training entry point (the trainers, the callback, the loader) also installs the CPU
+rehearsal hook (see :mod:`hf_fsdp_qlora.cpu_rehearsal`), which acts only on machines without an
+accelerator in a launch that asked for FSDP.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0.dev0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "enable_cpu_fsdp": "cpu_rehearsal",
+    "load_qlora_model": "loading",
+    "FSDPQLoRATrainer": "trainer",
+    "FSDPQLoRASFTTrainer": "sft_trainer",
+    "FSDPQLoRACallback": "callbacks",
+    "FSDPNotEngagedError": "errors",
+    "UnsupportedSetupError": "errors",
+    "merge_adapters": "merge",
+    "config_path": "configs",
+    "list_configs": "configs",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'hf_fsdp_qlora' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module_name}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

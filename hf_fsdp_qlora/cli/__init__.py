@@ -1,0 +1,1 @@
+"""Command-line entry points. Each command is a small module; heavy imports wait until it runs."""

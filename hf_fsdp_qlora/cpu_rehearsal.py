@@ -1,0 +1,116 @@
+"""CPU rehearsal: run accelerate's real FSDP code path on CPU processes over gloo.
+
+accelerate (checked on 1.15) only takes its FSDP branch for GPU-like devices. On a CPU-only machine a
+launch with ``distributed_type: FSDP`` + ``use_cpu: true`` silently becomes plain DDP (``MULTI_CPU``)
+or single-process training - the run is green and proves nothing. torch itself runs FSDP1 and FSDP2
+on CPU with gloo, so the only thing missing is accelerate's decision. This module supplies it:
+
+* it wraps ``AcceleratorState.__init__`` so that a state built on CPU processes (``MULTI_CPU``) with an
+  FSDP plugin becomes ``DistributedType.FSDP``. The wrap is re-applied on *every* state construction,
+  because accelerate rebuilds its state (for instance when trl's ``SFTConfig`` turns bf16 on) and a
+  one-off assignment would be silently undone;
+* it wraps ``PartialState.__init__`` so that a process started by ``accelerate launch`` / ``torchrun``
+  for FSDP on a machine without any accelerator joins the gloo process group as a CPU rank
+  (``accelerate launch`` does not export ``ACCELERATE_USE_CPU`` to torchrun workers, so without this
+  every rank would train alone);
+* it sets the device to plain ``cpu``: FSDP1 refuses ``device_id=cpu:0`` with
+  "Inconsistent compute device and `device_id` on rank 0: cpu vs cpu:0".
+
+Nothing changes on a machine with an accelerator: the wrap only acts when accelerate itself chose
+``MULTI_CPU``. :func:`check_upstream_behaviour` fails loudly if accelerate's behaviour changes (a
+release that runs FSDP on CPU by itself makes this module unnecessary; see ``_compat.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["enable_cpu_fsdp", "is_cpu_fsdp_enabled", "CPU_FSDP_UNSUPPORTED_OPTIONS"]
+
+# FullyShardedDataParallelPlugin.__post_init__ looks for an accelerator device when either is on and
+# raises "There are currently no available devices found". On CPU every rank loads the full model
+# and our trainer broadcasts what was freshly initialised, so neither is needed.
+CPU_FSDP_UNSUPPORTED_OPTIONS = ("sync_module_states", "cpu_ram_efficient_loading")
+
+_ENABLED = False
+
+
+def _fsdp_requested(fsdp_plugin=None) -> bool:
+    # ACCELERATE_USE_FSDP is accelerate's own launch contract (set by `accelerate launch` from the
+    # YAML's `distributed_type: FSDP`, or by Trainer when `fsdp` is on), not a setting of ours.
+    return fsdp_plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def _no_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return not accelerator.is_available()
+    return not torch.cuda.is_available()
+
+
+def _launched_distributed() -> bool:
+    return int(os.environ.get("LOCAL_RANK", -1)) != -1 or int(os.environ.get("WORLD_SIZE", 1)) > 1
+
+
+def _promote_to_fsdp(state, fsdp_plugin) -> None:
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if state.distributed_type != DistributedType.MULTI_CPU or not _fsdp_requested(fsdp_plugin):
+        return
+    if fsdp_plugin is None:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        fsdp_plugin = FullyShardedDataParallelPlugin()
+    if state._mixed_precision != "no":
+        fsdp_plugin.set_mixed_precision(state._mixed_precision)
+    state.fsdp_plugin = fsdp_plugin
+    state.distributed_type = DistributedType.FSDP
+    cpu = torch.device("cpu")
+    state.device = cpu
+    # AcceleratorState copies PartialState's dict on construction; keep both views in agreement so a
+    # later PartialState() (Trainer, TrainingArguments) sees FSDP on plain `cpu` too.
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    PartialState._shared_state["device"] = cpu
+
+
+def enable_cpu_fsdp() -> None:
+    """Let accelerate run FSDP1/FSDP2 on CPU processes (gloo). Idempotent, safe on GPU machines.
+
+    Our trainers and :class:`~hf_fsdp_qlora.FSDPQLoRACallback` call this before accelerate builds its
+    state, so users never need to; call it yourself before ``Accelerator(...)`` in a plain accelerate
+    script.
+    """
+    global _ENABLED
+    if _ENABLED:
+        return
+    from accelerate.state import AcceleratorState, PartialState
+
+    original_partial_init = PartialState.__init__
+
+    @functools.wraps(original_partial_init)
+    def partial_init(self, cpu: bool = False, **kwargs):
+        if not PartialState._shared_state and _fsdp_requested() and _no_accelerator() and _launched_distributed():
+            cpu = True
+        original_partial_init(self, cpu, **kwargs)
+
+    original_init = AcceleratorState.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        was_initialized = bool(AcceleratorState._shared_state)
+        original_init(self, *args, **kwargs)
+        if not was_initialized:
+            _promote_to_fsdp(self, kwargs.get("fsdp_plugin"))
+
+    PartialState.__init__ = partial_init
+    AcceleratorState.__init__ = __init__
+    _ENABLED = True
+
+
+def is_cpu_fsdp_enabled() -> bool:
+    """Whether :func:`enable_cpu_fsdp` has been applied in this process."""
+    return _ENABLED

@@ -1,0 +1,80 @@
+"""Helpers for multi-process tests: real torch.distributed on gloo, launched as users launch.
+
+Every launch gets its own free port, OMP_NUM_THREADS=1 and a timeout. Worker scripts live in
+tests/scripts/, batch several scenarios per launch, and write their findings as JSON for the test to
+assert on (a green exit alone proves nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+CONFIGS = REPO / "accelerate_configs"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("ACCELERATE_USE_FSDP", None)
+    env.pop("ACCELERATE_USE_CPU", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], timeout: int, env: dict | None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(env), cwd=str(REPO))
+    return proc
+
+
+def accelerate_launch(config: str | Path, script: str, *args: str, timeout: int = 300, env: dict | None = None):
+    """`accelerate launch --config_file CONFIG tests/scripts/SCRIPT ARGS` on a fresh port."""
+    config = Path(config)
+    if not config.is_absolute():
+        config = CONFIGS / config
+    cmd = [
+        str(BIN / "accelerate"), "launch", "--config_file", str(config),
+        "--main_process_port", str(free_port()), str(SCRIPTS / script), *args,
+    ]  # fmt: skip
+    return _run(cmd, timeout, env)
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300, env: dict | None = None):
+    """`torchrun --nproc-per-node N tests/scripts/SCRIPT ARGS` on a fresh port."""
+    cmd = [
+        str(BIN / "torchrun"), f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}", str(SCRIPTS / script), *args,
+    ]  # fmt: skip
+    return _run(cmd, timeout, env)
+
+
+def check(proc: subprocess.CompletedProcess) -> None:
+    """Fail with the worker's output when a launch exited non-zero."""
+    if proc.returncode != 0:
+        tail = (proc.stdout[-6000:] + "\n----- stderr -----\n" + proc.stderr[-12000:]).strip()
+        raise AssertionError(f"launch failed with exit code {proc.returncode}:\n{tail}")
+
+
+def read_results(out_dir: Path) -> dict:
+    """Merge the per-rank JSON files a worker script wrote: {rank: findings}."""
+    results = {}
+    for path in sorted(Path(out_dir).glob("rank*.json")):
+        results[int(path.stem[4:])] = json.loads(path.read_text())
+    return results
