@@ -59,7 +59,16 @@ def _promote_to_fsdp(state, fsdp_plugin) -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    if state.distributed_type != DistributedType.MULTI_CPU or not _fsdp_requested(fsdp_plugin):
+    if not _fsdp_requested(fsdp_plugin) or getattr(state, "fsdp_plugin", None) is not None:
+        return
+    # MULTI_CPU: accelerate's own choice for CPU ranks. FSDP on a cpu device: a state rebuilt after
+    # AcceleratorState._reset_state(), which copies our FSDP choice from PartialState but, taking the
+    # FSDP branch only for GPU-like types, attaches no plugin.
+    on_cpu = state.distributed_type == DistributedType.MULTI_CPU or (
+        state.distributed_type == DistributedType.FSDP and getattr(state, "device", None) is not None
+        and state.device.type == "cpu"
+    )
+    if not on_cpu:
         return
     if fsdp_plugin is None:
         from accelerate.utils import FullyShardedDataParallelPlugin

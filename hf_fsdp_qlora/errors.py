@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedSetupError", "FSDPNotEngagedError"]
+__all__ = ["UnsupportedSetupError", "FSDPNotEngagedError", "MergeError"]
 
 
 class UnsupportedSetupError(ValueError):
@@ -11,3 +11,12 @@ class UnsupportedSetupError(ValueError):
 
 class FSDPNotEngagedError(RuntimeError):
     """FSDP was asked for, but the prepared model is not FSDP-wrapped (accelerate fell back silently)."""
+
+
+class MergeError(ValueError):
+    """Merging adapters into a base model failed; nothing that looks like a finished model was left behind.
+
+    `exit_code` is what the command line returns: 1 for a failed merge, 2 for a usage error.
+    """
+
+    exit_code = 1

@@ -51,4 +51,16 @@ def build_tiny_model(path: str | Path, arch: str = "llama", dtype=torch.bfloat16
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
     model.to(dtype).save_pretrained(path)
+    build_tokenizer(vocab_size=model.config.vocab_size).save_pretrained(path)
     return path
+
+
+def build_tokenizer(vocab_size: int = 256):
+    """A word-level tokenizer over tokens t3..t{vocab-1}, with <pad>=0, <eos>=1, <unk>=2 (trl needs one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")

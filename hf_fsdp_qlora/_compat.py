@@ -1,0 +1,15 @@
+"""Where this package leans on upstream behaviour that may change, and when each piece can go.
+
+Each entry names the module that holds the workaround and the test that fails when upstream moves:
+
+* ``cpu_rehearsal``: accelerate (<= 1.15) takes its FSDP branch only for GPU-like devices, so FSDP on
+  CPU silently becomes DDP or single-process training. Remove when accelerate runs FSDP on CPU itself;
+  ``tests/test_cpu_rehearsal.py::test_upstream_accelerate_does_not_run_fsdp_on_cpu`` fails then.
+* ``fsdp.configure_plugin``: transformers (<= 5.23) syncs FSDP mixed precision to the 4-bit storage
+  dtype under FSDP1 only, and casts buffers too. Keep while transformers' ``update_fsdp_plugin_peft``
+  does so (``tests/test_trainer_fsdp.py`` compares logits with the unsharded model exactly).
+* ``checkpoint._adapter_tensors``: peft (<= 0.21) selects adapter keys by the module names it sees, which
+  inside FSDP1 carry ``_fsdp_wrapped_module.``; an unsharded state dict then yields an EMPTY adapter.
+* ``fsdp.fsdp_engagement``: FSDP1's FlatParameter is tagged ``_is_flat_param`` (torch 2.13); checked by
+  every distributed test that asserts engagement.
+"""

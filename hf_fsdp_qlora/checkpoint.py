@@ -1,0 +1,146 @@
+"""Gather the trained adapter from every rank and write it as a plain peft adapter.
+
+Upstream, under FSDP: ``Trainer.save_model`` with SHARDED_STATE_DICT writes nothing; with
+FULL_STATE_DICT, FSDP2 crashes inside peft's ``save_pretrained`` ("Attempted to access the data
+pointer on an invalid python storage"), FSDP1 with nested units can write an EMPTY adapter (peft's key
+filter misses the wrapped names), and adapter-only saves have written only rank 0's slice. Here the
+trainable parameters alone are gathered into full tensors with torch's distributed state-dict API
+(names free of FSDP prefixes), peft's own key filter turns them into adapter keys, and rank 0 writes
+them - refusing to write an empty or partial adapter.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .rank_sync import agree_on_failure
+
+__all__ = ["unwrap_peft_model", "clean_name", "gather_trainable_state_dict", "save_adapter"]
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def unwrap_peft_model(model):
+    """The PeftModel inside `model` (FSDP1 wraps it in ``.module``; FSDP2 keeps the object), or None."""
+    from peft import PeftModel
+
+    seen = model
+    for _ in range(8):
+        if isinstance(seen, PeftModel):
+            return seen
+        inner = getattr(seen, "module", None) or getattr(seen, "_orig_mod", None)
+        if inner is None:
+            return None
+        seen = inner
+    return None
+
+
+def gather_trainable_state_dict(model) -> dict[str, torch.Tensor]:
+    """Collective: full (unsharded) CPU tensors of every trainable parameter, on every rank.
+
+    Works on FSDP1 (``use_orig_params=True``), FSDP2, DDP and plain models. Only trainable parameters
+    travel, so gathering a 70B QLoRA model moves megabytes, not the base.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
+    # cpu_offload=True crashes FSDP1 on CPU-only ranks (SIGSEGV / "setStorage: ... out of bounds");
+    # on GPUs it keeps the gathered tensors off the device.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator, ignore_frozen_params=True)
+    state_dict = get_model_state_dict(model, options=options)
+    gathered = {}
+    for name, tensor in state_dict.items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        gathered[name] = tensor.detach().to("cpu").clone()
+    return gathered
+
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without FSDP1 / activation-checkpoint / compile wrapper segments."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _adapter_tensors(peft_model, state_dict: dict, adapter_name: str) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    # peft selects adapter keys by the module names it sees. Inside FSDP1 those carry
+    # `_fsdp_wrapped_module.` segments while the gathered state dict does not, and peft then selects
+    # nothing (an EMPTY adapter on disk). So hand peft the names it sees, and clean its answer.
+    seen_names = {clean_name(n): n for n, p in peft_model.named_parameters() if p.requires_grad}
+    trainable = {seen_names[k]: v for k, v in state_dict.items() if k in seen_names}
+    tensors = get_peft_model_state_dict(peft_model, state_dict=trainable, adapter_name=adapter_name)
+    tensors = {clean_name(k): v for k, v in tensors.items()}
+    # peft selects by name; an empty or meta result would save an adapter that silently does nothing.
+    if not tensors:
+        raise RuntimeError(
+            "hf_fsdp_qlora: gathered no adapter weights to save (0 LoRA tensors among "
+            f"{len(state_dict)} trainable parameters). Check that the model is a peft model whose adapter "
+            f"{adapter_name!r} is trainable."
+        )
+    bad = [name for name, t in tensors.items() if t.device.type == "meta" or t.numel() == 0]
+    if bad:
+        raise RuntimeError(f"hf_fsdp_qlora: adapter tensors are empty or on the meta device: {bad[:5]}")
+    return {name: t.contiguous() for name, t in tensors.items()}
+
+
+def save_adapter(model, output_dir: str | os.PathLike, *, is_main_process: bool | None = None) -> Path | None:
+    """Collective: gather the adapter from all ranks; the main process writes it to `output_dir`.
+
+    The result is what ``peft_model.save_pretrained`` would write for an unsharded model:
+    ``adapter_model.safetensors`` and ``adapter_config.json``; it loads with
+    ``PeftModel.from_pretrained(base, output_dir)``. Files are written under temporary names and
+    renamed, so an interrupted save never leaves a half-written adapter under the final name.
+
+    Args:
+        model: the (possibly FSDP-wrapped) peft model, on every rank.
+        output_dir: where to write.
+        is_main_process: whether this rank writes; defaults to rank 0.
+
+    Returns:
+        `output_dir` on the writing rank, None elsewhere.
+    """
+    peft_model = unwrap_peft_model(model)
+    if peft_model is None:
+        raise TypeError("save_adapter needs a peft model (PeftModel, possibly FSDP-wrapped).")
+    state_dict = gather_trainable_state_dict(model)
+    if is_main_process is None:
+        is_main_process = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    error = None
+    if is_main_process:
+        try:
+            _write_adapter(peft_model, state_dict, Path(output_dir))
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            error = err
+    # A failed write on the main process must not leave the other ranks waiting in the next collective.
+    agree_on_failure(error)
+    return Path(output_dir) if is_main_process else None
+
+
+def _write_adapter(peft_model, state_dict: dict, output_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    adapter_name = peft_model.active_adapter
+    if isinstance(adapter_name, (list, tuple)):
+        adapter_name = adapter_name[0]
+    tensors = _adapter_tensors(peft_model, state_dict, adapter_name)
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / f".{ADAPTER_WEIGHTS}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    config = copy.deepcopy(peft_model.peft_config[adapter_name])
+    config.inference_mode = True
+    if getattr(config, "base_model_name_or_path", None) is None:
+        config.base_model_name_or_path = getattr(peft_model.base_model.model, "name_or_path", None)
+    config.save_pretrained(str(output_dir))
+    os.replace(tmp, output_dir / ADAPTER_WEIGHTS)

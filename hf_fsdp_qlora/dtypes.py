@@ -1,0 +1,151 @@
+"""The dtype rules, in one place.
+
+Under FSDP every parameter of one unit is flattened (FSDP1) or sharded and all-gathered (FSDP2)
+together, so one QLoRA model needs exactly one floating dtype:
+
+* the 4-bit weights are stored packed inside a tensor of ``bnb_4bit_quant_storage`` dtype. That dtype
+  must be floating (FSDP1 cannot flatten integers: "Cannot flatten integer dtype tensors"), and FSDP's
+  mixed-precision ``param_dtype`` must equal it, or FSDP casts the packed bytes and corrupts them;
+* the compute dtype, the dtype of every other parameter (embeddings, norms, biases, heads) and the
+  LoRA adapters' dtype must be that same dtype. peft upcasts adapters to fp32 by default
+  (``autocast_adapter_dtype=True``) and ``prepare_model_for_kbit_training`` upcasts norms to fp32;
+  beside a bf16 base either gives "Must flatten tensors with uniform dtype".
+
+Buffers (rotary ``inv_freq``) are not parameters and keep their dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "resolve_dtype",
+    "quantization_kind",
+    "quant_storage_dtype",
+    "training_dtype",
+    "param_dtypes",
+    "harmonize_dtypes",
+]
+
+FLOAT_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """Turn ``"bfloat16"``/``"bf16"``/``torch.bfloat16`` into a floating ``torch.dtype``.
+
+    Raises:
+        ValueError: for anything that is not bfloat16, float16 or float32.
+    """
+    if isinstance(dtype, torch.dtype) and dtype in FLOAT_DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in FLOAT_DTYPES:
+        return FLOAT_DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"dtype={dtype!r} is not supported: use one of 'bfloat16', 'float16' or 'float32'.")
+
+
+def _is_params4bit(param) -> bool:
+    return type(param).__name__ == "Params4bit"
+
+
+def _is_int8(param) -> bool:
+    return type(param).__name__ == "Int8Params"
+
+
+def quantization_kind(model) -> str | None:
+    """``"4bit"``, ``"8bit"`` or ``None``, from the parameters themselves (works on peft-wrapped models)."""
+    for param in model.parameters():
+        if _is_params4bit(param):
+            return "4bit"
+        if _is_int8(param):
+            return "8bit"
+    return None
+
+
+def quant_storage_dtype(model) -> torch.dtype | None:
+    """The dtype the packed 4-bit weights are stored in, or ``None`` for a model without 4-bit weights.
+
+    Raises:
+        ValueError: if the 4-bit weights use more than one storage dtype.
+    """
+    dtypes = {param.dtype for param in model.parameters() if _is_params4bit(param)}
+    if not dtypes:
+        return None
+    if len(dtypes) > 1:
+        names = ", ".join(sorted(str(d) for d in dtypes))
+        raise ValueError(
+            f"The 4-bit weights are stored in several dtypes ({names}). Load the model with one "
+            "BitsAndBytesConfig(bnb_4bit_quant_storage=...) - hf_fsdp_qlora.load_qlora_model does this."
+        )
+    return dtypes.pop()
+
+
+def _configured_compute_dtype(model) -> torch.dtype | None:
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    value = getattr(config, "bnb_4bit_compute_dtype", None)
+    if value is None and isinstance(config, dict):
+        value = config.get("bnb_4bit_compute_dtype")
+    if value is None:
+        return None
+    try:
+        return resolve_dtype(value)
+    except ValueError:
+        return None
+
+
+def training_dtype(model) -> torch.dtype:
+    """The one floating dtype every FSDP unit of `model` should use.
+
+    It is the 4-bit storage dtype when that is floating; for integer storage (FSDP2 only) the compute
+    dtype; for a model without 4-bit weights the dtype of its first floating parameter.
+    """
+    storage = quant_storage_dtype(model)
+    if storage is not None and storage.is_floating_point:
+        return storage
+    compute = _configured_compute_dtype(model)
+    if compute is not None:
+        return compute
+    for param in model.parameters():
+        if param.is_floating_point() and not _is_params4bit(param):
+            return param.dtype
+    return torch.float32
+
+
+def param_dtypes(model) -> dict[torch.dtype, int]:
+    """Count parameters by dtype (the packed 4-bit ones included, by their storage dtype)."""
+    counts: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        counts[param.dtype] = counts.get(param.dtype, 0) + 1
+    return counts
+
+
+def harmonize_dtypes(model, dtype: torch.dtype) -> list[str]:
+    """Cast every floating, non-quantized parameter of `model` to `dtype`, in place.
+
+    Covers LoRA adapters upcast by peft, norms upcast by ``prepare_model_for_kbit_training``, biases,
+    embeddings and heads. Packed 4-bit weights are never touched (their bytes are not values), and
+    bitsandbytes' compute dtype is set to `dtype` so matmuls run in the same precision.
+
+    Returns:
+        The names of the parameters that were cast.
+    """
+    changed = []
+    for name, param in model.named_parameters():
+        if _is_params4bit(param) or _is_int8(param) or not param.is_floating_point():
+            continue
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            changed.append(name)
+    for module in model.modules():
+        if type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and hasattr(module, "compute_dtype"):
+            module.compute_dtype = dtype
+    return changed

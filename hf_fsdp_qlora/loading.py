@@ -1,0 +1,158 @@
+"""`load_qlora_model`: one dtype choice -> a consistent 4-bit base + LoRA model, ready for FSDP."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .cpu_rehearsal import enable_cpu_fsdp
+from .dtypes import harmonize_dtypes, resolve_dtype
+from .errors import UnsupportedSetupError
+
+__all__ = ["load_qlora_model", "default_lora_config"]
+
+logger = logging.getLogger(__name__)
+
+enable_cpu_fsdp()
+
+
+def default_lora_config(**overrides):
+    """The LoRA config used when none is given: r=16, alpha=32, dropout 0.05, every linear layer."""
+    from peft import LoraConfig
+
+    kwargs = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
+    kwargs.update(overrides)
+    return LoraConfig(**kwargs)
+
+
+def _load_config(model_name_or_path, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    path = os.fspath(model_name_or_path)
+    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+    if looks_local:
+        local = os.path.expanduser(path)
+        if not os.path.isdir(local):
+            raise FileNotFoundError(
+                f"Model path {path!r} does not exist. Pass the directory written by save_pretrained (it holds "
+                "config.json and *.safetensors) or a model id on the Hugging Face Hub."
+            )
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise FileNotFoundError(
+                f"{path!r} has no config.json, so it is not a saved transformers model. Pass the directory "
+                "written by model.save_pretrained(...)."
+            )
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise FileNotFoundError(f"Could not read a model config from {path!r}: {err}") from err
+
+
+def _check_causal_lm(config) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedSetupError(
+            f"The model at this path is a {config.model_type!r} model ({', '.join(config.architectures or [])}), "
+            "which has no causal-LM head, so load_qlora_model cannot fine-tune it for text generation. Pass a "
+            "causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint)."
+        )
+
+
+def _freeze_for_kbit_training(model, gradient_checkpointing: bool) -> None:
+    # peft's prepare_model_for_kbit_training does this too, but it also upcasts every non-quantized
+    # parameter (norms, embeddings) to fp32, which puts fp32 beside bf16 inside one FSDP1 unit.
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if gradient_checkpointing:
+        # use_reentrant=False: the reentrant variant needs inputs that require grad and breaks with FSDP.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+
+
+def _apply_lora(model, lora_config):
+    from peft import get_peft_model
+
+    try:
+        # autocast_adapter_dtype=False: peft would otherwise upcast the adapters to fp32.
+        return get_peft_model(model, lora_config, autocast_adapter_dtype=False)
+    except ValueError as err:
+        if "not found in the base model" not in str(err) and "Target module" not in str(err):
+            raise
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if "Linear" in type(m).__name__})
+        raise UnsupportedSetupError(
+            f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model. Set "
+            f"LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
+        ) from err
+
+
+def load_qlora_model(
+    model_name_or_path,
+    *,
+    dtype=torch.bfloat16,
+    lora_config=None,
+    quant_type: str = "nf4",
+    double_quant: bool = True,
+    gradient_checkpointing: bool = True,
+    trust_remote_code: bool = False,
+    **from_pretrained_kwargs,
+):
+    """Load a causal LM in 4 bits and add LoRA adapters, with one dtype driving everything.
+
+    ``bnb_4bit_quant_storage`` = ``bnb_4bit_compute_dtype`` = model dtype = adapter dtype = `dtype`, so
+    every FSDP unit (FSDP1 FlatParameter or FSDP2 group) holds one floating dtype and FSDP's
+    mixed-precision param dtype can equal the storage dtype without touching the packed bytes. Norms
+    stay in `dtype` (no fp32 upcast) and gradient checkpointing uses ``use_reentrant=False``.
+
+    Args:
+        model_name_or_path: a directory written by ``save_pretrained`` or a Hub model id.
+        dtype: ``torch.bfloat16`` (default; A100/H100/L4), ``torch.float16`` (V100/T4) or ``torch.float32``.
+        lora_config: a ``peft.LoraConfig``; default :func:`default_lora_config` (r=16 on all linear layers).
+        quant_type: ``"nf4"`` (default) or ``"fp4"``.
+        double_quant: quantize the quantization constants too (saves ~0.4 bit/parameter).
+        gradient_checkpointing: enable activation checkpointing in the model (turn it off when the
+            accelerate config enables ``fsdp_activation_checkpointing`` instead).
+        trust_remote_code: passed to transformers.
+        **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
+
+    Returns:
+        A ``peft.PeftModel`` ready for :class:`~hf_fsdp_qlora.FSDPQLoRATrainer`.
+
+    Raises:
+        FileNotFoundError: the path does not exist or holds no config.json.
+        UnsupportedSetupError: not a causal LM; LoRA targets match nothing; 8-bit asked for.
+    """
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = resolve_dtype(dtype)
+    if quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"quant_type={quant_type!r} is not supported: use 'nf4' (default) or 'fp4'.")
+    for key in ("load_in_8bit", "quantization_config", "torch_dtype", "dtype"):
+        if key in from_pretrained_kwargs:
+            raise UnsupportedSetupError(
+                f"load_qlora_model sets {key!r} itself from `dtype` (4-bit NF4/FP4; 8-bit cannot be sharded by "
+                f"FSDP). Remove {key}=... and pass dtype=torch.bfloat16 (or float16/float32) instead."
+            )
+    config = _load_config(model_name_or_path, trust_remote_code)
+    _check_causal_lm(config)
+
+    quantization_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_name_or_path,
+        quantization_config=quantization_config,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        **from_pretrained_kwargs,
+    )
+    _freeze_for_kbit_training(model, gradient_checkpointing)
+    model = _apply_lora(model, lora_config if lora_config is not None else default_lora_config())
+    harmonize_dtypes(model, dtype)
+    return model

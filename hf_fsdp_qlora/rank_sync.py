@@ -1,0 +1,77 @@
+"""Keep ranks in step before wrapping: identical adapters on every rank, and failures that end every rank.
+
+torch 2.13 seeds each process differently, so without a seed every rank initialises its LoRA weights
+differently; with ``sync_module_states`` off (always on CPU, optional on GPU) FSDP then shards the
+adapters from different initialisations and training starts from a model that exists on no rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["is_distributed", "broadcast_trainable_parameters", "agree_on_failure"]
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _collective_device() -> torch.device:
+    # NCCL only moves accelerator tensors; gloo moves CPU tensors.
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def broadcast_trainable_parameters(model, src: int = 0) -> int:
+    """Copy every trainable parameter (adapters, ``modules_to_save``, new heads) from rank `src`.
+
+    One flat buffer per dtype keeps this to a handful of collectives. Parameters on the meta device
+    (non-zero ranks under ``cpu_ram_efficient_loading``) are left to FSDP's ``sync_module_states``.
+
+    Returns:
+        The number of parameters broadcast (0 when not distributed).
+    """
+    if not is_distributed():
+        return 0
+    params = [p for p in model.parameters() if p.requires_grad and p.device.type != "meta"]
+    device = _collective_device()
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for param in params:
+        by_dtype.setdefault(param.dtype, []).append(param)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        group = by_dtype[dtype]
+        flat = torch.cat([p.detach().reshape(-1).to(device) for p in group])
+        dist.broadcast(flat, src=src)
+        offset = 0
+        for param in group:
+            numel = param.numel()
+            param.copy_(flat[offset : offset + numel].view_as(param))
+            offset += numel
+    return len(params)
+
+
+def agree_on_failure(error: BaseException | None) -> None:
+    """Collective: every rank calls this with the error it hit (or None); if any rank failed, all raise.
+
+    A check that fails on one rank only would otherwise leave the others waiting in the next collective
+    until the timeout. The failing rank re-raises its own error; the others raise a RuntimeError that
+    points at it.
+    """
+    if not is_distributed():
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64, device=_collective_device())
+    failed = [torch.zeros_like(flag) for _ in range(dist.get_world_size())]
+    dist.all_gather(failed, flag)
+    if error is not None:
+        raise error
+    bad = [rank for rank, f in enumerate(failed) if int(f.item())]
+    if bad:
+        raise RuntimeError(
+            f"hf_fsdp_qlora: rank(s) {bad} refused the setup before FSDP wrapping; see their error above. "
+            "This rank stops too, so no process is left waiting in a collective."
+        )
