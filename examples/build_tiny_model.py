@@ -1,6 +1,6 @@
 """Build a tiny Llama and a BPE tokenizer locally (no hub), for the CPU demo and for rehearsals.
 
-    python examples/build_tiny_model.py --data examples/data/capitals.jsonl --output demo_output/tiny-llama
+python examples/build_tiny_model.py --data examples/data/capitals.jsonl --output demo_output/tiny-llama
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def _promote_to_fsdp(state, fsdp_plugin) -> None:
     # AcceleratorState._reset_state(), which copies our FSDP choice from PartialState but, taking the
     # FSDP branch only for GPU-like types, attaches no plugin.
     on_cpu = state.distributed_type == DistributedType.MULTI_CPU or (
-        state.distributed_type == DistributedType.FSDP and getattr(state, "device", None) is not None
+        state.distributed_type == DistributedType.FSDP
+        and getattr(state, "device", None) is not None
         and state.device.type == "cpu"
     )
     if not on_cpu:

@@ -3,10 +3,10 @@ rank - no rank left waiting in a collective because another raised."""
 
 import pytest
 import torch
-
 from dist_utils import accelerate_launch
-from hf_fsdp_qlora import UnsupportedSetupError, load_qlora_model
 from tiny_models import build_tiny_model
+
+from hf_fsdp_qlora import UnsupportedSetupError, load_qlora_model
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ itself. If an accelerate release starts doing so, it fails - then hf_fsdp_qlora.
 """
 
 import pytest
-
 from dist_utils import accelerate_launch, check, read_results
 
 pytestmark = pytest.mark.distributed

@@ -12,11 +12,9 @@ and train, or are refused with a clear error, with ours.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import SCRIPTS, accelerate_launch, check, read_results, torchrun
 from tiny_models import ARCHS, build_tiny_model
 
@@ -44,7 +42,16 @@ def models(tmp_path_factory):
 
 
 def _launch(how, version, scenarios, models, out):
-    args = ["--models", str(models), "--out", str(out), "--fsdp-version", str(version), "--scenarios", ",".join(scenarios)]
+    args = [
+        "--models",
+        str(models),
+        "--out",
+        str(out),
+        "--fsdp-version",
+        str(version),
+        "--scenarios",
+        ",".join(scenarios),
+    ]
     if how == "accelerate":
         proc = accelerate_launch(f"cpu_fsdp{version}_rehearsal.yaml", "train_scenarios.py", *args, timeout=600)
     else:

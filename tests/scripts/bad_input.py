@@ -2,9 +2,10 @@
 
 import sys
 
+from transformers import TrainingArguments
+
 import hf_fsdp_qlora  # noqa: F401
 from hf_fsdp_qlora import FSDPQLoRATrainer, load_qlora_model
-from transformers import TrainingArguments
 
 
 def main():

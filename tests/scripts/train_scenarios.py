@@ -14,11 +14,12 @@ import os
 import traceback
 from pathlib import Path
 
-import hf_fsdp_qlora  # noqa: F401  (installs the CPU rehearsal hook before TrainingArguments)
 import torch
 import torch.distributed as dist
-from hf_fsdp_qlora import FSDPQLoRACallback, FSDPQLoRATrainer, load_qlora_model
 from tiny_models import DECODER_LAYER
+
+import hf_fsdp_qlora  # noqa: F401  (installs the CPU rehearsal hook before TrainingArguments)
+from hf_fsdp_qlora import FSDPQLoRACallback, FSDPQLoRATrainer, load_qlora_model
 
 # Read once at start: TrainingArguments(fsdp=...) exports ACCELERATE_USE_FSDP itself.
 LAUNCHED_BY_ACCELERATE = os.environ.get("ACCELERATE_USE_FSDP", "false") == "true"
@@ -180,7 +181,9 @@ def full_trainable(model, version):
 
     with FSDP.summon_full_params(model, writeback=False):
         return {
-            n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "").removeprefix("module."): p.detach().float().clone()
+            n.replace("_fsdp_wrapped_module.", "")
+            .replace("_checkpoint_wrapped_module.", "")
+            .removeprefix("module."): p.detach().float().clone()
             for n, p in model.named_parameters()
             if p.requires_grad
         }
