@@ -21,6 +21,7 @@ _EXPORTS = {
     "FSDPQLoRACallback": "callbacks",
     "FSDPNotEngagedError": "errors",
     "UnsupportedSetupError": "errors",
+    "MergeError": "errors",
     "merge_adapters": "merge",
     "config_path": "configs",
     "list_configs": "configs",

@@ -12,6 +12,7 @@ import sys
 _COMMANDS = {
     "config": "config",
     "merge": "merge",
+    "convert": "convert",
 }
 
 

@@ -1,0 +1,139 @@
+"""What the merge needs to know about the base model, read from its files (never by loading it).
+
+Its tensors (names, dtypes, shapes, byte ranges across the safetensors shards), its tied weights, and the
+weights bitsandbytes would quantize when QLoRA loads it; and whether the adapter says it was trained on it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from hf_fsdp_qlora._safetensors_io import TensorEntry, read_header
+from hf_fsdp_qlora.errors import MergeError
+
+__all__ = ["INDEX_NAME", "base_entries", "check_base_name", "quantized_keys", "tied_map"]
+
+INDEX_NAME = "model.safetensors.index.json"
+_INDEX = INDEX_NAME  # short local name
+
+
+def base_entries(base: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the base, from the safetensors headers only: name -> entry, shard by shard in file order.
+
+    Raises:
+        MergeError: no safetensors weights, a shard the index lists is missing, or a header is corrupted.
+    """
+    if (base / _INDEX).is_file():
+        try:
+            weight_map = json.loads((base / _INDEX).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as err:
+            raise MergeError(f"{base / _INDEX} is corrupted ({err}); save or download the base model again") from None
+        files = sorted(set(weight_map.values()))
+    elif (base / "model.safetensors").is_file():
+        files, weight_map = ["model.safetensors"], None
+    else:
+        raise MergeError(
+            f"{base} has no safetensors weights (model.safetensors or {_INDEX}). Re-save the base with "
+            "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE) and pass --base NEW_BASE."
+        )
+    entries: dict[str, TensorEntry] = {}
+    for name in files:
+        if not (base / name).is_file():
+            raise MergeError(f"{base / _INDEX} lists {name}, which is missing: the base download is incomplete")
+        for key, entry in read_header(base / name)[0].items():
+            if key in entries:
+                raise MergeError(f"tensor {key} is stored twice in {base} ({entries[key].path.name} and {name})")
+            entries[key] = entry
+    if weight_map is not None and set(weight_map) != set(entries):
+        missing = sorted(set(weight_map) - set(entries))[:3]
+        raise MergeError(
+            f"{base / _INDEX} lists tensors its shards do not hold (e.g. {missing}): the base is incomplete"
+        )
+    return entries
+
+
+def tied_map(base: Path, config: dict, keys) -> dict[str, str]:
+    """{tied name: stored name} for the base's tied weights (e.g. lm_head.weight -> model.embed_tokens.weight)."""
+    tie = config.get("tie_word_embeddings", (config.get("text_config") or {}).get("tie_word_embeddings"))
+    if tie is None:  # left out of config.json when equal to the class default: ask transformers
+        from transformers import AutoConfig
+
+        tie = getattr(AutoConfig.from_pretrained(base), "tie_word_embeddings", False)
+    if not tie:
+        return {}
+    mapping = {}
+    try:
+        import transformers
+
+        cls = getattr(transformers, (config.get("architectures") or [""])[0], None)
+        mapping = dict(getattr(cls, "_tied_weights_keys", None) or {})
+    except (ImportError, TypeError, ValueError):
+        mapping = {}
+    if not mapping:  # unknown architecture: the output head is tied to the one input embedding
+        embeds = [
+            k for k in keys if re.search(r"(embed_tokens|wte|word_embeddings|embed_in|tok_embeddings)\.weight$", k)
+        ]
+        mapping = {"lm_head.weight": embeds[0]} if len(embeds) == 1 else {}
+    return {alias: source for alias, source in mapping.items() if source in keys}
+
+
+def quantized_keys(base: Path) -> set[str]:
+    """Weights bitsandbytes 4-bit quantizes when transformers loads this base: every nn.Linear (and GPT-2's
+    Conv1D) except the modules transformers keeps in 16 bit (output head, tied weights, fp32 modules).
+    Built on the meta device, so nothing is allocated."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        skip = list(get_keys_to_not_convert(model)) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    except ImportError:  # older transformers: at least keep the output head unquantized, as they all did
+        skip, should_convert_module = ["lm_head"], lambda name, pats: not any(name.endswith(p) for p in pats)
+    return {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if (type(module) is torch.nn.Linear or type(module).__name__ == "Conv1D") and should_convert_module(name, skip)
+    }
+
+
+def check_base_name(adapter_config: dict, base: Path, base_config: dict) -> None:
+    """Warn when adapter_config.json names another base model (called after the shapes matched).
+
+    A local copy of a hub model has any folder name, so only a clear mismatch warns: a named folder whose
+    config differs from the base's, or a hub id whose last part is not the base folder's name.
+    """
+    name = adapter_config.get("base_model_name_or_path")
+    if not name:
+        return
+    volatile = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
+    candidate = Path(name)
+    if candidate.is_dir():
+        if candidate.resolve() == base.resolve():
+            return
+        try:
+            other = json.loads((candidate / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            other = None
+        if other is not None and {k: v for k, v in other.items() if k not in volatile} == {
+            k: v for k, v in base_config.items() if k not in volatile
+        }:
+            return  # a copy of the same model
+    elif name.rstrip("/").split("/")[-1].lower() in (
+        base.resolve().name.lower(),
+        str(base_config.get("_name_or_path", "")).rstrip("/").split("/")[-1].lower(),
+    ):
+        return
+    warnings.warn(
+        f"adapter_config.json says the adapter was trained on {name!r}, but --base is {base}. The shapes match, so "
+        f"merging anyway; if {base} is not that model (or a copy of it), the merged model is wrong: pass --base {name}.",
+        stacklevel=3,
+    )

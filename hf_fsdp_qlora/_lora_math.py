@@ -1,0 +1,267 @@
+"""What a LoRA adapter does to each base tensor, and the fp32 arithmetic that applies it.
+
+The adapter is read as peft saves it (keys without the adapter name, `base_model.model.` in front):
+
+- `<module>.lora_A.weight` / `.lora_B.weight` (Linear), `.lora_embedding_A` / `_B` (Embedding): the
+  low-rank update `scaling * B @ A`, with `scaling = alpha / r` or `alpha / sqrt(r)` (rsLoRA) and r, alpha
+  per module from `rank_pattern` / `alpha_pattern`; `fan_in_fan_out` stores the weight transposed.
+- `<module>.lora_magnitude_vector`: DoRA, which rescales each output row of the updated weight.
+- `<module>.lora_B.bias` (`lora_bias=True`): `scaling * bias` added to the module's bias.
+- anything else (`modules_to_save` copies, biases trained with `bias="all"/"lora_only"`, embedding
+  layers saved whole): a full tensor that replaces the base tensor of the same name, with the
+  `.base_layer` / `.modules_to_save` wrapper parts removed from the key.
+
+Each update runs in float32 on one explicit device and is cast once, by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_fsdp_qlora.errors import MergeError
+
+__all__ = ["LoraFactors", "TensorUpdate", "apply_update", "check_shape", "collect_updates", "quantize_roundtrip"]
+
+PREFIX = "base_model.model."
+_LORA_KEY = re.compile(
+    r"^(?P<module>.+)\.(?P<part>lora_A\.weight|lora_B\.weight|lora_B\.bias|lora_embedding_A|lora_embedding_B"
+    r"|lora_magnitude_vector)$"
+)
+# LoraConfig fields that switch on a variant whose merge is not `W + scaling * B @ A` (or DoRA), or that
+# change which tensors exist; merging those as plain LoRA would silently produce a wrong model.
+_UNSUPPORTED = (
+    "arrow_config",
+    "use_bdlora",
+    "alora_invocation_tokens",
+    "velora_config",
+    "monteclora_config",
+    "kasa_config",
+    "use_qalora",
+    "layer_replication",
+    "trainable_token_indices",
+    "target_parameters",
+)
+
+
+@dataclass
+class LoraFactors:
+    """The low-rank update of one weight: `scaling * B @ A` (transposed for embeddings / fan_in_fan_out)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+    embedding: bool
+    fan_in_fan_out: bool
+    magnitude: torch.Tensor | None  # DoRA
+    module: str
+
+
+@dataclass
+class TensorUpdate:
+    """Everything the adapter does to one base tensor, applied in this order."""
+
+    replacement: torch.Tensor | None = None
+    lora: LoraFactors | None = None
+    lora_bias: tuple[torch.Tensor, float] | None = None
+    sources: list[str] = field(default_factory=list)  # adapter keys, for messages
+
+
+def _pattern_value(patterns: dict | None, module: str, default):
+    # peft's rule: a pattern key matches the module name as a whole or as a dotted suffix (regex allowed).
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _check_tensor(key: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type == "meta" or tensor.numel() == 0:
+        where = "on the meta device" if tensor.device.type == "meta" else f"empty (shape {tuple(tensor.shape)})"
+        raise MergeError(
+            f"adapter tensor {key} is {where}: it was saved from a sharded or not-yet-materialized model, and "
+            "merging it would be a silent no-op. Save the adapter from the gathered full state dict, or convert "
+            "the FSDP sharded checkpoint with `hf-fsdp-qlora convert CHECKPOINT --output ADAPTER_DIR`."
+        )
+
+
+def _check_config(config: dict) -> None:
+    for name in _UNSUPPORTED:
+        if config.get(name):
+            raise MergeError(
+                f"adapter_config.json sets {name}={config[name]!r}: merge-adapters merges plain LoRA (with rsLoRA, "
+                f"rank/alpha patterns, lora_bias, modules_to_save) and DoRA only. Merge this adapter with peft's "
+                f"merge_and_unload, or train with {name} unset."
+            )
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower() == "mica":
+        raise MergeError(
+            "adapter_config.json sets init_lora_weights='mica', a LoRA variant merge-adapters does not merge"
+        )
+
+
+def collect_updates(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, TensorUpdate]:
+    """Group the adapter's tensors by the base tensor they change.
+
+    Args:
+        config: `adapter_config.json` as a dict.
+        tensors: the adapter tensors, keys in peft's saved format.
+
+    Returns:
+        base tensor name (e.g. `model.layers.0.self_attn.q_proj.weight`) -> its update.
+
+    Raises:
+        MergeError: an unsupported variant, an empty/meta tensor, half of a LoRA pair, or an unknown key.
+    """
+    _check_config(config)
+    modules: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+    updates: dict[str, TensorUpdate] = {}
+    for key, tensor in tensors.items():
+        _check_tensor(key, tensor)
+        name = key.removeprefix(PREFIX)
+        match = _LORA_KEY.match(name)
+        if match:
+            modules.setdefault(match["module"], {})[match["part"]] = (key, tensor)
+        elif ".lora_" in name or ".token_adapter." in name:
+            raise MergeError(f"adapter tensor {key} belongs to a LoRA variant merge-adapters does not merge")
+        else:
+            target = name.replace(".base_layer.", ".").replace(".modules_to_save.", ".")
+            update = updates.setdefault(target, TensorUpdate())
+            if update.replacement is not None:
+                raise MergeError(f"adapter tensors {update.sources[0]} and {key} both replace {target}")
+            update.replacement, update.sources = tensor, update.sources + [key]
+
+    rslora, fan_in_fan_out = bool(config.get("use_rslora")), bool(config.get("fan_in_fan_out"))
+    for module, parts in modules.items():
+        embedding = "lora_embedding_A" in parts or "lora_embedding_B" in parts
+        a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight")
+        if a_key not in parts or b_key not in parts:
+            have = ", ".join(parts[p][0] for p in parts)
+            raise MergeError(
+                f"the adapter has {have} but not both LoRA factors of {module}: the adapter file is incomplete, save it again"
+            )
+        (a_src, a), (b_src, b) = parts[a_key], parts[b_key]
+        if a.dim() != 2 or b.dim() != 2:
+            raise MergeError(
+                f"{a_src} has {a.dim()} dimensions: only LoRA on Linear and Embedding layers can be merged"
+            )
+        rank = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
+        alpha = _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise MergeError(
+                f"adapter_config.json gives {module} rank {rank} (r / rank_pattern) but {a_src} has shape "
+                f"{tuple(a.shape)}: the config does not belong to these weights; use the adapter_config.json saved with them"
+            )
+        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        magnitude = parts.get("lora_magnitude_vector", (None, None))[1]
+        if magnitude is not None and embedding:
+            raise MergeError(
+                f"{module} uses DoRA on an embedding layer, which merge-adapters does not merge; train it without use_dora"
+            )
+        if config.get("use_dora") and magnitude is None:
+            raise MergeError(
+                f"adapter_config.json sets use_dora=true but the adapter has no lora_magnitude_vector for {module}; save it again"
+            )
+        update = updates.setdefault(f"{module}.weight", TensorUpdate())
+        update.lora = LoraFactors(a, b, scaling, embedding, fan_in_fan_out and not embedding, magnitude, module)
+        update.sources += [a_src, b_src]
+        if "lora_B.bias" in parts:
+            bias_src, bias = parts["lora_B.bias"]
+            bias_update = updates.setdefault(f"{module}.bias", TensorUpdate())
+            bias_update.lora_bias, bias_update.sources = (bias, scaling), bias_update.sources + [bias_src]
+    return updates
+
+
+def _implied_shapes(key: str, update: TensorUpdate) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(adapter key, shape it implies for the base tensor, or None, and for DoRA the number of output rows)."""
+    found = []
+    if update.replacement is not None:
+        found.append((update.sources[0], tuple(update.replacement.shape), None))
+    if update.lora is not None:
+        f = update.lora
+        if f.embedding:  # A: (r, num_embeddings), B: (embedding_dim, r)
+            found.append((update.sources[-2], (f.a.shape[1], f.b.shape[0]), None))
+        else:
+            shape = (f.b.shape[0], f.a.shape[1])
+            found.append((update.sources[-2], shape[::-1] if f.fan_in_fan_out else shape, None))
+        if f.magnitude is not None:
+            found.append((f"{f.module}.lora_magnitude_vector", None, f.magnitude.numel()))
+    if update.lora_bias is not None:
+        found.append((update.sources[-1], tuple(update.lora_bias[0].shape), None))
+    return found
+
+
+def check_shape(key: str, update: TensorUpdate, base_shape: tuple[int, ...], base_model: str | None) -> None:
+    """Raise MergeError when the adapter implies a shape for base tensor `key` that the base does not have."""
+    base_shape = tuple(base_shape)
+    for source, shape, rows in _implied_shapes(key, update):
+        out_rows = base_shape[-1] if update.lora is not None and update.lora.fan_in_fan_out else base_shape[0]
+        if (shape is not None and shape != base_shape) or (rows is not None and rows != out_rows):
+            trained_on = f" (adapter_config.json: base_model_name_or_path={base_model!r})" if base_model else ""
+            got = f"shape {shape}" if shape is not None else f"{rows} output rows"
+            raise MergeError(
+                f"adapter tensor {source} implies {got} for {key}, but the base tensor has shape {base_shape}: "
+                f"the adapter was trained on a different model{trained_on}. Pass the model it was trained on as --base."
+            )
+
+
+def _t(tensor: torch.Tensor, flag: bool) -> torch.Tensor:
+    return tensor.T if flag else tensor
+
+
+def apply_update(
+    weight: torch.Tensor | None, update: TensorUpdate, device: torch.device, scratch=None
+) -> torch.Tensor:
+    """The updated tensor in float32 on `device`; `weight` and the adapter tensors are left untouched.
+
+    Args:
+        weight: the base tensor (any dtype/device); may be None when the update replaces it.
+        update: what the adapter does to it.
+        device: where every tensor of this step is computed.
+        scratch: optional `take(name, shape, dtype)` returning reusable buffers (the result lives in one,
+            so it is only valid until the next call); None allocates fresh tensors.
+    """
+
+    def buffer(name, shape):
+        if scratch is None:
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        return scratch(name, shape, torch.float32)
+
+    source = update.replacement if update.replacement is not None else weight
+    w = buffer("w", tuple(source.shape))
+    w.copy_(source)  # the one float32 copy every later step updates in place
+    if update.lora is not None:
+        f = update.lora
+        a = f.a.to(device=device, dtype=torch.float32)
+        b = f.b.to(device=device, dtype=torch.float32)
+        # Same association as peft, transpose(B @ A) * scaling, then added: bit-identical float32 values.
+        delta = torch.matmul(b, a, out=buffer("delta", (b.shape[0], a.shape[1])))
+        delta.mul_(f.scaling)
+        w.add_(_t(delta, f.embedding or f.fan_in_fan_out))
+        if f.magnitude is not None:
+            # DoRA: each output row of W + dW is rescaled to the trained magnitude; the norm is taken over
+            # the input dimension of the (out, in) layout, from the unmerged weight as in training.
+            norm = torch.linalg.norm(_t(w, f.fan_in_fan_out), dim=1)
+            factor = f.magnitude.to(device=device, dtype=torch.float32) / norm
+            w.mul_(_t(factor.view(-1, 1), f.fan_in_fan_out))
+    if update.lora_bias is not None:
+        bias, scaling = update.lora_bias
+        w.add_(bias.to(device=device, dtype=torch.float32) * scaling)
+    return w
+
+
+def quantize_roundtrip(weight: torch.Tensor, quant_type: str, blocksize: int, double_quant: bool) -> torch.Tensor:
+    """Quantize to 4 bit and back with bitsandbytes, as QLoRA training saw the weight.
+
+    Computed from the 16-bit base tensor: never from a weight bitsandbytes already packed (on CPUs with
+    avx512_bf16 an eval-mode forward repacks 4-bit weights in place and dequantizing those is wrong).
+    """
+    import bitsandbytes.functional as bnb_f
+
+    packed, state = bnb_f.quantize_4bit(
+        weight.contiguous(), blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type
+    )
+    return bnb_f.dequantize_4bit(packed, state)

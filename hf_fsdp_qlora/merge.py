@@ -1,0 +1,389 @@
+"""Streamed merge of a LoRA adapter into a 16-bit base: sharded safetensors in, sharded safetensors out.
+
+The merge reads files, never a live (possibly FSDP-sharded or 4-bit) model. Each output tensor is produced
+on its own: read from the base shard, updated in float32 on one device, cast once, written. Tensors the
+adapter does not touch are copied byte for byte. Peak memory is a few copies of the largest tensor, not the
+model. The output folder appears only when complete (see :class:`AtomicOutputDir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hf_fsdp_qlora._adapter_io import load_adapter
+from hf_fsdp_qlora._base_model import INDEX_NAME, base_entries, check_base_name, quantized_keys, tied_map
+from hf_fsdp_qlora._lora_math import TensorUpdate, apply_update, check_shape, collect_updates, quantize_roundtrip
+from hf_fsdp_qlora._safetensors_io import (
+    DTYPE_NAMES,
+    AtomicOutputDir,
+    OrderedWorker,
+    ShardWriter,
+    TensorEntry,
+    parse_size,
+    plan_shards,
+    read_tensor,
+)
+from hf_fsdp_qlora.errors import MergeError
+
+__all__ = ["DTYPES", "MergeError", "MergeUsageError", "merge_adapters"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|distcp)$|.*\.index\.json$")
+_TOKENIZER_FILE = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|chat_template\..*"
+    r"|spiece\.model|sentencepiece.*\.model)$"
+)
+_NOT_COPIED = {"adapter_config.json", "README.md"} | {"config.json"}  # config.json is rewritten, not copied
+
+
+class MergeUsageError(MergeError):
+    """The merge was asked for in a way that cannot work (bad option, missing path); exit status 2."""
+
+    exit_code = 2
+
+
+@dataclass
+class _Item:
+    """One output tensor: where it comes from and what happens to it."""
+
+    name: str
+    entry: TensorEntry  # the base tensor it is computed from
+    dtype: str  # output safetensors dtype name
+    update: TensorUpdate | None = None
+    quantize: bool = False
+    ready: torch.Tensor | None = None  # computed ahead (tied embeddings)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.entry.shape:
+            numel *= dim
+        return numel * _torch_dtype(self.dtype).itemsize
+
+    @property
+    def passthrough(self) -> bool:
+        return self.update is None and self.ready is None and not self.quantize and self.dtype == self.entry.dtype
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {v: k for k, v in DTYPE_NAMES.items()}[name]
+
+
+def _check_usage(base: Path, adapter: Path, output: Path, force: bool, dtype, device: str, dequantize, max_shard_size):
+    if not (base / "config.json").is_file():
+        raise MergeUsageError(
+            f"--base {base} is not a model folder (no config.json): pass the 16-bit base model's folder"
+        )
+    if not adapter.exists():
+        raise MergeUsageError(f"--adapter {adapter} does not exist: pass the adapter folder or Trainer checkpoint")
+    out = output.absolute()
+    for name, path in (("--base", base), ("--adapter", adapter)):
+        p = path.absolute()
+        if out == p or out in p.parents or p in out.parents:
+            raise MergeUsageError(f"--output {output} overlaps {name} {path}: write the merged model to a new folder")
+    if output.exists() and not force:
+        raise MergeUsageError(
+            f"--output {output} already exists. Pass --force to replace it (the old folder is kept until the new "
+            "merge is complete), or choose another --output."
+        )
+    if dtype is not None and dtype not in DTYPES and dtype not in DTYPES.values():
+        raise MergeUsageError(f"--dtype {dtype} is not supported: use one of {', '.join(DTYPES)}")
+    if dequantize not in (None, "nf4", "fp4"):
+        raise MergeUsageError(
+            f"--dequantize {dequantize} is not supported: use nf4 or fp4 (the bnb_4bit_quant_type of training)"
+        )
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except ValueError as err:
+        raise MergeUsageError(f"--max-shard-size: {err}") from None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise MergeUsageError(f"--device {device} is not a device: use cpu or cuda (or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MergeUsageError(
+            "--device cuda was given, but no CUDA device is available on this machine: pass --device cpu"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise MergeUsageError(f"--device {device} is not supported: use cpu or cuda")
+    return dev, max_bytes
+
+
+def _resolve_ties(entries, updates, tied, dtype_of, untie: bool, device) -> tuple[dict, dict]:
+    """Merge tied embeddings ahead; returns ({name: item} computed now, {source: alias item} to write untied)."""
+    ready, untied = {}, {}
+    for alias, source in tied.items():
+        src_up, alias_up = updates.get(source), updates.get(alias)
+        if src_up is None and alias_up is None:
+            continue
+        entry = entries[source]
+        with open(entry.path, "rb", buffering=0) as fh:
+            stored = read_tensor(fh, entry)
+        # What each side of the tie was in training: both start from the one stored tensor.
+        a = apply_update(stored, src_up, device) if src_up else stored.to(device, torch.float32)
+        b = apply_update(stored, alias_up, device) if alias_up else stored.to(device, torch.float32)
+        out = _torch_dtype(dtype_of(entry))
+        if torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(a.abs().max())):
+            ready[source] = _Item(source, entry, dtype_of(entry), ready=a.to(out))
+        elif untie:
+            ready[source] = _Item(source, entry, dtype_of(entry), ready=a.to(out))
+            untied[source] = _Item(alias, entry, dtype_of(entry), ready=b.to(out))
+        else:
+            changed, other = (source, alias) if src_up is not None else (alias, source)
+            raise MergeError(
+                f"the base ties {alias} to {source} (tie_word_embeddings=true), but the adapter changes them "
+                f"differently ({changed} via {(src_up or alias_up).sources[0]}); in training {other} did not see "
+                "that change, and one tied tensor cannot hold both. Pass --untie-embeddings to write "
+                f"{alias} separately (sets tie_word_embeddings=false; one more vocab x hidden tensor), or train "
+                "with LoraConfig(ensure_weight_tying=True) so both sides share the update."
+            )
+    return ready, untied
+
+
+def _plan(entries, updates, tied, out_dtype, quantized, untie, device, base_model) -> tuple[list[_Item], bool]:
+    """The output tensors in base file order (tied weights stored once); returns (items, whether untied)."""
+    unknown = sorted(k for k in updates if k not in entries and k not in tied)
+    no_bias = [k for k in unknown if updates[k].lora_bias is not None and updates[k].replacement is None]
+    if no_bias:
+        raise MergeError(
+            f"the adapter has a LoRA bias for {no_bias[0].removesuffix('.bias')} (lora_bias=True), but that layer has "
+            "no bias in the base, so the bias cannot be merged (peft cannot either). Train with lora_bias=False, or "
+            "target only layers with a bias."
+        )
+    if unknown:
+        raise MergeError(
+            f"the adapter changes {len(unknown)} tensor(s) the base does not have, e.g. {unknown[:4]} (from "
+            f"{updates[unknown[0]].sources[0]}): the adapter was trained on a different model (adapter_config.json: "
+            f"base_model_name_or_path={base_model!r}). Pass the model it was trained on as --base."
+        )
+    for key, update in updates.items():
+        check_shape(key, update, entries[tied.get(key, key)].shape, base_model)
+
+    def dtype_of(entry: TensorEntry) -> str:
+        floating = entry.torch_dtype.is_floating_point
+        return DTYPE_NAMES[out_dtype] if out_dtype is not None and floating else entry.dtype
+
+    ready, untied = _resolve_ties(entries, updates, tied, dtype_of, untie, device)
+    items = []
+    for name, entry in entries.items():
+        if name in tied:
+            continue  # a second stored copy of a tied weight: the source is written, like save_pretrained does
+        update = updates.get(name)
+        replaced = update is not None and update.replacement is not None
+        items.append(
+            ready.get(name) or _Item(name, entry, dtype_of(entry), update, name in quantized and not replaced)
+        )
+        if name in untied:
+            items.append(untied[name])
+    return items, bool(untied)
+
+
+class _Scratch:
+    """Reusable buffers by role, grown to the largest tensor seen: fresh multi-MB allocations cost page
+    faults every time, which made up a large share of the merge time."""
+
+    def __init__(self, device: torch.device):
+        self.device, self._buffers = device, {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
+        device = device or self.device
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        buf = self._buffers.get((name, dtype, device))
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[(name, dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+
+def _produce(item: _Item, fh, device: torch.device, quant, scratch: _Scratch, slot: int) -> torch.Tensor:
+    if item.ready is not None:
+        ready, item.ready = item.ready, None  # the write queue holds it now; freed once written
+        return ready
+    out = _torch_dtype(item.dtype)
+    replaced = item.update is not None and item.update.replacement is not None
+    weight = None
+    if not replaced:
+        weight = read_tensor(fh, item.entry, scratch("read", (item.entry.nbytes,), torch.uint8, torch.device("cpu")))
+        weight = weight.to(device)
+    if item.quantize:
+        # Quantized from the tensor in the dtype training loaded it in (the output dtype), as bnb does.
+        weight = quantize_roundtrip(weight.to(out), *quant)
+    if item.update is not None:
+        weight = apply_update(weight, item.update, device, scratch)
+    return scratch(f"out{slot}", tuple(item.entry.shape), out).copy_(weight)
+
+
+def _write_shards(items: list[_Item], tmp: Path, max_bytes: int, device, quant, progress: bool) -> dict[str, str]:
+    """Compute tensors here while a background thread writes the previous ones, in order."""
+    from tqdm.auto import tqdm
+
+    by_name = {item.name: item for item in items}
+    scratch, files, weight_map = _Scratch(device), contextlib.ExitStack(), {}
+    handles = {}
+    shards = plan_shards([(item.name, item.nbytes) for item in items], max_bytes)
+    # Queue depth 1: at most one write waits and one runs while the next tensor is computed, so three
+    # output buffers, taken in turn by the computed tensors only, are never overwritten while queued.
+    worker, slots, computed = OrderedWorker(depth=1), 3, 0
+    syncer, syncing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="merge-fsync"), []
+    try:
+        for index, names in enumerate(shards):
+            fname = (
+                "model.safetensors" if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
+            writer = ShardWriter(
+                tmp / fname, [(n, by_name[n].dtype, by_name[n].entry.shape) for n in names], {"format": "pt"}
+            )
+            worker.on_abort(writer.abort)
+            total = sum(by_name[n].nbytes for n in names)
+            with tqdm(total=total, unit="B", unit_scale=True, desc=fname, disable=not progress) as bar:
+                for name in names:
+                    item = by_name[name]
+                    path = item.entry.path
+                    if path not in handles:  # kept open: queued copies read from them later
+                        handles[path] = files.enter_context(open(path, "rb", buffering=0))  # noqa: SIM115
+                    fh = handles[path]
+                    if item.passthrough:
+                        worker.submit(writer.copy_bytes, name, fh.fileno(), item.entry.start, item.entry.nbytes)
+                    else:
+                        tensor = _produce(item, fh, device, quant, scratch, slot=computed % slots)
+                        worker.submit(writer.write_tensor, name, tensor)
+                        computed += 1
+                    weight_map[name] = fname
+                    bar.update(item.nbytes)
+                # Once its last tensor is written, the shard is fsynced on another thread, overlapping
+                # the writes of the next shard.
+                worker.submit(lambda w=writer: syncing.append(syncer.submit(w.close)))
+        worker.wait()
+        for done in syncing:
+            done.result()
+    except BaseException:
+        syncer.shutdown(wait=True, cancel_futures=True)  # no file may be closed under a running fsync
+        worker.abort()
+        raise
+    finally:
+        worker.stop()
+        syncer.shutdown(wait=True)
+        files.close()
+    return weight_map
+
+
+def _copy_side_files(base: Path, adapter_folder: Path, tmp: Path, config: dict) -> None:
+    for src in sorted(base.iterdir()):
+        if (
+            src.is_file()
+            and not src.name.startswith(".")
+            and not _WEIGHT_FILE.match(src.name)
+            and src.name not in _NOT_COPIED
+        ):
+            shutil.copy2(src, tmp / src.name)
+    # A tokenizer saved with the adapter (Trainer saves it into checkpoints) is the one training used.
+    if adapter_folder.is_dir():
+        for src in sorted(adapter_folder.iterdir()):
+            if src.is_file() and _TOKENIZER_FILE.match(src.name):
+                shutil.copy2(src, tmp / src.name)
+    # config.json last: a folder without it is never mistaken for a finished model.
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def merge_adapters(
+    base: str | Path,
+    adapter: str | Path,
+    output: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    device: str = "cpu",
+    force: bool = False,
+    dequantize: str | None = None,
+    double_quant: bool = True,
+    quant_blocksize: int = 64,
+    untie_embeddings: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Merge a LoRA adapter into a 16-bit base model, streaming shard by shard, and write a plain model folder.
+
+    Args:
+        base: the 16-bit base model folder (safetensors, one file or sharded with an index).
+        adapter: a peft adapter folder, a Trainer checkpoint folder, or an FSDP sharded checkpoint folder.
+        output: the folder to create; it appears only once complete.
+        dtype: output dtype of floating tensors ("bfloat16", "float16", "float32"); default: the base's.
+        max_shard_size: largest output shard, e.g. "5GB" (decimal units, like transformers) or "2GiB".
+        device: where every update is computed, "cpu" or "cuda[:N]".
+        force: replace an existing `output` (the old folder is kept until the new one is complete).
+        dequantize: "nf4" or "fp4" to merge onto the 4-bit round trip of the base that QLoRA trained against.
+        double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize`).
+        quant_blocksize: the 4-bit block size of training (bitsandbytes' default 64; only with `dequantize`).
+        untie_embeddings: when the adapter changes only one side of tied embeddings, write both sides
+            (tie_word_embeddings=false) instead of failing.
+        progress: show a tqdm bar per output shard.
+
+    Returns:
+        The output folder, loadable with `AutoModelForCausalLM.from_pretrained` and free of peft files.
+
+    Raises:
+        MergeUsageError: an option or path that cannot work (exit status 2 on the command line).
+        MergeError: the adapter does not fit the base, a file is corrupted, or the disk is full (exit status 1).
+    """
+    base, adapter, output = Path(base), Path(adapter), Path(output)
+    device, max_bytes = _check_usage(base, adapter, output, force, dtype, device, dequantize, max_shard_size)
+    out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    try:
+        config = json.loads((base / "config.json").read_text())
+        if config.get("quantization_config"):
+            raise MergeError(
+                f"{base} is a quantized checkpoint (config.json has quantization_config): merging needs the 16-bit "
+                "base the quantized model was made from; pass that as --base (and --dequantize nf4 to match QLoRA)."
+            )
+        entries = base_entries(base)
+        loaded = load_adapter(adapter)
+        base_model = loaded.config.get("base_model_name_or_path")
+        updates = collect_updates(loaded.config, loaded.tensors)
+        tied = tied_map(base, config, entries)
+        quantized = quantized_keys(base) if dequantize else set()
+        items, untied = _plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model)
+        check_base_name(loaded.config, base, config)
+        needed = sum(item.nbytes for item in items)
+        existing = next(p for p in output.absolute().parents if p.exists())
+        free = shutil.disk_usage(existing).free
+        if needed > free:
+            raise _no_space(output, needed, free)
+        if out_dtype is not None:
+            config["dtype"] = str(out_dtype).removeprefix("torch.")
+            if "torch_dtype" in config:
+                config["torch_dtype"] = config["dtype"]
+        if untied:
+            for cfg in (config, config.get("text_config")):
+                if isinstance(cfg, dict):
+                    cfg["tie_word_embeddings"] = False
+        quant = (dequantize, quant_blocksize, double_quant) if dequantize else None
+        with AtomicOutputDir(output) as tmp:
+            weight_map = _write_shards(items, tmp, max_bytes, device, quant, progress)
+            if len(set(weight_map.values())) > 1:
+                index = {"metadata": {"total_size": needed}, "weight_map": dict(sorted(weight_map.items()))}
+                (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            _copy_side_files(base, loaded.folder, tmp, config)
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise _no_space(output, None, None) from None
+        raise MergeError(
+            f"{err.strerror or err}: {err.filename or output}. Check the path and its permissions."
+        ) from None
+    return output
+
+
+def _no_space(output: Path, needed: int | None, free: int | None) -> MergeError:
+    sizes = f" (the merged model needs {needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free)" if needed else ""
+    return MergeError(
+        f"no space left on the device for --output {output}{sizes}; nothing was written. Free disk space, or pass "
+        "an --output on a disk with room for the merged model."
+    )
