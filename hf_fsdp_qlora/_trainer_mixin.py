@@ -1,15 +1,33 @@
-"""What both of our trainer classes add to their upstream base: the callback, and FSDP-safe saving."""
+"""What both of our trainer classes add to their upstream base: the callback, FSDP-safe saving, crash-safe
+checkpoints, and resuming from adapter-only checkpoints."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 
 import torch
 
 from .callbacks import FSDPQLoRACallback
-from .checkpoint import save_adapter, unwrap_peft_model
+from .checkpoint import (
+    ADAPTER_WEIGHTS,
+    OPTIMIZER_STATE,
+    directory_size,
+    gather_optimizer_state,
+    load_adapter_into,
+    load_optimizer_state,
+    save_adapter,
+    unwrap_peft_model,
+)
+
+logger = logging.getLogger(__name__)
 
 TRAINING_ARGS_NAME = "training_args.bin"
+# Checkpoints are written under this hidden folder of the run directory and renamed into place when
+# complete. Its name never matches transformers' ^checkpoint-\d+$ pattern, so `resume_from_checkpoint=True`
+# cannot pick a half-written one.
+STAGING_DIR = ".incomplete-checkpoints"
 
 
 def with_fsdp_callback(callbacks):
@@ -20,8 +38,23 @@ def with_fsdp_callback(callbacks):
     return callbacks
 
 
+def _barrier():
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GB"
+
+
 class FSDPSaveMixin:
-    """Overrides ``save_model`` so an FSDP-wrapped peft model saves its full adapter from all ranks."""
+    """Adapter-only, gathered, crash-safe saving for FSDP-wrapped peft models, and the matching resume."""
+
+    _staging = False
 
     @property
     def fsdp_callback(self) -> FSDPQLoRACallback | None:
@@ -30,8 +63,24 @@ class FSDPSaveMixin:
                 return cb
         return None
 
+    def _saves_adapter_only(self) -> bool:
+        return bool(getattr(self, "is_fsdp_enabled", False)) and unwrap_peft_model(self.model) is not None
+
+    def create_accelerator_and_postprocess(self):
+        # transformers refuses save_only_model with SHARDED_STATE_DICT because its FSDP model save needs the
+        # sharded format; ours writes the gathered adapter, so the combination is fine and is how a user
+        # turns optimizer state off in checkpoints.
+        save_only_model = self.args.save_only_model
+        if save_only_model and self.args.load_best_model_at_end:
+            raise ValueError("save_only_model=True cannot be combined with load_best_model_at_end=True under FSDP.")
+        self.args.save_only_model = False
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            self.args.save_only_model = save_only_model
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        if not getattr(self, "is_fsdp_enabled", False) or unwrap_peft_model(self.model) is None:
+        if not self._saves_adapter_only():
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         # Collective: every rank takes part in the gather; only the main process writes.
@@ -40,5 +89,82 @@ class FSDPSaveMixin:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
+        _barrier()
+
+    def _get_output_dir(self, trial):
+        run_dir = super()._get_output_dir(trial=trial)
+        return os.path.join(run_dir, STAGING_DIR) if self._staging else run_dir
+
+    def _save_checkpoint(self, model, trial):
+        if not self._saves_adapter_only():
+            return super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staged, final = os.path.join(run_dir, STAGING_DIR, name), os.path.join(run_dir, name)
+        if self.args.should_save and os.path.exists(staged):  # left by a run killed mid-save
+            shutil.rmtree(staged)
+        _barrier()
+        self._staging = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging = False
+        _barrier()  # every rank has finished writing its part (sharded optimizer state)
+        if self.args.should_save:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(staged, final)
+            if self.state.best_model_checkpoint == staged:
+                self.state.best_model_checkpoint = final
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+            )
+            self._log_checkpoint(final)
+        _barrier()
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._saves_adapter_only():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from transformers.trainer import SCHEDULER_NAME
+
+        # Upstream writes an FSDP model state here (empty for an adapter run under FSDP2; a segfault for
+        # FSDP1 on CPU ranks) and an optimizer state that, loaded back into FSDP1 with use_orig_params,
+        # aliased exp_avg to exp_avg_sq (the resumed run diverged after one step). The adapter's optimizer
+        # state is small, so it is gathered whole by name, like the adapter, and written by the main process.
+        state = gather_optimizer_state(self.model, self.optimizer)
+        if self.args.should_save:
+            torch.save(state, os.path.join(output_dir, OPTIMIZER_STATE))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        path = os.path.join(checkpoint, OPTIMIZER_STATE) if checkpoint is not None else None
+        if path is None or not self._saves_adapter_only() or not os.path.isfile(path):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        from transformers.trainer import SCHEDULER_NAME
+
+        load_optimizer_state(self.model, self.optimizer, torch.load(path, map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _log_checkpoint(self, path: str) -> None:
+        total = directory_size(path)
+        adapter = os.path.getsize(os.path.join(path, ADAPTER_WEIGHTS))
+        optimizer = "off (save_only_model=True)" if self.args.save_only_model else _human(total - adapter)
+        logger.warning(
+            "hf_fsdp_qlora: checkpoint %s written: %s in all - adapter %s, optimizer/scheduler/RNG/state %s",
+            path,
+            _human(total),
+            _human(adapter),
+            optimizer,
+        )
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        has_adapter = os.path.isfile(os.path.join(resume_from_checkpoint, ADAPTER_WEIGHTS))
+        if not (self._saves_adapter_only() and has_adapter):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # Our checkpoints hold the gathered adapter, not an FSDP model state: load it into the wrapped model.
+        count = load_adapter_into(model if model is not None else self.model, resume_from_checkpoint)
+        logger.info("hf_fsdp_qlora: resumed %d adapter tensors from %s", count, resume_from_checkpoint)

@@ -20,9 +20,20 @@ import torch.distributed as dist
 
 from .rank_sync import agree_on_failure
 
-__all__ = ["unwrap_peft_model", "clean_name", "gather_trainable_state_dict", "save_adapter"]
+__all__ = [
+    "unwrap_peft_model",
+    "clean_name",
+    "gather_trainable_state_dict",
+    "save_adapter",
+    "load_adapter_into",
+    "directory_size",
+    "gather_optimizer_state",
+    "load_optimizer_state",
+]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The optimizer state of the trainable parameters, gathered whole and keyed by parameter name.
+OPTIMIZER_STATE = "optimizer_adapter.pt"
 
 
 def unwrap_peft_model(model):
@@ -80,7 +91,9 @@ def _adapter_tensors(peft_model, state_dict: dict, adapter_name: str) -> dict[st
     seen_names = {clean_name(n): n for n, p in peft_model.named_parameters() if p.requires_grad}
     trainable = {seen_names[k]: v for k, v in state_dict.items() if k in seen_names}
     tensors = get_peft_model_state_dict(peft_model, state_dict=trainable, adapter_name=adapter_name)
-    tensors = {clean_name(k): v for k, v in tensors.items()}
+    # Inside FSDP1, peft also leaves the adapter name in the keys ("lora_A.default.weight"); write the
+    # canonical form so the file matches what peft writes for an unsharded model.
+    tensors = {_checkpoint_key(clean_name(k), adapter_name): v for k, v in tensors.items()}
     # peft selects by name; an empty or meta result would save an adapter that silently does nothing.
     if not tensors:
         raise RuntimeError(
@@ -144,3 +157,109 @@ def _write_adapter(peft_model, state_dict: dict, output_dir: Path) -> None:
         config.base_model_name_or_path = getattr(peft_model.base_model.model, "name_or_path", None)
     config.save_pretrained(str(output_dir))
     os.replace(tmp, output_dir / ADAPTER_WEIGHTS)
+
+
+def _checkpoint_key(name: str, adapter_name: str) -> str:
+    # The inverse of what peft's save does to a parameter name: drop the adapter-name segment
+    # ("...lora_A.default.weight" -> "...lora_A.weight"; DoRA's "...lora_magnitude_vector.default.weight"
+    # -> "...lora_magnitude_vector").
+    key = name.replace(f".{adapter_name}.", ".")
+    if key.endswith(f".{adapter_name}"):
+        key = key[: -len(adapter_name) - 1]
+    if key.endswith("lora_magnitude_vector.weight"):
+        key = key[: -len(".weight")]
+    return key
+
+
+def load_adapter_into(model, adapter_dir: str | os.PathLike) -> int:
+    """Collective: load ``adapter_model.safetensors`` from `adapter_dir` into a (possibly FSDP-wrapped) peft model.
+
+    Every rank reads the file and hands full tensors to torch's distributed state-dict API, which keeps
+    only each rank's shard. Used to resume from our adapter-only checkpoints, where upstream's resume
+    path would look for a full FSDP model state that was never written.
+
+    Returns:
+        The number of tensors loaded.
+
+    Raises:
+        FileNotFoundError: no adapter weights in `adapter_dir`.
+        KeyError: a trainable parameter of the model has no tensor in the file (a different adapter).
+    """
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"No {ADAPTER_WEIGHTS} in {adapter_dir}: not an adapter checkpoint.")
+    peft_model = unwrap_peft_model(model)
+    adapter_name = peft_model.active_adapter
+    if isinstance(adapter_name, (list, tuple)):
+        adapter_name = adapter_name[0]
+    saved = load_file(str(path))
+    state_dict, missing = {}, []
+    for name, param in peft_model.named_parameters():
+        if not param.requires_grad:
+            continue
+        clean = clean_name(name)
+        key = _checkpoint_key(clean, adapter_name)
+        if key not in saved:
+            missing.append(key)
+            continue
+        state_dict[clean] = saved[key].to(param.dtype)
+    if missing:
+        raise KeyError(
+            f"The adapter in {adapter_dir} lacks {len(missing)} trainable tensors of this model (e.g. {missing[0]}); "
+            "resume with the same LoraConfig (r, target_modules) the checkpoint was trained with."
+        )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if any(isinstance(m, FSDP) for m in model.modules()):
+        # FSDP1 (use_orig_params=True): set_model_state_dict swaps the parameters' storage, which then no
+        # longer views the FlatParameter the optimizer steps - the resumed run silently diverges after
+        # one step. Writing into the gathered parameters with writeback keeps every view intact.
+        with FSDP.summon_full_params(model, writeback=True), torch.no_grad():
+            for name, param in model.named_parameters():
+                value = state_dict.get(clean_name(name))
+                if value is not None:
+                    param.copy_(value.to(param.device))
+    else:
+        on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
+        options = StateDictOptions(full_state_dict=True, strict=False, cpu_offload=on_accelerator)
+        set_model_state_dict(model, state_dict, options=options)
+    return len(state_dict)
+
+
+def directory_size(path: str | os.PathLike) -> int:
+    """Bytes of all files under `path`."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _options(model, **kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
+    return StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator, **kw)
+
+
+def gather_optimizer_state(model, optimizer) -> dict:
+    """Collective: the optimizer state of the trainable parameters as full CPU tensors keyed by name."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=_options(model))
+
+    def to_cpu(value):
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()
+        return value.detach().to("cpu").clone() if torch.is_tensor(value) else value
+
+    return {
+        "state": {name: {k: to_cpu(v) for k, v in entry.items()} for name, entry in state["state"].items()},
+        "param_groups": state["param_groups"],
+    }
+
+
+def load_optimizer_state(model, optimizer, state: dict) -> None:
+    """Collective: load what :func:`gather_optimizer_state` returned; each rank keeps its own shard."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=_options(model))

@@ -31,7 +31,9 @@ def _env(extra: dict | None = None) -> dict:
     env["OMP_NUM_THREADS"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
     env["HF_HUB_OFFLINE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(SCRIPTS), env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     env.pop("ACCELERATE_USE_FSDP", None)
     env.pop("ACCELERATE_USE_CPU", None)
     if extra:

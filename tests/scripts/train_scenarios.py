@@ -131,7 +131,7 @@ def training_args(out, fsdp_version, arch, steps=3, **kw):
                 "sync_module_states": False,
             },
         )
-    return TrainingArguments(
+    settings = dict(
         output_dir=str(out),
         per_device_train_batch_size=BATCH,
         max_steps=steps,
@@ -141,9 +141,8 @@ def training_args(out, fsdp_version, arch, steps=3, **kw):
         save_strategy="no",
         use_cpu=True,
         dataloader_drop_last=True,
-        **extra,
-        **kw,
     )
+    return TrainingArguments(**{**settings, **extra, **kw})
 
 
 def reset_accelerate():

@@ -1,0 +1,87 @@
+"""Worker for checkpoint/resume tests: adapter-only checkpoints under FSDP, exact resume, crash safety.
+
+Modes:
+  resume  - run A: 6 steps, checkpoint every 3; run B: fresh model, resume from A's checkpoint-3, 3 more
+            steps; run C: save_only_model=True (no optimizer state). Writes losses and final adapters.
+  kill    - 6 steps, checkpoint every 2; rank 0 is SIGKILLed in the middle of the step-4 save.
+  after   - resume_from_checkpoint=True in the folder the killed run left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import train_scenarios as ts
+from hf_fsdp_qlora import load_qlora_model
+
+
+def make_trainer(path, out, version, **kw):
+    model = load_qlora_model(path, lora_config=ts.lora_config(), gradient_checkpointing=False)
+    args = ts.training_args(out, version, "llama", **kw)
+    trainer = ts.LossRecorder(model=model, args=args, train_dataset=ts.TokenDataset())
+    trainer.losses = []
+    return trainer
+
+
+def finish(trainer, version):
+    weights = ts.full_trainable(trainer.model, version)
+    ts.reset_accelerate()
+    return weights
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--fsdp-version", type=int, required=True)
+    parser.add_argument("--mode", choices=["resume", "kill", "after"], required=True)
+    args = parser.parse_args()
+    out, version, path = Path(args.out), args.fsdp_version, str(Path(args.models) / "llama")
+    torch.use_deterministic_algorithms(True)
+    common = dict(save_strategy="steps", seed=7)
+    found = {}
+    if args.mode == "resume":
+        a = make_trainer(path, out / "A", version, steps=6, save_steps=3, **common)
+        a.train()
+        found["A_losses"] = a.losses
+        wa = finish(a, version)
+        b = make_trainer(path, out / "B", version, steps=6, save_steps=3, **common)
+        b.train(resume_from_checkpoint=str(out / "A" / "checkpoint-3"))
+        found["B_losses"] = b.losses
+        wb = finish(b, version)
+        c = make_trainer(path, out / "C", version, steps=3, save_steps=3, save_only_model=True, **common)
+        c.train()
+        finish(c, version)
+        if dist.get_rank() == 0:
+            torch.save({"A": wa, "B": wb}, out / "weights.pt")
+    elif args.mode == "kill":
+        t = make_trainer(path, out / "K", version, steps=6, save_steps=2, **common)
+        original = t._save_rng_state
+
+        def save_rng_then_die(output_dir):
+            # Killed in the middle of the step-4 save: adapter and optimizer state are already on disk.
+            if t.state.global_step == 4 and dist.get_rank() == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(output_dir)
+
+        t._save_rng_state = save_rng_then_die
+        t.train()
+    else:
+        t = make_trainer(path, out / "K", version, steps=6, save_steps=2, **common)
+        t.train(resume_from_checkpoint=True)
+        found["resumed_losses"] = t.losses
+        found["global_step"] = t.state.global_step
+        finish(t, version)
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(found))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
