@@ -18,6 +18,7 @@ from .checkpoint import (
     load_adapter_into,
     load_optimizer_state,
     save_adapter,
+    save_full_model,
     unwrap_peft_model,
 )
 
@@ -80,11 +81,18 @@ class FSDPSaveMixin:
             self.args.save_only_model = save_only_model
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        if not self._saves_adapter_only():
+        if not getattr(self, "is_fsdp_enabled", False):
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         # Collective: every rank takes part in the gather; only the main process writes.
-        save_adapter(self.model, output_dir, is_main_process=self.args.should_save)
+        if self._saves_adapter_only():
+            save_adapter(self.model, output_dir, is_main_process=self.args.should_save)
+        elif _internal_call and "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type):
+            # A full fine-tune's checkpoint in sharded form: upstream writes it with the optimizer state
+            # (pytorch_model_fsdp_0/, each rank its shard) and resumes from it.
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        else:
+            save_full_model(self.model, output_dir, is_main_process=self.args.should_save)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -96,8 +104,6 @@ class FSDPSaveMixin:
         return os.path.join(run_dir, STAGING_DIR) if self._staging else run_dir
 
     def _save_checkpoint(self, model, trial):
-        if not self._saves_adapter_only():
-            return super()._save_checkpoint(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
         run_dir = self._get_output_dir(trial=trial)
@@ -126,15 +132,24 @@ class FSDPSaveMixin:
             self._log_checkpoint(final)
         _barrier()
 
+    def _gathers_optimizer(self) -> bool:
+        # Adapter runs always; a full fine-tune when it checkpoints in full form (FULL_STATE_DICT). Sharded
+        # full fine-tunes keep upstream's per-rank model + optimizer shards, which resume exactly.
+        if not getattr(self, "is_fsdp_enabled", False):
+            return False
+        sharded = "SHARDED" in str(self.accelerator.state.fsdp_plugin.state_dict_type)
+        return self._saves_adapter_only() or not sharded
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if not self._saves_adapter_only():
+        if not self._gathers_optimizer():
             return super()._save_optimizer_and_scheduler(output_dir)
         from transformers.trainer import SCHEDULER_NAME
 
         # Upstream writes an FSDP model state here (empty for an adapter run under FSDP2; a segfault for
-        # FSDP1 on CPU ranks) and an optimizer state that, loaded back into FSDP1 with use_orig_params,
-        # aliased exp_avg to exp_avg_sq (the resumed run diverged after one step). The adapter's optimizer
-        # state is small, so it is gathered whole by name, like the adapter, and written by the main process.
+        # FSDP1 on CPU ranks; a second copy of the model save_model already wrote) and an optimizer state
+        # that, loaded back into FSDP1 with use_orig_params, aliased exp_avg to exp_avg_sq (the resumed run
+        # diverged after one step). The optimizer state is gathered whole by parameter name instead (small
+        # for an adapter) and written by the main process.
         state = gather_optimizer_state(self.model, self.optimizer)
         if self.args.should_save:
             torch.save(state, os.path.join(output_dir, OPTIMIZER_STATE))
@@ -142,7 +157,7 @@ class FSDPSaveMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         path = os.path.join(checkpoint, OPTIMIZER_STATE) if checkpoint is not None else None
-        if path is None or not self._saves_adapter_only() or not os.path.isfile(path):
+        if path is None or not self._gathers_optimizer() or not os.path.isfile(path):
             return super()._load_optimizer_and_scheduler(checkpoint)
         from transformers.trainer import SCHEDULER_NAME
 
@@ -151,14 +166,21 @@ class FSDPSaveMixin:
 
     def _log_checkpoint(self, path: str) -> None:
         total = directory_size(path)
-        adapter = os.path.getsize(os.path.join(path, ADAPTER_WEIGHTS))
-        optimizer = "off (save_only_model=True)" if self.args.save_only_model else _human(total - adapter)
+        adapter_file = os.path.join(path, ADAPTER_WEIGHTS)
+        model_bytes = os.path.getsize(adapter_file) if os.path.isfile(adapter_file) else None
+        if model_bytes is None:  # a full fine-tune: everything but optimizer/scheduler/RNG/state is the model
+            other = [f for f in os.listdir(path) if f.startswith(("optimizer", "scheduler", "rng_state", "trainer_"))]
+            model_bytes = total - sum(directory_size(os.path.join(path, f)) if os.path.isdir(os.path.join(path, f))
+                                      else os.path.getsize(os.path.join(path, f)) for f in other)  # fmt: skip
+        kind = "adapter" if os.path.isfile(adapter_file) else "model"
+        rest = "off (save_only_model=True)" if self.args.save_only_model else _human(total - model_bytes)
         logger.warning(
-            "hf_fsdp_qlora: checkpoint %s written: %s in all - adapter %s, optimizer/scheduler/RNG/state %s",
+            "hf_fsdp_qlora: checkpoint %s written: %s in all - %s %s, optimizer/scheduler/RNG/state %s",
             path,
             _human(total),
-            _human(adapter),
-            optimizer,
+            kind,
+            _human(model_bytes),
+            rest,
         )
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):

@@ -29,11 +29,12 @@ __all__ = [
     "directory_size",
     "gather_optimizer_state",
     "load_optimizer_state",
+    "save_full_model",
 ]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The optimizer state of the trainable parameters, gathered whole and keyed by parameter name.
-OPTIMIZER_STATE = "optimizer_adapter.pt"
+OPTIMIZER_STATE = "optimizer_gathered.pt"
 
 
 def unwrap_peft_model(model):
@@ -263,3 +264,34 @@ def load_optimizer_state(model, optimizer, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=_options(model))
+
+
+def save_full_model(model, output_dir: str | os.PathLike, *, is_main_process: bool | None = None) -> Path | None:
+    """Collective: gather a full fine-tune's whole model and write it with ``save_pretrained`` (safetensors).
+
+    Upstream, under FSDP: SHARDED_STATE_DICT makes ``Trainer.save_model`` write nothing, and the FULL
+    state-dict gather segfaults FSDP1 on CPU ranks (``cpu_offload=True``). Here the full state dict is
+    gathered with torch's API (offloaded to CPU on GPUs) and the main process writes a model that
+    ``from_pretrained`` loads.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state_dict = get_model_state_dict(model, options=_options(model))
+    if is_main_process is None:
+        is_main_process = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    error = None
+    if is_main_process:
+        try:
+            inner = model
+            while not hasattr(inner, "save_pretrained") and hasattr(inner, "module"):
+                inner = inner.module
+            tensors = {}
+            for name, tensor in state_dict.items():
+                if hasattr(tensor, "full_tensor"):
+                    tensor = tensor.full_tensor()
+                tensors[clean_name(name)] = tensor.detach().to("cpu")
+            inner.save_pretrained(str(output_dir), state_dict=tensors, safe_serialization=True)
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            error = err
+    agree_on_failure(error)
+    return Path(output_dir) if is_main_process else None

@@ -26,20 +26,32 @@ def _collective_device() -> torch.device:
 
 @torch.no_grad()
 def broadcast_trainable_parameters(model, src: int = 0) -> int:
-    """Copy every trainable parameter (adapters, ``modules_to_save``, new heads) from rank `src`.
+    """Make every trainable parameter (adapters, ``modules_to_save``, new heads) equal to rank `src`'s.
 
-    One flat buffer per dtype keeps this to a handful of collectives. Parameters on the meta device
-    (non-zero ranks under ``cpu_ram_efficient_loading``) are left to FSDP's ``sync_module_states``.
+    Ranks first compare a checksum per parameter (one small all-gather); only the parameters that
+    differ - freshly initialised ones such as LoRA A matrices or a new classification head - are
+    broadcast, in one flat buffer per dtype. Weights every rank loaded from the same checkpoint (a
+    full fine-tune's whole model) never travel. Parameters on the meta device (non-zero ranks under
+    ``cpu_ram_efficient_loading``) are left to FSDP's ``sync_module_states``.
 
     Returns:
-        The number of parameters broadcast (0 when not distributed).
+        The number of parameters broadcast (0 when not distributed or when all ranks already agree).
     """
     if not is_distributed():
         return 0
     params = [p for p in model.parameters() if p.requires_grad and p.device.type != "meta"]
+    if not params:
+        return 0
     device = _collective_device()
+    sums = torch.stack([torch.stack([p.double().sum(), p.double().abs().sum()]) for p in params]).to(device)
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sums)
+    differs = torch.zeros(len(params), dtype=torch.bool, device=device)
+    for other in gathered:
+        differs |= (other != gathered[src]).any(dim=1)
+    differing = [p for p, d in zip(params, differs.tolist()) if d]
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    for param in params:
+    for param in differing:
         by_dtype.setdefault(param.dtype, []).append(param)
     for dtype in sorted(by_dtype, key=str):  # the same order on every rank
         group = by_dtype[dtype]
@@ -50,7 +62,7 @@ def broadcast_trainable_parameters(model, src: int = 0) -> int:
             numel = param.numel()
             param.copy_(flat[offset : offset + numel].view_as(param))
             offset += numel
-    return len(params)
+    return len(differing)
 
 
 def agree_on_failure(error: BaseException | None) -> None:

@@ -65,7 +65,7 @@ def test_checkpoint_contents_and_sizes(resumed):
     adapter = (full / "adapter_model.safetensors").stat().st_size
     assert adapter > 0 and (model_only / "adapter_model.safetensors").stat().st_size == adapter
     # With optimizer state: Adam keeps two moments per adapter parameter.
-    assert (full / "optimizer_adapter.pt").stat().st_size >= 2 * adapter
+    assert (full / "optimizer_gathered.pt").stat().st_size >= 2 * adapter
     assert (full / "scheduler.pt").is_file() and (full / "rng_state_0.pth").is_file()
     # save_only_model=True: about the adapter's size, no optimizer, no FSDP model state.
     assert not any(p.name.startswith(("optimizer", "pytorch_model_fsdp")) for p in model_only.iterdir())
@@ -99,3 +99,21 @@ def test_kill_during_save_keeps_previous_checkpoint(models, tmp_path):
         assert found["global_step"] == 6
         assert len(found["resumed_losses"]) == 4  # resumed from checkpoint-2: steps 3..6
     assert (run / "checkpoint-4").is_dir() and (run / "checkpoint-6").is_dir()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_full_finetune_checkpoint_forms(version, models, tmp_path):
+    """Full fine-tune checkpoints: a whole safetensors model (FULL_STATE_DICT, the FSDP1 rehearsal config)
+    or per-rank shards with the optimizer (SHARDED_STATE_DICT, the FSDP2 rehearsal config)."""
+    _launch(version, "full", models, tmp_path)
+    ckpt = tmp_path / "F" / "checkpoint-2"
+    assert (ckpt / "trainer_state.json").is_file()
+    if version == 1:
+        from transformers import AutoModelForCausalLM
+
+        assert (ckpt / "model.safetensors").is_file() and (ckpt / "optimizer_gathered.pt").is_file()
+        AutoModelForCausalLM.from_pretrained(ckpt)
+    else:
+        shards = list((ckpt / "pytorch_model_fsdp_0").glob("*.distcp"))
+        assert len(shards) == 2 and all(f.stat().st_size > 0 for f in shards)
+        assert (ckpt / "optimizer_0").is_dir()

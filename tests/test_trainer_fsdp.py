@@ -23,7 +23,7 @@ import train_scenarios as worker  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-TRAINING = ["a=llama:ours_loader", "b=qwen2:ours_user", "c=llama_tied:callback", "d=llama:sft"]
+TRAINING = ["a=llama:ours_loader", "b=qwen2:ours_user", "c=llama_tied:callback", "d=llama:sft", "m=llama:full"]
 CLASSIC_FSDP1 = [
     "e=llama:stock_fp32lora", "f=llama:ours_fp32lora",
     "g=llama:stock_kbitprep", "h=llama:ours_kbitprep",
@@ -203,3 +203,36 @@ def test_fsdp2_8bit(fsdp2_run):
         assert not results[rank]["k"]["ok"] and "has no attribute 'CB'" in results[rank]["k"]["error"]
         ours = results[rank]["l"]
         assert ours["error_type"] == "UnsupportedSetupError" and "load_in_4bit=True" in ours["error"]
+
+
+def _assert_full_finetune(results, out, models, version):
+    """Full fine-tune (no quantization, no adapter) through the same trainer and configs."""
+    from transformers import AutoModelForCausalLM
+
+    r0, r1 = results[0]["m"], results[1]["m"]
+    assert r0.get("ok"), r0.get("traceback")
+    assert r1.get("ok"), r1.get("traceback")
+    eng = r0["engagement"]
+    assert (eng["flat_params"] > 0) if version == 1 else (eng["fsdp2_modules"] > 0 and eng["dtensor_params"] > 0)
+    weights = torch.load(out / "m" / "weights.pt")
+    oracle = AutoModelForCausalLM.from_pretrained(models / "llama", dtype=torch.bfloat16)
+    oracle.train()
+    ids = torch.tensor(r0["first_batch"])
+    for rank, chunk in enumerate(ids.split(worker.BATCH)):
+        logits = oracle(input_ids=chunk, attention_mask=torch.ones_like(chunk)).logits.detach().float()
+        torch.testing.assert_close(torch.load(out / "m" / f"logits_rank{rank}.pt"), logits, rtol=1e-5, atol=1e-5)
+    # save_model wrote a whole model that from_pretrained loads, equal to the trained weights.
+    saved = AutoModelForCausalLM.from_pretrained(out / "m" / "adapter", dtype=torch.bfloat16)
+    params = dict(saved.named_parameters())
+    assert weights["trained"] and set(weights["trained"]) <= set(params)
+    changed = 0
+    for name, value in weights["trained"].items():
+        torch.testing.assert_close(params[name].float(), value, rtol=0, atol=0)
+        changed += not torch.equal(value, weights["init"][name])
+    assert changed > 0
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_full_finetune(fsdp1_run, fsdp2_run, models, version):
+    out, results = fsdp1_run if version == 1 else fsdp2_run
+    _assert_full_finetune(results, out, models, version)

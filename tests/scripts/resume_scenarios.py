@@ -5,6 +5,7 @@ Modes:
             steps; run C: save_only_model=True (no optimizer state). Writes losses and final adapters.
   kill    - 6 steps, checkpoint every 2; rank 0 is SIGKILLed in the middle of the step-4 save.
   after   - resume_from_checkpoint=True in the folder the killed run left.
+  full    - a full fine-tune (no quantization, no adapter) with a checkpoint at step 2.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main():
     parser.add_argument("--models", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--fsdp-version", type=int, required=True)
-    parser.add_argument("--mode", choices=["resume", "kill", "after"], required=True)
+    parser.add_argument("--mode", choices=["resume", "kill", "after", "full"], required=True)
     args = parser.parse_args()
     out, version, path = Path(args.out), args.fsdp_version, str(Path(args.models) / "llama")
     torch.use_deterministic_algorithms(True)
@@ -72,6 +73,13 @@ def main():
 
         t._save_rng_state = save_rng_then_die
         t.train()
+    elif args.mode == "full":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        targs = ts.training_args(out / "F", version, "llama", steps=2, save_steps=2, **common)
+        ts.LossRecorder(model=model, args=targs, train_dataset=ts.TokenDataset()).train()
+        ts.reset_accelerate()
     else:
         t = make_trainer(path, out / "K", version, steps=6, save_steps=2, **common)
         t.train(resume_from_checkpoint=True)

@@ -198,6 +198,10 @@ def build_model(path, kind):
         return user_loaded(path), LossRecorder, None
     if kind == "callback":  # stock Trainer + our callback
         return user_loaded(path), _recording(Trainer), [FSDPQLoRACallback()]
+    if kind == "full":  # full fine-tune: no quantization, no adapter
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), LossRecorder, None
     if kind == "sft":  # base model + peft_config: trl builds the peft model (fp32 adapters)
         return user_loaded(path, peft=False), LossRecorderSFT, None
     # The classic failures: `stock_*` runs upstream transformers.Trainer on real FSDP; `ours_*` runs ours on
