@@ -17,37 +17,8 @@ import json
 from pathlib import Path
 
 # Import before TrainingArguments: on a CPU-only machine this lets accelerate run real FSDP.
-from hf_fsdp_qlora import FSDPQLoRATrainer, load_qlora_model
-
-
-def tokenize(rows, tokenizer, max_length):
-    """prompt + completion + eos; labels -100 on prompt tokens (completion-only loss)."""
-    out = []
-    for row in rows:
-        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids = (prompt + completion)[:max_length]
-        labels = ([-100] * len(prompt) + completion)[:max_length]
-        out.append({"input_ids": ids, "labels": labels})
-    return out
-
-
-def pad_collator(tokenizer):
-    import torch
-
-    def collate(batch):
-        width = max(len(b["input_ids"]) for b in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, b in enumerate(batch):
-            n = len(b["input_ids"])
-            ids[i, :n] = torch.tensor(b["input_ids"])
-            labels[i, :n] = torch.tensor(b["labels"])
-            mask[i, :n] = 1
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-    return collate
+from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
+from hf_fsdp_qlora.data import CompletionOnlyCollator, tokenize_completion_only
 
 
 class LossCurve:
@@ -81,10 +52,10 @@ def main(argv=None):
 
     import torch
     from peft import LoraConfig
-    from transformers import AutoTokenizer, TrainingArguments
+    from transformers import AutoTokenizer
 
     on_gpu = torch.cuda.is_available()
-    training_args = TrainingArguments(
+    training_args = FSDPQLoRATrainingArguments(
         output_dir=args.output,
         per_device_train_batch_size=args.batch_size,
         num_train_epochs=args.epochs,
@@ -101,7 +72,7 @@ def main(argv=None):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
-    train = tokenize(rows, tokenizer, args.max_length)
+    train = [tokenize_completion_only(r["prompt"], r["completion"], tokenizer, args.max_length) for r in rows]
 
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear",
                       task_type="CAUSAL_LM")  # fmt: skip
@@ -114,7 +85,7 @@ def main(argv=None):
         model=model,
         args=training_args,
         train_dataset=train,
-        data_collator=pad_collator(tokenizer),
+        data_collator=CompletionOnlyCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=[curve.callback],
     )

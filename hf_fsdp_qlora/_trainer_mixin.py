@@ -10,6 +10,7 @@ import shutil
 import torch
 
 from .callbacks import FSDPQLoRACallback
+from .hygiene import DistinctBatchesCallback, MemoryThroughputCallback
 from .checkpoint import (
     ADAPTER_WEIGHTS,
     OPTIMIZER_STATE,
@@ -31,12 +32,24 @@ TRAINING_ARGS_NAME = "training_args.bin"
 STAGING_DIR = ".incomplete-checkpoints"
 
 
-def with_fsdp_callback(callbacks):
-    """Our callback first, then the user's (skipping a duplicate instance of ours)."""
+def with_fsdp_callback(callbacks, args=None):
+    """Our callbacks first, then the user's (skipping kinds the user already added).
+
+    The FSDP consistency callback always; the distinct-batches check and the memory/throughput log
+    unless `args` (FSDPQLoRATrainingArguments) turns them off.
+    """
     callbacks = list(callbacks or [])
-    if not any(isinstance(cb, FSDPQLoRACallback) or cb is FSDPQLoRACallback for cb in callbacks):
-        callbacks.insert(0, FSDPQLoRACallback())
-    return callbacks
+
+    def has(kind):
+        return any(isinstance(cb, kind) or cb is kind for cb in callbacks)
+
+    ours = [] if has(FSDPQLoRACallback) else [FSDPQLoRACallback()]
+    steps = getattr(args, "check_distinct_batches", 2)
+    if steps and not has(DistinctBatchesCallback):
+        ours.append(DistinctBatchesCallback(check_steps=steps))
+    if getattr(args, "log_memory_throughput", True) and not has(MemoryThroughputCallback):
+        ours.append(MemoryThroughputCallback())
+    return ours + callbacks
 
 
 def _barrier():

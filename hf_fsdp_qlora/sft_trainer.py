@@ -16,5 +16,5 @@ class FSDPQLoRASFTTrainer(FSDPSaveMixin, SFTTrainer):
     callback runs after that, before wrapping.
     """
 
-    def __init__(self, *args, callbacks=None, **kwargs):
-        super().__init__(*args, callbacks=with_fsdp_callback(callbacks), **kwargs)
+    def __init__(self, model=None, args=None, *more, callbacks=None, **kwargs):
+        super().__init__(model, args, *more, callbacks=with_fsdp_callback(callbacks, args), **kwargs)

@@ -19,5 +19,5 @@ class FSDPQLoRATrainer(FSDPSaveMixin, Trainer):
     gathers the adapter from every rank and writes a plain peft adapter.
     """
 
-    def __init__(self, *args, callbacks=None, **kwargs):
-        super().__init__(*args, callbacks=with_fsdp_callback(callbacks), **kwargs)
+    def __init__(self, model=None, args=None, *more, callbacks=None, **kwargs):
+        super().__init__(model, args, *more, callbacks=with_fsdp_callback(callbacks, args), **kwargs)

@@ -30,7 +30,7 @@ CLASSIC_FSDP1 = [
     "i=llama:stock_uint8", "j=llama:ours_uint8",
     "k=llama:stock_int8", "l=llama:ours_int8",
 ]  # fmt: skip
-CLASSIC_FSDP2 = ["k=llama:stock_int8", "l=llama:ours_int8"]
+CLASSIC_FSDP2 = ["k=llama:stock_int8", "l=llama:ours_int8", "n=llama:dupbatches"]
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +236,21 @@ def _assert_full_finetune(results, out, models, version):
 def test_full_finetune(fsdp1_run, fsdp2_run, models, version):
     out, results = fsdp1_run if version == 1 else fsdp2_run
     _assert_full_finetune(results, out, models, version)
+
+
+def test_duplicate_batches_fail_fast(fsdp2_run):
+    """A dataloader without a DistributedSampler feeds every rank the same data: caught in the first steps."""
+    _, results = fsdp2_run
+    for rank in (0, 1):
+        found = results[rank]["n"]
+        assert not found["ok"] and found["error_type"] == "DuplicateBatchesError", found
+        assert "DistributedSampler" in found["error"]
+
+
+def test_memory_and_throughput_logged(fsdp2_run):
+    _, results = fsdp2_run
+    history = results[0]["a"]["memory_throughput"]
+    assert history and len(history) == 3  # logging_steps=1, 3 steps
+    for record in history:
+        assert record["tokens_per_second"] > 0
+        assert 0.05 < record["peak_memory_gb_rank0"] < 16 and 0.05 < record["peak_memory_gb_rank1"] < 16

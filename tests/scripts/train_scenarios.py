@@ -198,6 +198,13 @@ def build_model(path, kind):
         return user_loaded(path), LossRecorder, None
     if kind == "callback":  # stock Trainer + our callback
         return user_loaded(path), _recording(Trainer), [FSDPQLoRACallback()]
+    if kind == "dupbatches":  # a dataloader without a DistributedSampler: every rank sees the same data
+
+        class NoSampler(LossRecorder):
+            def get_train_dataloader(self):
+                return torch.utils.data.DataLoader(self.train_dataset, batch_size=BATCH)
+
+        return load_qlora_model(path, lora_config=lora_config(), gradient_checkpointing=False), NoSampler, None
     if kind == "full":  # full fine-tune: no quantization, no adapter
         from transformers import AutoModelForCausalLM
 
@@ -237,6 +244,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
     trainer.train()
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FSDPQLoRACallback)), None)
     result["engagement"] = cb.engagement if cb else None
+    from hf_fsdp_qlora import MemoryThroughputCallback
+
+    mem = next((c for c in trainer.callback_handler.callbacks if isinstance(c, MemoryThroughputCallback)), None)
+    result["memory_throughput"] = mem.history if mem else None
     result["distributed_type"] = str(trainer.accelerator.state.distributed_type)
     result["is_fsdp2"] = bool(trainer.accelerator.is_fsdp2)
     result["dtensor_lora"] = sum(

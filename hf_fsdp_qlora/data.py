@@ -1,0 +1,115 @@
+"""Data helpers for instruction and classification fine-tuning: completion-only labels, padding, packing.
+
+Completion-only labels: the loss is taken on the answer, not on the prompt (prompt tokens get label
+-100), which is what an instruction or a classifier fine-tune (a Llama Guard style safety label as the
+completion) wants.
+
+Padding vs packing: padding each batch to its longest sequence wastes compute on pad tokens when lengths
+vary (:func:`padding_waste` measures it); packing concatenates examples into fixed-length blocks with no
+pad at all, and emits ``position_ids`` that restart at 0 for each example so attention implementations
+that understand packed sequences (``flash_attention_2``) keep examples apart. With other attention
+implementations packed examples can attend to earlier ones in the same block; use padding for short
+classification data, packing for long, varied instruction data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "IGNORE_INDEX",
+    "tokenize_completion_only",
+    "CompletionOnlyCollator",
+    "pack_examples",
+    "padding_waste",
+]
+
+IGNORE_INDEX = -100
+
+
+def tokenize_completion_only(prompt: str, completion: str, tokenizer, max_length: int | None = None, add_eos=True):
+    """Tokenize ``prompt + completion``; labels are -100 on prompt tokens.
+
+    Returns:
+        ``{"input_ids": [...], "labels": [...]}`` (lists), truncated to `max_length` from the right.
+    """
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    if add_eos and tokenizer.eos_token_id is not None:
+        completion_ids = completion_ids + [tokenizer.eos_token_id]
+    input_ids = bos + prompt_ids + completion_ids
+    labels = [IGNORE_INDEX] * (len(bos) + len(prompt_ids)) + completion_ids
+    if max_length is not None:
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return {"input_ids": input_ids, "labels": labels}
+
+
+class CompletionOnlyCollator:
+    """Pad a list of ``{"input_ids", "labels"}`` to the longest (right side); pad labels are -100.
+
+    Args:
+        pad_token_id: the tokenizer's pad id (or eos id when it has no pad token).
+        pad_to_multiple_of: round the padded length up (e.g. 8 for tensor cores).
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None):
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, batch):
+        width = max(len(example["input_ids"]) for example in batch)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        input_ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, example in enumerate(batch):
+            n = len(example["input_ids"])
+            input_ids[row, :n] = torch.as_tensor(example["input_ids"])
+            labels[row, :n] = torch.as_tensor(example.get("labels", example["input_ids"]))
+            attention_mask[row, :n] = 1
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def pack_examples(examples, max_length: int):
+    """Concatenate tokenized examples into blocks of exactly `max_length` tokens (the last may be shorter).
+
+    Labels travel with their tokens (prompt tokens stay -100); the first token of every example after the
+    first in a block gets label -100 too, so no loss is taken across an example boundary. ``position_ids``
+    restart at 0 for every example.
+
+    Returns:
+        A list of ``{"input_ids", "labels", "position_ids"}`` blocks.
+    """
+    blocks, ids, labels, positions = [], [], [], []
+    for example in examples:
+        ex_ids = list(example["input_ids"])
+        ex_labels = list(example.get("labels", ex_ids))
+        start = 0
+        while start < len(ex_ids):
+            room = max_length - len(ids)
+            piece = ex_ids[start : start + room]
+            piece_labels = ex_labels[start : start + room]
+            if ids and start == 0:
+                piece_labels = [IGNORE_INDEX] + piece_labels[1:]
+            ids += piece
+            labels += piece_labels
+            positions += list(range(start, start + len(piece)))
+            start += len(piece)
+            if len(ids) == max_length:
+                blocks.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+                ids, labels, positions = [], [], []
+    if ids:
+        blocks.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+    return blocks
+
+
+def padding_waste(examples, batch_size: int) -> float:
+    """Fraction of tokens that would be padding when `examples` are batched in order and padded to the longest."""
+    total = padded = 0
+    for i in range(0, len(examples), batch_size):
+        lengths = [len(e["input_ids"]) for e in examples[i : i + batch_size]]
+        total += sum(lengths)
+        padded += max(lengths) * len(lengths)
+    return 1.0 - total / padded if padded else 0.0
