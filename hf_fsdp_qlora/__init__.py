@@ -29,6 +29,7 @@ _EXPORTS = {
     "merge_adapters": "merge",
     "config_path": "configs",
     "list_configs": "configs",
+    "check_setup": "doctor.checks",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 from .consistency import make_fsdp_consistent
 from .cpu_rehearsal import enable_cpu_fsdp
 from .errors import FSDPNotEngagedError
-from .fsdp import assert_fsdp_engaged, fsdp_version
+from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge
 
 __all__ = ["FSDPQLoRACallback"]
 
@@ -77,4 +77,5 @@ class FSDPQLoRACallback(TrainerCallback):
         if self._version is None or model is None:
             return
         self.engagement = assert_fsdp_engaged(model, self._version)
+        guard_sharded_merge(model)
         logger.info("hf_fsdp_qlora: FSDP%d engaged: %s", self._version, self.engagement)

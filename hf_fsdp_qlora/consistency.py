@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dtypes import harmonize_dtypes, training_dtype
-from .fsdp import check_supported, configure_plugin, fsdp_version
+from .doctor.checks import check_setup, raise_for_errors
+from .dtypes import harmonize_dtypes, training_dtype, view_packed_storage_as
+from .fsdp import configure_plugin, fsdp_version
 from .rank_sync import agree_on_failure, broadcast_trainable_parameters
 
 __all__ = ["ConsistencyReport", "make_fsdp_consistent"]
@@ -28,13 +29,16 @@ class ConsistencyReport:
     cast_parameters: list[str] = field(default_factory=list)
     plugin_changes: list[str] = field(default_factory=list)
     broadcast_parameters: int = 0
+    viewed_storage: int = 0
 
 
 def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
     """Prepare `model` and accelerate's FSDP `plugin` for wrapping. Collective (call on every rank).
 
-    1. refuse unsupported setups (8-bit base, integer 4-bit storage under FSDP1) on every rank before any
-       collective - if any rank refuses, every rank raises;
+    1. run the doctor's checks (:func:`hf_fsdp_qlora.check_setup`, the same ones ``hf-fsdp-qlora doctor`` runs)
+       on the live model and plugin, and refuse their errors (8-bit base, integer 4-bit storage under FSDP1, a
+       spreading device_map, a missing wrap class, ...) on every rank before any collective - if any rank
+       refuses, every rank raises;
     2. cast every non-quantized floating parameter (adapters, norms, biases, embeddings) to the one
        training dtype, the 4-bit storage dtype;
     3. set FSDP's mixed precision to that dtype and, for FSDP1, ``use_orig_params=True``;
@@ -45,14 +49,29 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
     """
     version = fsdp_version(plugin)
     error = None
+    findings = []
     try:
-        check_supported(model, version)
+        findings = check_setup(model, fsdp_plugin=plugin)
+        raise_for_errors(findings)
         dtype = training_dtype(model)
     except Exception as err:  # noqa: BLE001 - re-raised on this rank by agree_on_failure
         error = err
     agree_on_failure(error)
+    for finding in findings:
+        level = logging.WARNING if finding.severity == "warning" else logging.INFO
+        logger.log(level, "hf_fsdp_qlora: [%s] %s", finding.id, finding.message)
 
     report = ConsistencyReport(fsdp_version=version, dtype=dtype)
+    if version == 2:
+        # Integer-stored 4-bit weights would stay out of FSDP2 sharding (a full copy per GPU): view their
+        # bytes as the training dtype so they shard like everything else. FSDP1 refuses them (above).
+        report.viewed_storage = view_packed_storage_as(model, dtype)
+        if report.viewed_storage:
+            logger.info(
+                "hf_fsdp_qlora: viewed %d integer-stored 4-bit weights as %s so FSDP2 shards them (bytes unchanged)",
+                report.viewed_storage,
+                dtype,
+            )
     report.cast_parameters = harmonize_dtypes(model, dtype)
     if report.cast_parameters:
         logger.info(

@@ -26,6 +26,7 @@ __all__ = [
     "training_dtype",
     "param_dtypes",
     "harmonize_dtypes",
+    "view_packed_storage_as",
 ]
 
 FLOAT_DTYPES = {
@@ -149,3 +150,36 @@ def harmonize_dtypes(model, dtype: torch.dtype) -> list[str]:
         if type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and hasattr(module, "compute_dtype"):
             module.compute_dtype = dtype
     return changed
+
+
+@torch.no_grad()
+def view_packed_storage_as(model, dtype: torch.dtype) -> int:
+    """Re-type integer 4-bit storage as `dtype` by viewing the same bytes, so FSDP can shard it.
+
+    bitsandbytes packs two 4-bit codes per byte; ``bnb_4bit_quant_storage`` only decides which dtype the
+    packed bytes are *viewed* as (it reads them back as bytes), so a uint8-stored weight of 2n bytes and
+    a bf16-stored weight of n elements hold the same bits. accelerate's FSDP2 leaves integer-stored
+    weights out of sharding (a full copy on every GPU); viewed as `dtype` they shard like any other
+    parameter. No value is converted: the packed bytes, NaN/Inf/subnormal bit patterns included, are
+    untouched. Parameters whose byte count is not a multiple of the new element size stay as they are.
+
+    Returns:
+        How many weights were re-typed.
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"view_packed_storage_as needs a floating dtype, got {dtype}")
+    width = torch.tensor([], dtype=dtype).element_size()
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not _is_params4bit(weight) or weight.is_floating_point():
+            continue
+        flat = weight.data.reshape(-1)
+        if (flat.numel() * flat.element_size()) % width:
+            continue
+        weight.data = flat.view(torch.uint8).view(dtype).reshape(-1, 1)
+        weight.quant_storage = dtype
+        if hasattr(module, "quant_storage"):
+            module.quant_storage = dtype
+        count += 1
+    return count

@@ -1,4 +1,5 @@
-"""What we set on accelerate's FSDP plugin, what we refuse before wrapping, and "did FSDP engage?"."""
+"""What we set on accelerate's FSDP plugin, and "did FSDP engage?". (What we refuse before wrapping lives
+with the doctor's rules, :mod:`hf_fsdp_qlora.doctor._rules`, so the CLI and the trainer share one source.)"""
 
 from __future__ import annotations
 
@@ -6,15 +7,14 @@ import logging
 
 import torch
 
-from .dtypes import quant_storage_dtype, quantization_kind
 from .errors import FSDPNotEngagedError, UnsupportedSetupError
 
 __all__ = [
     "fsdp_version",
-    "check_supported",
     "configure_plugin",
     "fsdp_engagement",
     "assert_fsdp_engaged",
+    "guard_sharded_merge",
 ]
 
 logger = logging.getLogger(__name__)
@@ -22,41 +22,6 @@ logger = logging.getLogger(__name__)
 
 def fsdp_version(plugin) -> int:
     return int(getattr(plugin, "fsdp_version", 1) or 1)
-
-
-def check_supported(model, version: int) -> None:
-    """Refuse, before any wrapping or collective, what cannot work under FSDP `version`.
-
-    Raises:
-        UnsupportedSetupError: an 8-bit base, or integer 4-bit storage under FSDP1.
-    """
-    kind = quantization_kind(model)
-    if kind == "8bit":
-        # FSDP1: "Cannot flatten integer dtype tensors"; FSDP2: "'Parameter' object has no attribute
-        # 'CB'"; Trainer: "Only Tensors of floating point and complex dtype can require gradients".
-        raise UnsupportedSetupError(
-            "An 8-bit (load_in_8bit=True) base model cannot be sharded by FSDP: its int8 weights and their "
-            "scales are not floating-point tensors FSDP can flatten or shard. Load the base in 4 bits instead: "
-            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
-            "bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16) "
-            "(or hf_fsdp_qlora.load_qlora_model(path, dtype=torch.bfloat16)), or train 8-bit with DDP."
-        )
-    if kind == "4bit":
-        storage = quant_storage_dtype(model)
-        if not storage.is_floating_point and version == 1:
-            raise UnsupportedSetupError(
-                f"The 4-bit weights are stored as {storage} (bitsandbytes' default), which FSDP1 cannot flatten "
-                "('Cannot flatten integer dtype tensors'). Set bnb_4bit_quant_storage to the compute dtype, e.g. "
-                "BitsAndBytesConfig(..., bnb_4bit_compute_dtype=torch.bfloat16, "
-                "bnb_4bit_quant_storage=torch.bfloat16), or use hf_fsdp_qlora.load_qlora_model(path, "
-                "dtype=torch.bfloat16)."
-            )
-        if not storage.is_floating_point:
-            logger.warning(
-                "The 4-bit weights are stored as %s: accelerate's FSDP2 leaves them unsharded (a full copy on "
-                "every GPU). Set bnb_4bit_quant_storage=torch.bfloat16 (the compute dtype) to shard them.",
-                storage,
-            )
 
 
 def _mixed_precision_policy(version: int, dtype: torch.dtype):
@@ -149,3 +114,38 @@ def assert_fsdp_engaged(model, version: int) -> dict:
             "before creating TrainingArguments so the CPU rehearsal hook is installed in time."
         )
     return found
+
+
+_MERGE_METHODS = ("merge_and_unload", "merge_adapter", "unload")
+
+
+def guard_sharded_merge(model) -> int:
+    """Make merging an FSDP-wrapped peft model fail with a clear error instead of a crash or a silent no-op.
+
+    On a sharded model peft's ``merge_and_unload`` fails with "'DTensor' object has no attribute
+    'quant_state'" (FSDP2) or merges into one rank's shard (FSDP1). The methods are replaced on this model
+    object only (not on the class) by ones that say how to merge instead.
+
+    Returns:
+        How many methods were guarded.
+    """
+    from .checkpoint import unwrap_peft_model
+
+    peft_model = unwrap_peft_model(model)
+    if peft_model is None:
+        return 0
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedSetupError(
+            "This peft model is sharded by FSDP, so its LoRA weights cannot be merged in place (each rank holds "
+            "a slice; peft fails with \"'DTensor' object has no attribute 'quant_state'\"). Save the adapter - "
+            "trainer.save_model(out_dir), which gathers it from every rank - then merge it into the 16-bit base: "
+            "merge-adapters --base BASE_MODEL_DIR --adapter out_dir --output merged_dir"
+        )
+
+    count = 0
+    for name in _MERGE_METHODS:
+        if hasattr(peft_model, name):
+            setattr(peft_model, name, refuse)
+            count += 1
+    return count

@@ -254,3 +254,11 @@ def test_memory_and_throughput_logged(fsdp2_run):
     for record in history:
         assert record["tokens_per_second"] > 0
         assert 0.05 < record["peak_memory_gb_rank0"] < 16 and 0.05 < record["peak_memory_gb_rank1"] < 16
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_merge_while_sharded_is_refused_clearly(fsdp1_run, fsdp2_run, version):
+    _, results = fsdp1_run if version == 1 else fsdp2_run
+    for rank in (0, 1):
+        message = results[rank]["a"]["merge_while_sharded"]
+        assert message.startswith("UnsupportedSetupError") and "merge-adapters --base" in message, message

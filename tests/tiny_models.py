@@ -12,7 +12,17 @@ import torch
 
 ARCHS = ("llama", "qwen2", "llama_tied")
 
-DECODER_LAYER = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "llama_tied": "LlamaDecoderLayer"}
+DECODER_LAYER = {
+    "llama": "LlamaDecoderLayer",
+    "qwen2": "Qwen2DecoderLayer",
+    "llama_tied": "LlamaDecoderLayer",
+    "llama_nanbytes": "LlamaDecoderLayer",
+}
+
+# NF4 code sequences whose packed bytes (two codes per byte, first code in the high nibble), read as
+# little-endian bf16, are NaN (bytes 0x81 0xFF), +Inf (0x80 0x7F) and subnormal (0x01 0x00). Every
+# pattern holds a code of magnitude 1.0 so the block's absmax fixes the codes exactly.
+NF4_BYTE_PATTERNS = {"nan": [8, 1, 15, 15], "inf": [8, 0, 7, 15], "subnormal": [0, 1, 0, 0]}
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 256, num_layers: int = 2):
@@ -25,7 +35,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 256, num_layers: int = 2)
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    if arch in ("llama", "llama_tied"):
+    if arch in ("llama", "llama_tied", "llama_nanbytes"):
         from transformers import LlamaConfig
 
         return LlamaConfig(**common, tie_word_embeddings=(arch == "llama_tied"))
@@ -50,6 +60,8 @@ def build_tiny_model(path: str | Path, arch: str = "llama", dtype=torch.bfloat16
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
+    if arch == "llama_nanbytes":
+        _plant_nf4_byte_patterns(model)
     model.to(dtype).save_pretrained(path)
     build_tokenizer(vocab_size=model.config.vocab_size).save_pretrained(path)
     return path
@@ -64,3 +76,18 @@ def build_tokenizer(vocab_size: int = 256):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@torch.no_grad()
+def _plant_nf4_byte_patterns(model, scale: float = 0.05) -> None:
+    """Overwrite blocks of every decoder Linear weight with values that NF4-quantize to NaN/Inf/subnormal bytes."""
+    from bitsandbytes.functional import get_4bit_type
+
+    table = get_4bit_type("nf4", device="cpu")
+    patterns = list(NF4_BYTE_PATTERNS.values())
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            flat = module.weight.view(-1)
+            for block in range(0, flat.numel() // 64, 2):  # every other 64-block keeps its random values
+                codes = torch.tensor(patterns[(block // 2) % len(patterns)] * 16)
+                flat[block * 64 : (block + 1) * 64] = table[codes] * scale

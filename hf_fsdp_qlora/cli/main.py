@@ -13,6 +13,7 @@ _COMMANDS = {
     "config": "config",
     "merge": "merge",
     "convert": "convert",
+    "doctor": "doctor",
 }
 
 

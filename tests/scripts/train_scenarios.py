@@ -188,6 +188,34 @@ def full_trainable(model, version):
         }
 
 
+STORAGE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "uint8": torch.uint8}
+
+
+def storage_config(kind):
+    from transformers import BitsAndBytesConfig
+
+    _, storage, quant_type, dq = kind.split("_")
+    storage = STORAGE[storage]
+    compute = storage if storage.is_floating_point else torch.bfloat16
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=dq == "dq",
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=storage,
+    )
+    return config, compute
+
+
+def load_storage_variant(path, kind, peft=True):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config, compute = storage_config(kind)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=compute)
+    return get_peft_model(model, lora_config(), autocast_adapter_dtype=False) if peft else model
+
+
 def build_model(path, kind):
     """(model, trainer class, callbacks) for a scenario kind."""
     from transformers import Trainer
@@ -198,6 +226,9 @@ def build_model(path, kind):
         return user_loaded(path), LossRecorder, None
     if kind == "callback":  # stock Trainer + our callback
         return user_loaded(path), _recording(Trainer), [FSDPQLoRACallback()]
+    if kind.startswith("st_"):  # st_<storage>_<quant type>_<dq|nodq>: the 4-bit storage matrix
+        model = load_storage_variant(path, kind)
+        return model, LossRecorder, None
     if kind == "dupbatches":  # a dataloader without a DistributedSampler: every rank sees the same data
 
         class NoSampler(LossRecorder):
@@ -250,6 +281,16 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
     result["memory_throughput"] = mem.history if mem else None
     result["distributed_type"] = str(trainer.accelerator.state.distributed_type)
     result["is_fsdp2"] = bool(trainer.accelerator.is_fsdp2)
+    packed = [p for n, p in trainer.model.named_parameters() if n.endswith("base_layer.weight")]
+    result["packed_dtypes"] = sorted({str(p.dtype) for p in packed})
+    result["packed_dtensor"] = sum(type(p).__name__ == "DTensor" for p in packed)
+    result["packed_count"] = len(packed)
+    result["packed_local_bytes"] = sum(
+        (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in packed
+    )
+    result["packed_full_bytes"] = sum(p.numel() * p.element_size() for p in packed)
+    policy = getattr(trainer.accelerator.state.fsdp_plugin, "mixed_precision_policy", None)
+    result["mp_param_dtype"] = str(getattr(policy, "param_dtype", None))
     result["dtensor_lora"] = sum(
         type(p).__name__ == "DTensor" for n, p in trainer.model.named_parameters() if "lora_" in n
     )
@@ -266,6 +307,11 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         gathered = [torch.empty_like(ids) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, ids)
         result["first_batch"] = torch.cat(gathered).tolist()
+    try:  # merging a sharded model must fail clearly, naming the way to merge instead
+        trainer.model.merge_and_unload()
+        result["merge_while_sharded"] = "no error"
+    except Exception as err:  # noqa: BLE001
+        result["merge_while_sharded"] = f"{type(err).__name__}: {err}"
     trained = full_trainable(trainer.model, version)
     adapter_dir = out / name / "adapter"
     if not hasattr(trainer, "fsdp_callback"):  # a stock Trainer: save with our function

@@ -1,0 +1,99 @@
+"""The doctor's output: a stable JSON document and a readable table (schema in :mod:`hf_fsdp_qlora.doctor`)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from .checks import Diagnosis
+from .memory import PART_NAMES, format_size
+
+__all__ = ["SCHEMA_VERSION", "render", "to_json"]
+
+SCHEMA_VERSION = 1
+
+_SETUP_KEYS = (
+    "model", "quantization", "full_finetune", "dtype", "quant_storage", "compute_dtype", "adapter_dtype",
+    "lora_r", "trainer", "seq_len", "batch_size", "gradient_checkpointing", "optimizer", "num_gpus",
+    "gpu_memory", "device_map",
+)  # fmt: skip
+
+
+def to_json(diagnosis: Diagnosis) -> dict:
+    """The JSON document of a diagnosis (see the schema in :mod:`hf_fsdp_qlora.doctor`)."""
+    s = diagnosis.setup
+    f = s.fsdp
+    setup = {key: getattr(s, key) for key in _SETUP_KEYS}
+    setup.update(
+        quant_storage=s.storage if s.quantization == "4bit" else None,
+        compute_dtype=s.compute,
+        adapter_dtype=None if s.full_finetune else s.adapter,
+        num_gpus=s.world_size,
+        mixed_precision=s.effective_mixed_precision,
+        fsdp={
+            "version": f.version,
+            "source": f.source,
+            "sharding_strategy": f.sharding_strategy,
+            "auto_wrap_policy": f.auto_wrap_policy,
+            "transformer_cls_to_wrap": f.transformer_cls_to_wrap,
+            "offload_params": f.offload_params,
+            "use_orig_params": f.use_orig_params,
+            "activation_checkpointing": f.activation_checkpointing,
+            "state_dict_type": f.state_dict_type,
+        },
+    )
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "ok": not diagnosis.errors,
+        "exit_code": diagnosis.exit_code,
+        "counts": {sev: sum(x.severity == sev for x in diagnosis.findings) for sev in ("error", "warning", "info")},
+        "setup": setup,
+        "findings": [x.to_dict() for x in diagnosis.findings],
+        "memory": diagnosis.plan.to_dict() if diagnosis.plan is not None else None,
+    }
+
+
+def _wrap(text: str, width: int, indent: str) -> str:
+    return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent)
+
+
+def render(diagnosis: Diagnosis, width: int = 100) -> str:
+    """A human-readable report: the setup line, the findings table, the memory table and the verdict."""
+    s, plan = diagnosis.setup, diagnosis.plan
+    lines = []
+    mode = "full fine-tune" if s.full_finetune else {"4bit": "QLoRA (4-bit)", "8bit": "LoRA on 8-bit"}.get(
+        s.quantization, "LoRA on a 16-bit base")  # fmt: skip
+    fsdp = f"FSDP{s.fsdp.version}" if s.fsdp.version else "no FSDP"
+    lines.append(f"hf-fsdp-qlora doctor: {s.model or 'model'} | {mode} | {fsdp} | {s.world_size} GPU(s) | "
+                 f"trainer {s.trainer} | batch {s.batch_size} x {s.seq_len} tokens")  # fmt: skip
+    lines.append("")
+    if diagnosis.findings:
+        lines.append(f"{'SEVERITY':<8}  {'CHECK':<40}  SETTING -> VALUE")
+        for x in diagnosis.findings:
+            lines.append(f"{x.severity.upper():<8}  {x.id:<40}  {x.setting} -> {x.value}")
+            lines.append(_wrap(x.problem, width, " " * 10))
+    else:
+        lines.append("No findings.")
+    if plan is not None:
+        lines.append("")
+        lines.append(f"Memory plan per GPU ({plan.num_gpus} GPU(s), activations: checkpointing={plan.checkpointing})")
+        for name in PART_NAMES:
+            size = plan.parts[name]
+            if size:
+                lines.append(f"  {name:<20} {format_size(size):>12}")
+        lines.append(f"  {'total':<20} {format_size(plan.total):>12}")
+        lines.append(f"  activations with / without checkpointing: {format_size(plan.activations_with_checkpointing)}"
+                     f" / {format_size(plan.activations_without_checkpointing)}")  # fmt: skip
+        if plan.host.get("offloaded"):
+            lines.append(f"  offloaded to host RAM per process: {format_size(plan.host['offloaded'])}")
+        if plan.load_peak_per_gpu:
+            lines.append(f"  loading peak per GPU (whole quantized model): {format_size(plan.load_peak_per_gpu)}")
+        lines.append(f"  checkpoint: weights {format_size(plan.checkpoint['weights'])}, optimizer "
+                     f"{format_size(plan.checkpoint['optimizer'])}")  # fmt: skip
+        gpu = format_size(plan.gpu_memory) if plan.gpu_memory else "unknown (pass --gpu-memory)"
+        lines.append(f"  GPU memory: {gpu} -> verdict: {plan.verdict.replace('_', ' ').upper()}")
+        for note in plan.notes:
+            lines.append(_wrap(f"note: {note}", width, "  "))
+    errors = len(diagnosis.errors)
+    lines.append("")
+    lines.append(f"{errors} error(s): " + ("fix them before launching." if errors else "ready to launch."))
+    return "\n".join(lines)

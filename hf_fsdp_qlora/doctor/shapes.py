@@ -1,0 +1,231 @@
+"""A model's shapes from its config.json alone: the model is built on the meta device, no weight is read.
+
+What the memory plan and the checks need: every linear layer (which ones bitsandbytes quantizes and LoRA
+targets), the other parameters (embeddings, norms, head, biases), the decoder layer class that FSDP wraps, and
+the attention/MLP sizes that drive activation memory. A 70B config builds in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .setup import SetupInputError
+
+__all__ = ["LinearShape", "ModelShape", "load_model_config", "model_shape"]
+
+
+@dataclass
+class LinearShape:
+    """One ``nn.Linear``: its weight is quantized (4/8-bit runs) unless it is the output head."""
+
+    name: str
+    in_features: int
+    out_features: int
+    layer: int | None  # index of the decoder layer holding it; None outside the layers (the head)
+    quantized: bool
+    lora: bool
+
+    @property
+    def numel(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass
+class ModelShape:
+    model_type: str
+    layer_classes: list[str]  # the model's `_no_split_modules`: what FSDP's transformer wrap wraps
+    module_classes: set[str]
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    linears: list[LinearShape] = field(default_factory=list)
+    # numel of parameters that are not linear weights (embeddings, norms, biases), inside / outside the layers
+    other_in_layers: int = 0
+    other_outside: int = 0
+    num_tensors: int = 0  # parameter tensors, tied ones once
+
+    @property
+    def total_params(self) -> int:
+        return sum(lin.numel for lin in self.linears) + self.other_in_layers + self.other_outside
+
+    def lora_params(self, r: int) -> int:
+        return sum(r * (lin.in_features + lin.out_features) for lin in self.linears if lin.lora)
+
+    def lora_in_features(self) -> list[int]:
+        return [lin.in_features for lin in self.linears if lin.lora and lin.layer is not None]
+
+    def per_layer(self, what: str) -> int:
+        """numel of the largest decoder layer's quantizable linears (``"linear"``) or other params (``"other"``)."""
+        if self.num_layers == 0:
+            return 0
+        if what == "other":
+            return self.other_in_layers // self.num_layers
+        sizes: dict[int, int] = {}
+        for lin in self.linears:
+            if lin.layer is not None:
+                sizes[lin.layer] = sizes.get(lin.layer, 0) + lin.numel
+        return max(sizes.values(), default=0)
+
+
+def load_model_config(model, trust_remote_code: bool = False):
+    """A transformers config from a model directory, a config.json path or a config object.
+
+    Raises:
+        SetupInputError: the path does not exist, holds no config.json, or is not a causal LM config.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    path = Path(os.path.expanduser(os.fspath(model)))
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise SetupInputError(
+                f"{path.parent} has no config.json. Pass the model directory written by save_pretrained, or its "
+                "config.json file (only the config is read)."
+            )
+    elif not path.is_file():
+        raise SetupInputError(
+            f"Model path {os.fspath(model)!r} does not exist. Pass a model directory or a config.json."
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SetupInputError(f"{path} is not a JSON model config ({err}). Pass the model's config.json.") from err
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise SetupInputError(f"{path} has no `model_type`, so it is not a transformers config.json.")
+    try:
+        config = AutoConfig.for_model(**data) if not trust_remote_code else AutoConfig.from_pretrained(path.parent)
+    except (ValueError, KeyError) as err:
+        reason = str(err).split(". Should contain", 1)[0]  # transformers appends every known model type
+        raise SetupInputError(f"transformers cannot read {path}: {reason}.") from err
+    _check_causal_lm(config, path)
+    return config
+
+
+def _check_causal_lm(config, path) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = set()
+    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        causal.update([names] if isinstance(names, str) else names)
+    architectures = getattr(config, "architectures", None) or []
+    # The same rule as hf_fsdp_qlora.load_qlora_model: a saved BertModel has a causal class but no LM head.
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+        architectures and not any(a in causal or a.endswith("ForCausalLM") for a in architectures)
+    ):
+        raise SetupInputError(
+            f"{path} describes a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'}), "
+            "which has no causal-LM head to fine-tune. Pass a causal language model's config (Llama, Qwen2, ...)."
+        )
+
+
+def _layer_index(name: str, layer_prefixes: list[str]) -> int | None:
+    for prefix in layer_prefixes:
+        if name.startswith(prefix):
+            index = name[len(prefix) :].split(".", 1)[0]
+            if index.isdigit():
+                return int(index)
+    return None
+
+
+def _targets(config_targets, name: str) -> bool:
+    if config_targets == "all-linear":
+        return True
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    return bool(check_target_module_exists(LoraConfig(target_modules=config_targets), name))
+
+
+def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
+    """The shapes of `model` (a path, config.json, config object or an ``nn.Module``), built on the meta device.
+
+    LoRA targets follow peft's rule for ``"all-linear"`` (every linear layer but the output head); bitsandbytes
+    quantizes every linear layer but the output head (transformers' ``modules_to_not_convert``).
+
+    Raises:
+        SetupInputError: the config cannot be read or has no causal-LM class.
+    """
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        module, config = model, model.config
+    else:
+        config = load_model_config(model)
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"):
+                module = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        except Exception as err:  # any failure to build a model from this config is bad input
+            raise SetupInputError(
+                f"{config.model_type!r} has no causal-LM class in transformers ({err}). Pass a causal language "
+                "model's config (Llama, Qwen2, Mistral, ...)."
+            ) from err
+    if hasattr(module, "get_base_model"):  # a peft model: shapes of the base
+        module = module.get_base_model()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_classes = list(getattr(module, "_no_split_modules", None) or [])
+    # The decoder layers live in a ModuleList: "model.layers.3" -> prefix "model.layers.".
+    layer_prefixes = sorted(
+        {
+            n[: n.rfind(".") + 1]
+            for n, m in module.named_modules()
+            if type(m).__name__ in layer_classes and n.rsplit(".", 1)[-1].isdigit()
+        }
+    )
+    head = module.get_output_embeddings()
+    linear_types = (torch.nn.Linear,)
+    shape = ModelShape(
+        model_type=config.model_type,
+        layer_classes=layer_classes,
+        module_classes={type(m).__name__ for m in module.modules()},
+        num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        hidden_size=int(text.hidden_size),
+        intermediate_size=int(getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size),
+        num_heads=int(text.num_attention_heads),
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
+        vocab_size=int(text.vocab_size),
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+    linear_weights = set()
+    for name, sub in module.named_modules():
+        is_linear = isinstance(sub, linear_types) or type(sub).__name__ in ("Linear4bit", "Linear8bitLt")
+        if not is_linear or "lora_" in name or ".base_layer" in name[-11:]:
+            continue
+        is_head = sub is head
+        in_f = int(sub.in_features)
+        out_f = int(sub.out_features)
+        shape.linears.append(
+            LinearShape(
+                name=name,
+                in_features=in_f,
+                out_features=out_f,
+                layer=_layer_index(name, layer_prefixes),
+                quantized=not is_head,
+                lora=not is_head and _targets(lora_target_modules, name),
+            )
+        )
+        linear_weights.add(id(sub.weight))
+    seen = set()
+    shape.num_tensors = sum(1 for _ in module.parameters())
+    for name, param in module.named_parameters(remove_duplicate=True):
+        if id(param) in linear_weights or id(param) in seen or "lora_" in name:
+            continue
+        seen.add(id(param))
+        if _layer_index(name, layer_prefixes) is None:
+            shape.other_outside += param.numel()
+        else:
+            shape.other_in_layers += param.numel()
+    return shape

@@ -1,0 +1,428 @@
+"""`hf-fsdp-qlora doctor` / `check_setup`: every check fails and passes where it should, the memory plan matches
+what a real run holds, the verdicts match the shipped 70B and Llama Guard configs, bad input exits 2 without a
+traceback - and the doctor's verdict agrees with reality: one 2-rank launch runs each configuration on real FSDP
+(CPU, gloo) and every configuration the doctor fails really fails, every one it passes really trains.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from dist_utils import BIN, CONFIGS, check, read_results, torchrun
+from tiny_models import build_tiny_model
+
+from hf_fsdp_qlora.cli.main import main as cli_main
+from hf_fsdp_qlora.doctor import diagnose, parse_size
+
+DATA = Path(__file__).resolve().parent / "data"
+LLAMA3_70B = DATA / "llama3_70b_config.json"
+LLAMA2_70B = DATA / "llama2_70b_config.json"
+GUARD_1B = DATA / "llamaguard3_1b_config.json"
+GB = 2**30
+
+
+def _yaml(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+
+
+def _cfg(name: str, **changes) -> dict:
+    """A shipped config with top-level and fsdp_config (``fsdp_*``) keys changed."""
+    config = copy.deepcopy(_yaml(name))
+    for key, value in changes.items():
+        (config["fsdp_config"] if key.startswith("fsdp_") else config)[key] = value
+    return config
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("doctor_models")
+    build_tiny_model(root / "llama", "llama")
+    return root
+
+
+def _ids(model, config, severity=None, **settings) -> set[str]:
+    findings = diagnose(str(model), accelerate_config=config, **settings).findings
+    return {f.id for f in findings if severity is None or f.severity == severity}
+
+
+Q4 = {"quantization": "4bit", "lora_r": 4}
+STOCK = dict(Q4, trainer="transformers", adapter_dtype="bfloat16")
+PLAIN = dict(Q4, trainer="accelerate", adapter_dtype="bfloat16")
+F1Q, F2Q = _yaml("fsdp1_qlora"), _yaml("fsdp2_qlora")
+# (check id, its severity, failing config, failing settings, passing config, passing settings)
+CHECKS = [
+    ("fsdp1-integer-storage", "error", F1Q, dict(Q4, quant_storage="uint8"), F1Q, Q4),
+    # A stock Trainer leaves uint8-stored weights unsharded (warning); ours views them as bf16 (info, below).
+    ("fsdp2-integer-storage", "warning", F2Q, dict(STOCK, quant_storage="uint8"), F2Q, STOCK),
+    ("8bit-under-fsdp", "error", F2Q, {"quantization": "8bit"}, F2Q, Q4),
+    ("storage-vs-param-dtype", "error", _cfg("fsdp2_qlora", mixed_precision="fp16"), STOCK,
+     _cfg("fsdp2_qlora", mixed_precision="fp16"), Q4),
+    ("storage-vs-compute-dtype", "warning", F2Q, dict(STOCK, compute_dtype="float32"), F2Q, STOCK),
+    ("fsdp1-fp32-adapters", "error", F1Q, dict(Q4, trainer="transformers"), F2Q, dict(Q4, trainer="transformers")),
+    ("fsdp1-fp32-norms", "error", F1Q, dict(PLAIN, norm_dtype="float32"), F1Q, PLAIN),
+    ("fsdp1-use-orig-params", "error", _cfg("fsdp1_qlora", fsdp_use_orig_params=False), PLAIN,
+     _cfg("fsdp1_qlora", fsdp_use_orig_params=False), STOCK),
+    ("device-map-under-fsdp", "error", _yaml("fsdp2_qlora_offload"), dict(Q4, device_map="auto"),
+     _yaml("fsdp2_qlora_offload"), Q4),
+    ("activation-checkpointing-twice", "error", F2Q, dict(Q4, gradient_checkpointing=True), F2Q, Q4),
+    ("cpu-ram-efficient-loading-without-sync", "error", _cfg("fsdp1_qlora", fsdp_sync_module_states=False), Q4,
+     F1Q, Q4),
+    ("cpu-rehearsal-needs-gpu", "error", _cfg("cpu_fsdp1_rehearsal", fsdp_sync_module_states=True), Q4,
+     _yaml("cpu_fsdp1_rehearsal"), Q4),
+    ("wrap-class-missing", "error", _cfg("fsdp2_qlora", fsdp_transformer_layer_cls_to_wrap="GPT2Block"), Q4,
+     _cfg("fsdp2_qlora", fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer"), Q4),
+    ("no-auto-wrap", "error", _cfg("fsdp2_qlora", fsdp_auto_wrap_policy="NO_WRAP"), Q4, F2Q, Q4),
+    ("padding-to-max-length", "warning", F2Q, dict(Q4, padding="max_length"), F2Q,
+     dict(Q4, padding="max_length", packing=True)),
+    ("optimizer-in-checkpoint", "info", F2Q, dict(Q4, save_steps=100), F2Q,
+     dict(Q4, save_steps=100, save_only_model=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("check_id,severity,fail_cfg,failing,pass_cfg,passing", CHECKS, ids=[c[0] for c in CHECKS])
+def test_check_fails_and_passes(tiny, check_id, severity, fail_cfg, failing, pass_cfg, passing):
+    assert check_id in _ids(tiny / "llama", fail_cfg, severity, **failing)
+    assert check_id not in _ids(tiny / "llama", pass_cfg, severity, **passing)
+
+
+def test_our_trainer_turns_dtype_errors_into_infos(tiny):
+    """What hf_fsdp_qlora fixes before wrapping is reported, not refused; what it cannot fix stays an error."""
+    fsdp1 = _cfg("fsdp1_qlora", fsdp_use_orig_params=False)
+    infos = _ids(tiny / "llama", fsdp1, "info", **Q4, adapter_dtype="float32", norm_dtype="float32")
+    assert {"fsdp1-fp32-adapters", "fsdp1-fp32-norms", "fsdp1-use-orig-params"} <= infos
+    assert not _ids(tiny / "llama", fsdp1, "error", **Q4, adapter_dtype="float32", norm_dtype="float32")
+    assert "fsdp1-integer-storage" in _ids(tiny / "llama", fsdp1, "error", **Q4, quant_storage="uint8")
+
+
+def test_live_model_and_plugin(tiny):
+    """What the trainer runs before wrapping: facts read from the loaded model and the live plugin."""
+    from types import SimpleNamespace
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    def plugin(version, **kw):
+        return SimpleNamespace(fsdp_version=version, auto_wrap_policy=None, transformer_cls_names_to_wrap=None,
+                               cpu_offload=None, mixed_precision_policy=None, use_orig_params=True, **kw)  # fmt: skip
+
+    for storage in (torch.uint8, torch.bfloat16):
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=storage
+        )
+        base = AutoModelForCausalLM.from_pretrained(tiny / "llama", quantization_config=quant, dtype=torch.bfloat16)
+        model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))  # fp32 adapters (peft default)
+        found = {f.id: f.severity for f in diagnose(model, fsdp_plugin=plugin(1)).findings}
+        if storage == torch.uint8:
+            assert found["fsdp1-integer-storage"] == "error"
+        else:
+            assert found == {"fsdp1-fp32-adapters": "info"}, found
+
+
+def test_memory_plan_matches_a_loaded_model(tiny):
+    """The plan's quantized base, quantization constants, other weights and LoRA equal a real 4-bit model's bytes."""
+    import torch
+
+    from hf_fsdp_qlora import load_qlora_model
+
+    model = load_qlora_model(str(tiny / "llama"), lora_config=None, gradient_checkpointing=False)
+    real = dict.fromkeys(("params_quantized", "quant_state", "params_other", "params_trainable"), 0)
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit" and not hasattr(module, "base_layer"):
+            qs = module.weight.quant_state
+            real["quant_state"] += sum(t.numel() * t.element_size() for t in
+                                       (qs.absmax, qs.code, qs.offset, qs.state2.absmax, qs.state2.code))  # fmt: skip
+    quantized = {
+        id(m.weight) for m in model.modules() if type(m).__name__ == "Linear4bit" and not hasattr(m, "base_layer")
+    }
+    for p in model.parameters():
+        key = "params_trainable" if p.requires_grad else "params_quantized" if id(p) in quantized else "params_other"
+        real[key] += p.numel() * p.element_size()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    plan = diagnose(str(tiny / "llama"), accelerate_config=_yaml("fsdp2_qlora"), num_gpus=1, quantization="4bit").plan
+    assert {k: plan.shard[k] for k in real} == real
+
+
+def test_lora_count_matches_peft(tiny):
+    """Our LoRA parameter count (peft's all-linear rule, without building peft layers) equals peft's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp_qlora.doctor import model_shape
+
+    for targets in ("all-linear", ["q_proj", "v_proj"]):
+        model = AutoModelForCausalLM.from_pretrained(tiny / "llama")
+        peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
+        expected = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        assert model_shape(tiny / "llama", targets).lora_params(8) == expected
+
+
+def test_llama3_70b_qlora_2xa100_verdict_matches_shipped_config():
+    """llama3_70b_2xa100_80gb.yaml: QLoRA of Llama 3 70B fits on 2x A100 80GB at batch 1 and 2048-4096 tokens,
+    with the config's activation checkpointing; without it, it does not."""
+    started = time.perf_counter()
+    for seq in (2048, 4096):
+        d = diagnose(LLAMA3_70B, accelerate_config="llama3_70b_2xa100_80gb", quantization="4bit", seq_len=seq,
+                     gpu_memory=parse_size("80GB"))  # fmt: skip
+        assert d.plan.verdict == "fits" and not d.errors, [f.message for f in d.errors]
+        # 70B in NF4 + double quant, bf16 embeddings and head: about 40 GB, about 20 GB per GPU (the config's text).
+        base = d.plan.parts["base_quantized"] + d.plan.parts["base_other"] + d.plan.parts["base_quant_state"]
+        assert 18 * GB < base < 22 * GB
+    assert time.perf_counter() - started < 20
+    d = diagnose(LLAMA3_70B, accelerate_config=_cfg("llama3_70b_2xa100_80gb", fsdp_activation_checkpointing=False),
+                 quantization="4bit", seq_len=4096, gpu_memory=80 * GB)  # fmt: skip
+    assert "activation-checkpointing-off" in {f.id for f in d.errors}
+    assert d.plan.verdict == "does_not_fit"
+    # load_qlora_model enables checkpointing on the model itself (its default): that counts too.
+    d = diagnose(LLAMA3_70B, accelerate_config=_cfg("llama3_70b_2xa100_80gb", fsdp_activation_checkpointing=False),
+                 quantization="4bit", seq_len=4096, gpu_memory=80 * GB, model_checkpointing=True)  # fmt: skip
+    assert d.plan.verdict == "fits" and not d.errors
+
+
+def test_llamaguard_1b_full_finetune_1x24gb_verdict_matches_shipped_config():
+    """llamaguard3_1b_1x24gb.yaml: a full fine-tune fits one 24 GB GPU with its CPU offload; without it, fp32
+    weights, gradients and AdamW states alone are about 24 GB and it does not."""
+    d = diagnose(GUARD_1B, accelerate_config="llamaguard3_1b_1x24gb", full_finetune=True, seq_len=4096,
+                 gpu_memory=24 * GB)  # fmt: skip
+    assert d.plan.verdict == "fits" and not d.errors
+    assert 1.4e9 < d.shape.total_params < 1.6e9
+    persistent = d.plan.host["offloaded"]
+    assert 21 * GB < persistent < 25 * GB  # 16 bytes per parameter, moved to host RAM
+    no_offload = diagnose(GUARD_1B, accelerate_config=_cfg("llamaguard3_1b_1x24gb", fsdp_offload_params=False),
+                          full_finetune=True, seq_len=4096, gpu_memory=24 * GB)  # fmt: skip
+    assert no_offload.plan.verdict == "does_not_fit"
+    assert {f.id for f in no_offload.errors} == {"memory-does-not-fit"}
+    assert no_offload.errors[0].setting == "fsdp_config.fsdp_offload_params"
+
+
+def test_memory_checks_on_large_models():
+    """Loading, checkpoint timeout and evaluation batch, each failing and passing."""
+    llama2 = {"quantization": "4bit", "gpu_memory": 24 * GB, "seq_len": 2048}
+    assert "load-does-not-fit" in {
+        f.id for f in diagnose(LLAMA2_70B, accelerate_config="fsdp2_qlora", **llama2).errors
+    }
+    assert "load-does-not-fit" not in {
+        f.id
+        for f in diagnose(LLAMA2_70B, accelerate_config="fsdp2_qlora", **{**llama2, "gpu_memory": 80 * GB}).findings
+    }
+    full = {"full_finetune": True, "save_steps": 100, "gpu_memory": 80 * GB, "num_gpus": 16}
+    timeout = {f.id: f for f in diagnose(LLAMA3_70B, accelerate_config="fsdp1_qlora", **full).findings}
+    assert timeout["checkpoint-timeout"].severity == "error"
+    assert "ddp_timeout" in timeout["checkpoint-timeout"].setting
+    assert "checkpoint-timeout" not in {
+        f.id for f in diagnose(LLAMA3_70B, accelerate_config="fsdp1_qlora", **full, timeout_minutes=600).findings
+    }
+    qlora = {"quantization": "4bit", "seq_len": 4096, "gpu_memory": 80 * GB}
+    assert "eval-batch-too-large" in {
+        f.id
+        for f in diagnose(LLAMA3_70B, accelerate_config="llama3_70b_2xa100_80gb", eval_batch_size=16, **qlora).errors
+    }
+    assert not diagnose(LLAMA3_70B, accelerate_config="llama3_70b_2xa100_80gb", eval_batch_size=1, **qlora).errors
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+
+def _cli(capsys, *args):
+    code = cli_main(["doctor", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json_and_exit_codes(capsys):
+    code, out, _ = _cli(capsys, "--accelerate-config", "llama3_70b_2xa100_80gb", "--model", LLAMA3_70B,
+                        "--load-in-4bit", "--seq-len", 4096, "--gpu-memory", "80GB", "--json")  # fmt: skip
+    doc = json.loads(out)
+    assert code == 0 and doc["ok"] and doc["exit_code"] == 0 and doc["schema_version"] == 1
+    assert set(doc) == {"schema_version", "ok", "exit_code", "counts", "setup", "findings", "memory"}
+    assert doc["setup"]["fsdp"]["version"] == 2 and doc["setup"]["num_gpus"] == 2
+    memory = doc["memory"]
+    assert memory["verdict"] == "fits" and memory["per_gpu"]["total"] == sum(
+        v for k, v in memory["per_gpu"].items() if k != "total"
+    )
+    assert set(memory["activations"]) == {"checkpointing", "with_checkpointing", "without_checkpointing"}
+    for finding in doc["findings"]:
+        assert set(finding) == {"id", "severity", "problem", "setting", "value"}
+    code, out, _ = _cli(capsys, "--accelerate-config", "fsdp2_qlora", "--model", LLAMA3_70B, "--load-in-8bit")
+    assert code == 1 and "8bit-under-fsdp" in out and "ERROR" in out
+
+
+@pytest.mark.parametrize(
+    "case,expect",
+    [
+        ("not_accelerate", "is not an accelerate config"),
+        ("unknown_key", "unknown key `fsdp_confg`"),
+        ("unknown_fsdp_key", "unknown fsdp_config key `fsdp_offload_parms`"),
+        ("bad_yaml", "is not valid YAML"),
+        ("no_config_json", "has no config.json"),
+        ("missing_model", "does not exist"),
+        ("unknown_name", "neither a file nor a shipped config"),
+    ],
+)
+def test_cli_bad_input_exits_2(tmp_path, capsys, case, expect):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(_yaml("fsdp2_qlora")))
+    model = LLAMA3_70B
+    if case == "not_accelerate":
+        config.write_text(yaml.safe_dump({"model": "llama", "lr": 1e-4}))
+    elif case == "unknown_key":
+        config.write_text(yaml.safe_dump({**_yaml("fsdp2_qlora"), "fsdp_confg": {}}))
+    elif case == "unknown_fsdp_key":
+        config.write_text(yaml.safe_dump(_cfg("fsdp2_qlora", fsdp_offload_parms=True)))
+    elif case == "bad_yaml":
+        config.write_text("distributed_type: FSDP\n  fsdp_config: [\n")
+    elif case == "no_config_json":
+        model = tmp_path
+    elif case == "missing_model":
+        model = tmp_path / "nope"
+    elif case == "unknown_name":
+        config = "fsdp3_qlora"
+    code, _, err = _cli(capsys, "--accelerate-config", config, "--model", model, "--load-in-4bit")
+    assert code == 2 and expect in err, err
+    assert "Traceback" not in err
+
+
+def test_console_script_no_traceback(tmp_path):
+    """The installed `hf-fsdp-qlora doctor`: bad usage exits 2 with one line, a good run prints the table."""
+    cli = str(BIN / "hf-fsdp-qlora")
+    proc = subprocess.run([cli, "doctor", "--accelerate-config", str(tmp_path), "--model", str(GUARD_1B)],
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("hf-fsdp-qlora doctor: error:")
+
+
+def test_check_setup_is_public():
+    import hf_fsdp_qlora
+
+    findings = hf_fsdp_qlora.check_setup(LLAMA3_70B, accelerate_config="fsdp1_qlora", quantization="4bit",
+                                         quant_storage="uint8")  # fmt: skip
+    assert findings[0].severity == "error" and findings[0].id == "fsdp1-integer-storage"
+    assert "bnb_4bit_quant_storage" in findings[0].message and "torch.bfloat16" in findings[0].message
+    with pytest.raises(TypeError, match="unknown settings"):
+        hf_fsdp_qlora.check_setup(LLAMA3_70B, accelerate_config="fsdp1_qlora", batchsize=2)
+
+
+# --- the doctor against reality: one 2-rank launch on CPU ------------------------------------------------------
+
+BF16 = {"quantization": "4bit", "quant_storage": "bfloat16", "adapter_dtype": "bfloat16"}
+F1, F2 = _yaml("cpu_fsdp1_rehearsal"), _yaml("cpu_fsdp2_rehearsal")
+
+
+def _rehearsal(name, **changes):
+    return _cfg(f"cpu_{name}_rehearsal", **changes)
+
+
+# name: (accelerate config, model spec, trainer, training, expected error id or None, text of the real failure)
+SCENARIOS = {
+    "f1_uint8_stock": (F1, dict(BF16, quant_storage="uint8"), "transformers", {}, "fsdp1-integer-storage",
+                       "Cannot flatten integer dtype tensors"),
+    "f1_uint8_ours": (F1, dict(BF16, quant_storage="uint8"), "hf_fsdp_qlora", {}, "fsdp1-integer-storage",
+                      "[fsdp1-integer-storage]"),
+    "f2_8bit_ours": (F2, {"quantization": "8bit"}, "hf_fsdp_qlora", {}, "8bit-under-fsdp", "[8bit-under-fsdp]"),
+    "f1_fp32lora_stock": (F1, dict(BF16, adapter_dtype="float32"), "transformers", {}, "fsdp1-fp32-adapters",
+                          "expected m1 and m2 to have the same dtype"),
+    "f1_kbitprep_stock": (F1, dict(BF16, kbit_prep=True), "transformers", {}, "fsdp1-fp32-norms",
+                          "Must flatten tensors with uniform dtype"),
+    "f1_origfalse_accel": (_rehearsal("fsdp1", fsdp_use_orig_params=False), BF16, "accelerate", {},
+                           "fsdp1-use-orig-params", "Must flatten tensors with uniform `requires_grad`"),
+    "f2_fp16mp_stock": (_rehearsal("fsdp2", mixed_precision="fp16"), BF16, "transformers", {},
+                        "storage-vs-param-dtype", None),  # trains, on corrupted weights: the logits show it
+    "f2_devmap_stock": (F2, dict(BF16, device_map="multi-device"), "transformers", {}, "device-map-under-fsdp",
+                        "loaded with `device_map='auto'` in any distributed mode"),
+    "f2_ac_twice_ours": (F2, BF16, "hf_fsdp_qlora", {"activation_checkpointing": True},
+                         "activation-checkpointing-twice", "can't both be set to True"),
+    "f2_wrapclass_stock": (_rehearsal("fsdp2", fsdp_transformer_layer_cls_to_wrap="GPT2Block"), BF16, "transformers",
+                           {}, "wrap-class-missing", "Could not find the transformer layer class GPT2Block"),
+    "f2_nowrap_ac_stock": (_rehearsal("fsdp2", fsdp_auto_wrap_policy="NO_WRAP"), BF16, "transformers", {},
+                          "no-auto-wrap", "'NoneType' object is not callable"),
+    "f2_cpuram_nosync": (_rehearsal("fsdp2", fsdp_cpu_ram_efficient_loading=True), BF16, "hf_fsdp_qlora", {},
+                         "cpu-ram-efficient-loading-without-sync", "set `--fsdp_sync_module_states` to `True`"),
+    "f1_sync_on_cpu": (_rehearsal("fsdp1", fsdp_sync_module_states=True), BF16, "hf_fsdp_qlora", {},
+                       "cpu-rehearsal-needs-gpu", "There are currently no available devices found"),
+    "p1_ours": (F1, BF16, "hf_fsdp_qlora", {}, None, None),
+    "p2_sync_cpuram_on_cpu": (_rehearsal("fsdp2", fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states=True),
+                              BF16, "hf_fsdp_qlora", {}, None, None),
+    "p2_ours": (F2, BF16, "hf_fsdp_qlora", {}, None, None),
+    "p1_fp32lora_kbit_origfalse_ours": (_rehearsal("fsdp1", fsdp_use_orig_params=False),
+                                        dict(BF16, adapter_dtype="float32", kbit_prep=True), "hf_fsdp_qlora", {},
+                                        None, None),
+    "p1_origfalse_stock": (_rehearsal("fsdp1", fsdp_use_orig_params=False), BF16, "transformers", {}, None, None),
+    "p2_uint8_ours": (F2, dict(BF16, quant_storage="uint8"), "hf_fsdp_qlora", {}, None, None),
+    "p2_fp32storage_bf16mp_ours": (_rehearsal("fsdp2", mixed_precision="bf16"), dict(BF16, quant_storage="float32"),
+                                   "hf_fsdp_qlora", {}, None, None),
+    "p2_fp32lora_stock": (F2, dict(BF16, adapter_dtype="float32"), "transformers", {}, None, None),
+    "p1_bf16mp_stock": (_rehearsal("fsdp1", mixed_precision="bf16"), BF16, "transformers", {}, None, None),
+    "p2_full_bf16mp_stock": (_rehearsal("fsdp2", mixed_precision="bf16"), {"full_finetune": True}, "transformers",
+                             {}, None, None),
+}  # fmt: skip
+MEASURED = ("p1_ours", "p2_ours", "p1_bf16mp_stock", "p2_full_bf16mp_stock", "p2_uint8_ours")
+
+
+def _doctor_settings(spec: dict, trainer: str, training: dict) -> dict:
+    return {
+        "quantization": spec.get("quantization"), "full_finetune": spec.get("full_finetune", False),
+        "quant_storage": spec.get("quant_storage"), "adapter_dtype": spec.get("adapter_dtype"),
+        "norm_dtype": "float32" if spec.get("kbit_prep") else None, "device_map": spec.get("device_map"),
+        "trainer": trainer, "gradient_checkpointing": training.get("activation_checkpointing", False), "lora_r": 4,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("doctor_rehearsal")
+    scenarios = [
+        {"name": name, "accelerate_config": cfg, "model": spec, "trainer": trainer, "training": training,
+             "measure": name in MEASURED}
+        for name, (cfg, spec, trainer, training, _, _) in SCENARIOS.items()
+    ]  # fmt: skip
+    (out / "scenarios.json").write_text(json.dumps(scenarios))
+    proc = torchrun("doctor_scenarios.py", "--out", str(out / "run"), "--models", str(tiny),
+                    "--scenarios", str(out / "scenarios.json"), timeout=600)  # fmt: skip
+    check(proc)
+    results = read_results(out / "run")
+    assert sorted(results) == [0, 1]
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_doctor_agrees_with_reality(tiny, rehearsal, name):
+    config, spec, trainer, training, expected_error, real_text = SCENARIOS[name]
+    diagnosis = diagnose(str(tiny / "llama"), accelerate_config=config, **_doctor_settings(spec, trainer, training))
+    errors = {f.id for f in diagnosis.errors}
+    for rank in (0, 1):
+        real = rehearsal[rank][name]
+        # Silent corruption: the run "trains", but its step-0 logits are far from the unsharded model's.
+        failed = not real["ok"] or real["logits_rel_err"] > 0.1
+        assert failed == bool(errors), (errors, real.get("error"), real.get("logits_rel_err"))
+        if expected_error is None:
+            assert real["distributed_type"] == "DistributedType.FSDP"
+            engagement = real["engagement"]
+            assert engagement["flat_params"] > 0 or engagement["fsdp2_modules"] > 0, engagement
+            continue
+        assert expected_error in errors
+        if real_text is not None:
+            assert real_text in real["error"], real["error"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", MEASURED)
+def test_memory_plan_matches_rehearsal_per_rank(tiny, rehearsal, name):
+    """Local shards of parameters, gradients and optimizer state per rank after one step, within 10%."""
+    config, spec, trainer, training, _, _ = SCENARIOS[name]
+    plan = diagnose(str(tiny / "llama"), accelerate_config=config, **_doctor_settings(spec, trainer, training)).plan
+    for rank in (0, 1):
+        measured = rehearsal[rank][name]["measured"]
+        for key, estimate in plan.shard.items():
+            assert estimate == pytest.approx(measured[key], rel=0.10, abs=64), (key, estimate, measured[key])
+
+
+def test_ours_shards_integer_storage_under_fsdp2_is_info(tiny):
+    assert "fsdp2-integer-storage" in _ids(tiny / "llama", F2Q, "info", **Q4, quant_storage="uint8")
+    assert "fsdp2-integer-storage" not in _ids(tiny / "llama", F2Q, "warning", **Q4, quant_storage="uint8")
