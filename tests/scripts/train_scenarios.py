@@ -289,6 +289,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in packed
     )
     result["packed_full_bytes"] = sum(p.numel() * p.element_size() for p in packed)
+    sharded = [p for p in packed if hasattr(p, "device_mesh")]
+    if sharded:
+        result["mesh_shape"] = list(sharded[0].device_mesh.mesh.shape)
+        result["placements"] = [str(pl) for pl in sharded[0].placements]
     policy = getattr(trainer.accelerator.state.fsdp_plugin, "mixed_precision_policy", None)
     result["mp_param_dtype"] = str(getattr(policy, "param_dtype", None))
     result["dtensor_lora"] = sum(
