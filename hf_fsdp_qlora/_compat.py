@@ -12,4 +12,10 @@ Each entry names the module that holds the workaround and the test that fails wh
   inside FSDP1 carry ``_fsdp_wrapped_module.``; an unsharded state dict then yields an EMPTY adapter.
 * ``fsdp.fsdp_engagement``: FSDP1's FlatParameter is tagged ``_is_flat_param`` (torch 2.13); checked by
   every distributed test that asserts engagement.
+* ``_trainer_mixin`` / ``checkpoint.gather_optimizer_state``: accelerate's (<= 1.15) FSDP1 optimizer load
+  aliased Adam's ``exp_avg`` to ``exp_avg_sq`` (resumed runs diverged after one step), and its FSDP1
+  FULL model save segfaulted on CPU ranks; adapter and full-form checkpoints use torch's distributed
+  state-dict API instead. ``tests/test_checkpoints.py`` (exact resume, FSDP1 and FSDP2) guards both.
+* ``dtypes.view_packed_storage_as``: accelerate's FSDP2 (<= 1.15) excludes integer-stored Params4bit
+  from sharding; ``tests/test_sharding.py`` checks every 4-bit weight is a half-size DTensor shard.
 """

@@ -4,12 +4,11 @@ your own subclass). Our trainer classes install this same callback: there is one
 from __future__ import annotations
 
 import logging
-import os
 
 from transformers import TrainerCallback
 
 from .consistency import make_fsdp_consistent
-from .cpu_rehearsal import enable_cpu_fsdp
+from .cpu_rehearsal import enable_cpu_fsdp, fsdp_requested_by_launch
 from .errors import FSDPNotEngagedError
 from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge
 
@@ -22,7 +21,7 @@ enable_cpu_fsdp()
 
 
 def _fsdp_requested(args) -> bool:
-    return bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return bool(getattr(args, "fsdp", None)) or fsdp_requested_by_launch()
 
 
 def _active_fsdp_plugin():

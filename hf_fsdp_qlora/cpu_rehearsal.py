@@ -28,7 +28,7 @@ import os
 
 import torch
 
-__all__ = ["enable_cpu_fsdp", "is_cpu_fsdp_enabled", "CPU_FSDP_UNSUPPORTED_OPTIONS"]
+__all__ = ["enable_cpu_fsdp", "is_cpu_fsdp_enabled", "fsdp_requested_by_launch", "CPU_FSDP_UNSUPPORTED_OPTIONS"]
 
 # FullyShardedDataParallelPlugin.__post_init__ looks for an accelerator device when either is on and
 # raises "There are currently no available devices found". On CPU every rank loads the full model
@@ -38,10 +38,17 @@ CPU_FSDP_UNSUPPORTED_OPTIONS = ("sync_module_states", "cpu_ram_efficient_loading
 _ENABLED = False
 
 
+def fsdp_requested_by_launch() -> bool:
+    """Whether this process was launched for FSDP.
+
+    ACCELERATE_USE_FSDP is accelerate's own launch contract (set by `accelerate launch` from the YAML's
+    `distributed_type: FSDP`, or by Trainer when `fsdp` is on), not a setting of ours.
+    """
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def _fsdp_requested(fsdp_plugin=None) -> bool:
-    # ACCELERATE_USE_FSDP is accelerate's own launch contract (set by `accelerate launch` from the
-    # YAML's `distributed_type: FSDP`, or by Trainer when `fsdp` is on), not a setting of ours.
-    return fsdp_plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return fsdp_plugin is not None or fsdp_requested_by_launch()
 
 
 def _no_accelerator() -> bool:
