@@ -79,7 +79,8 @@ def torchrun_runs(models, tmp_path_factory):
     runs = {}
     for version in (1, 2):
         out = tmp_path_factory.mktemp(f"torchrun{version}") / "run"
-        runs[version] = (out, _launch("torchrun", version, ["a=llama:ours_loader", "c=qwen2:callback"], models, out))
+        scenarios = ["a=llama:ours_loader", "c=qwen2:callback", "d=llama:sft"]
+        runs[version] = (out, _launch("torchrun", version, scenarios, models, out))
     return runs
 
 
@@ -163,6 +164,7 @@ def test_torchrun_with_fsdp_in_training_arguments(torchrun_runs, models, version
     out, results = torchrun_runs[version]
     _assert_trained_scenario("a", results, out, models, version, "llama")
     _assert_trained_scenario("c", results, out, models, version, "qwen2")
+    _assert_trained_scenario("d", results, out, models, version, "llama")  # FSDPQLoRASFTTrainer
 
 
 def test_adapters_identical_without_a_seed(fsdp1_run, fsdp2_run):
