@@ -6,6 +6,12 @@
 The model is built locally and loaded the way most users load it: bitsandbytes' default uint8 storage.
 accelerate's FSDP2 leaves uint8-stored 4-bit weights unsharded (a full copy per rank); ours views them as
 bf16 and shards them. Figures are ratios to the whole 4-bit model; goal for ours: <= 0.55x per rank.
+
+    python benchmarks/fsdp_memory.py --low-ram
+
+measures loading instead: peak RSS of one process running load_qlora_model, beside the sum over 2 ranks of
+load_qlora_model(low_cpu_ram=True) (only rank 0 reads the checkpoint) and of today's load on every rank.
+Goal: sum over 2 ranks <= 1.3x the single-process load.
 """
 
 from __future__ import annotations
@@ -55,6 +61,23 @@ torch.distributed.barrier()
 """
 
 
+LOAD_WORKER = r"""
+import json, os, resource, sys, torch
+import hf_fsdp_qlora
+from hf_fsdp_qlora import load_qlora_model
+path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+def rss_now():  # current resident set, from /proc (ru_maxrss only gives the peak)
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss_now()
+model = load_qlora_model(path, gradient_checkpointing=False, low_cpu_ram=(mode == "lowram"))
+found = {"before": before, "after": rss_now(), "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+rank = int(os.environ.get("RANK", 0))  # a normal load never joins the process group
+open(f"{out}-rank{rank}.json", "w").write(json.dumps(found))
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+"""
+
 
 def port():
     with socket.socket() as s:
@@ -94,12 +117,73 @@ def launch(tmp: Path, model: Path, mode: str) -> list[dict]:
     return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in (0, 1)]
 
 
+def launch_load(tmp: Path, model: Path, mode: str) -> list[dict]:
+    """Peak RSS of loading alone: `single` (one plain process), `lowram` / `normal` (2 ranks, accelerate FSDP2)."""
+    worker = tmp / "load_worker.py"
+    worker.write_text(LOAD_WORKER)
+    out = tmp / f"load-{mode}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    if mode == "single":
+        cmd = [sys.executable, str(worker), str(model), str(out), mode]
+    else:
+        config = ROOT / "accelerate_configs" / "cpu_fsdp2_rehearsal.yaml"
+        cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config),
+               "--main_process_port", str(port()), str(worker), str(model), str(out), mode]  # fmt: skip
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} load failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in ((0,) if mode == "single" else (0, 1))]
+
+
+def main_low_ram(args) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        build(tmp / "model", args.layers, args.hidden)
+        rows, spread = {}, {}
+        for mode in ("single", "lowram", "normal"):
+            # Peak RSS of a load varies from run to run (file-backed pages of the mmapped checkpoint count
+            # while mapped): keep the run with the median sum over ranks.
+            runs = sorted((launch_load(tmp, tmp / "model", mode) for _ in range(args.repeat)),
+                          key=lambda ranks: sum(r["peak"] for r in ranks))  # fmt: skip
+            rows[mode] = runs[len(runs) // 2]
+            spread[mode] = [sum(r["peak"] for r in ranks) for ranks in runs]
+    print(f"\nmedian of {args.repeat} run(s) per row; sums of peak RSS over ranks, every run (MiB):")
+    for mode, sums in spread.items():
+        print(f"  {mode:<8}" + " ".join(f"{total / 2**20:.0f}" for total in sums))
+    mib = 2**20
+    single = rows["single"][0]
+    print(f"\n{'load':<34}{'peak RSS per rank MiB':>26}{'sum MiB':>10}{'ratio':>8}"
+          f"{'peak-minus-imports sum MiB':>30}{'ratio':>8}")  # fmt: skip
+    names = {
+        "single": "1 process, normal load",
+        "lowram": "2 ranks, low_cpu_ram=True",
+        "normal": "2 ranks, normal load",
+    }
+    ratios = {}
+    for mode, ranks in rows.items():
+        total = sum(r["peak"] for r in ranks)
+        grown = sum(r["peak"] - r["before"] for r in ranks)
+        ratios[mode] = total / single["peak"]
+        per_rank = " / ".join(f"{r['peak'] / mib:.0f}" for r in ranks)
+        print(f"{names[mode]:<34}{per_rank:>26}{total / mib:>10.0f}{ratios[mode]:>7.2f}x"
+              f"{grown / mib:>30.0f}{grown / (single['peak'] - single['before']):>7.2f}x")  # fmt: skip
+    print(
+        f"\ngoal: sum of peak RSS over 2 ranks <= 1.3x one process -> {ratios['lowram']:.2f}x: "
+        f"{'met' if ratios['lowram'] <= 1.3 else 'MISSED'}"
+    )
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--modes", default="ours,stock,ddp", help="which setups to measure")
+    parser.add_argument("--low-ram", action="store_true", help="measure loading: low_cpu_ram=True vs one process")
+    parser.add_argument("--repeat", type=int, default=3, help="--low-ram: runs per setup (the median is shown)")
     args = parser.parse_args(argv)
+    if args.low_ram:
+        return main_low_ram(args)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         build(tmp / "model", args.layers, args.hidden)

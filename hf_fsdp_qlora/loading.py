@@ -103,6 +103,7 @@ def load_qlora_model(
     double_quant: bool = True,
     gradient_checkpointing: bool = True,
     trust_remote_code: bool = False,
+    low_cpu_ram: bool = False,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM in 4 bits and add LoRA adapters, with one dtype driving everything.
@@ -121,6 +122,9 @@ def load_qlora_model(
         gradient_checkpointing: enable activation checkpointing in the model (turn it off when the
             accelerate config enables ``fsdp_activation_checkpointing`` instead).
         trust_remote_code: passed to transformers.
+        low_cpu_ram: under a multi-process launch, only rank 0 reads and quantizes the checkpoint; the other
+            ranks receive its tensors and quant states (:mod:`hf_fsdp_qlora.low_ram`). Collective: call on
+            every rank. A single process loads normally.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -151,13 +155,24 @@ def load_qlora_model(
         bnb_4bit_compute_dtype=dtype,
         bnb_4bit_quant_storage=dtype,
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        model_name_or_path,
-        quantization_config=quantization_config,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-        **from_pretrained_kwargs,
-    )
+    if low_cpu_ram:
+        from .low_ram import load_base_low_ram
+
+        model = load_base_low_ram(
+            model_name_or_path,
+            quantization_config=quantization_config,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            **from_pretrained_kwargs,
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_name_or_path,
+            quantization_config=quantization_config,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            **from_pretrained_kwargs,
+        )
     _freeze_for_kbit_training(model, gradient_checkpointing)
     model = _apply_lora(model, lora_config if lora_config is not None else default_lora_config())
     harmonize_dtypes(model, dtype)

@@ -1,0 +1,215 @@
+"""Low CPU-RAM loading of a 4-bit base model under FSDP: only rank 0 reads and quantizes the checkpoint.
+
+accelerate's ``cpu_ram_efficient_loading`` skips models with ``Params4bit`` weights, so by default every
+rank reads the whole checkpoint and quantizes the whole model: N ranks on one machine need N times the
+host RAM of one load. Here rank 0 loads as usual; every other rank builds the same quantized module
+tree on the meta device (no checkpoint read, no quantization) and receives rank 0's tensors one at a
+time, so its peak RAM is about one copy of the *quantized* model. FSDP2 then shards as usual.
+
+The quantization state of each 4-bit weight (``weight.quant_state``: absmax, nested absmax/offset/state2,
+code, shape, dtype, blocksize) is not a parameter; FSDP2 never moves it, yet every rank needs an exact
+copy to dequantize the all-gathered weight. It travels pickled in one small ``broadcast_object_list``.
+
+Use it through ``load_qlora_model(path, low_cpu_ram=True)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from .dtypes import _is_params4bit
+from .rank_sync import _collective_device, agree_on_failure
+
+__all__ = ["load_base_low_ram", "materialize_from_rank0"]
+
+logger = logging.getLogger(__name__)
+
+
+def _launched_distributed() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _ensure_process_group() -> bool:
+    """Join the launch's process group if it is not joined yet; ``True`` when there are several ranks.
+
+    Models are usually loaded before ``TrainingArguments`` creates accelerate's state (which joins the
+    group), so the group may not exist yet. accelerate's ``PartialState`` joins it the way the Trainer
+    will later (gloo for CPU ranks, with our CPU-rehearsal hook), and the Trainer then reuses it.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if not _launched_distributed():
+        return False
+    from accelerate.state import PartialState
+
+    PartialState()
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _slots(model):
+    """Every (qualified name, owning module, local name, is_parameter) in a fixed order, tied ones included."""
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for local, tensor in module._parameters.items():
+            if tensor is not None:
+                yield prefix + local, module, local, True
+        for local, tensor in module._buffers.items():
+            if tensor is not None:
+                yield prefix + local, module, local, False
+
+
+def _manifest(model) -> list[dict]:
+    """What a receiving rank needs to rebuild each tensor of rank 0's `model` (the tensor data excluded)."""
+    entries, first_name = [], {}
+    for name, module, local, is_param in _slots(model):
+        tensor = (module._parameters if is_param else module._buffers)[local]
+        entry = {"name": name, "param": is_param, "shape": tuple(tensor.shape), "dtype": tensor.dtype}
+        entry["on_cpu"] = tensor.device.type == "cpu"
+        # Tied weights (e.g. lm_head <-> embed_tokens) must stay one tensor on every rank, and travel once.
+        entry["tied_to"] = first_name.get(id(tensor))
+        first_name.setdefault(id(tensor), name)
+        if is_param:
+            entry["requires_grad"] = tensor.requires_grad
+        if _is_params4bit(tensor):
+            # The quant state object itself (a few small tensors): pickling keeps every field exact.
+            entry["params4bit"] = {
+                key: getattr(tensor, key)
+                for key in ("blocksize", "compress_statistics", "quant_type", "quant_storage", "quant_state")
+            }
+        entries.append(entry)
+    return entries
+
+
+def _new_tensor(entry, module, data):
+    if "params4bit" in entry:
+        from bitsandbytes.nn import Params4bit
+
+        # bitsandbytes restores weight.quant_state from module.quant_state when FSDP2 hands the layer a
+        # plain (all-gathered) tensor; quantizing sets it on rank 0, so set it here too.
+        module.quant_state = entry["params4bit"]["quant_state"]
+        return Params4bit(data, requires_grad=False, module=module, bnb_quantized=True, **entry["params4bit"])
+    if entry["param"]:
+        return torch.nn.Parameter(data, requires_grad=entry["requires_grad"])
+    return data
+
+
+@torch.no_grad()
+def materialize_from_rank0(model, src: int = 0) -> int:
+    """Collective: make every other rank's `model` a bit-exact copy of rank `src`'s, one tensor at a time.
+
+    On rank `src`, `model` is the loaded model; elsewhere it is the same module tree on the meta device
+    (see :func:`load_base_low_ram`). Receiving ranks allocate each tensor just before receiving it, so
+    their peak RAM is one copy of the model as rank `src` holds it (4-bit weights stay packed).
+
+    Returns:
+        The number of tensors broadcast.
+
+    Raises:
+        RuntimeError: if the module trees differ between ranks (names are compared before any tensor moves).
+    """
+    is_src = dist.get_rank() == src
+    payload = [_manifest(model) if is_src else None]
+    dist.broadcast_object_list(payload, src=src)
+    manifest = payload[0]
+    slots = list(_slots(model))
+    names = [s[0] for s in slots]
+    error = None
+    if names != [e["name"] for e in manifest]:
+        missing = sorted({e["name"] for e in manifest} ^ set(names))[:5]
+        error = RuntimeError(
+            f"hf_fsdp_qlora: rank {dist.get_rank()} built a different module tree than rank {src} "
+            f"(first differing tensors: {missing}). Every rank must load the same model with the same settings."
+        )
+    agree_on_failure(error)  # rank `src` must not go on broadcasting to a rank that gave up
+    device = _collective_device()
+    made = {}
+    sent = 0
+    for (name, module, local, is_param), entry in zip(slots, manifest):
+        store = module._parameters if is_param else module._buffers
+        if entry["tied_to"] is not None:
+            if not is_src:
+                store[local] = made[entry["tied_to"]]
+            continue
+        if is_src:
+            data = store[local].data
+            buffer = data if data.device == device and data.is_contiguous() else data.contiguous().to(device)
+        else:
+            buffer = torch.empty(entry["shape"], dtype=entry["dtype"], device=device)
+        if buffer.numel():
+            dist.broadcast(buffer, src=src)
+            sent += 1
+        if not is_src:
+            # NCCL moves GPU tensors only; put each tensor where rank `src` keeps it (CPU or this rank's GPU).
+            if entry["on_cpu"] and buffer.device.type != "cpu":
+                buffer = buffer.cpu()
+            elif not entry["on_cpu"] and "params4bit" in entry:
+                entry["params4bit"]["quant_state"].to(buffer.device)  # unpickled on rank `src`'s device
+            made[name] = store[local] = _new_tensor(entry, module, buffer)
+    return sent
+
+
+def _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote_code, from_pretrained_kwargs):
+    """The module tree ``from_pretrained`` would build, 4-bit layers included, with every weight on meta."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    config = AutoConfig.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    if "attn_implementation" in from_pretrained_kwargs:
+        config._attn_implementation = from_pretrained_kwargs["attn_implementation"]
+    hf_quantizer, config, _ = get_hf_quantizer(config, quantization_config, None, True, {})
+    # include_buffers=False: buffers computed in __init__ (rotary inv_freq) stay real; they are re-sent anyway.
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": "cpu"}, checkpoint_files=None)
+    model.hf_quantizer = hf_quantizer
+    hf_quantizer.postprocess_model(model)  # sets is_loaded_in_4bit / config.quantization_config as on rank 0
+    return model.eval()
+
+
+def load_base_low_ram(model_name_or_path, *, quantization_config, dtype, trust_remote_code=False, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` in 4 bits, where only rank 0 reads the checkpoint.
+
+    Collective when launched with several processes (call it on every rank). Not launched distributed
+    (a single process): a normal load, with a log line.
+
+    Args:
+        model_name_or_path: as for ``from_pretrained``.
+        quantization_config: the ``BitsAndBytesConfig`` (4-bit) every rank uses.
+        dtype: the model dtype.
+        trust_remote_code: passed to transformers.
+        **kwargs: passed to ``from_pretrained`` on rank 0 (``attn_implementation`` is honoured on every rank).
+
+    Returns:
+        The quantized base model, identical on every rank (packed bytes and quant states bit for bit).
+    """
+    from transformers import AutoModelForCausalLM
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(
+            model_name_or_path,
+            quantization_config=quantization_config,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
+
+    if not _ensure_process_group():
+        logger.info("hf_fsdp_qlora: low_cpu_ram=True but this is a single process: loading normally")
+        return load()
+    model, error = None, None
+    try:
+        if dist.get_rank() == 0:
+            model = load()
+        else:
+            model = _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote_code, kwargs)
+    except Exception as err:  # noqa: BLE001 - re-raised below; the other ranks must not wait in a broadcast
+        error = err
+    agree_on_failure(error)
+    sent = materialize_from_rank0(model)
+    logger.info("hf_fsdp_qlora: rank %d has the base model from rank 0 (%d tensors)", dist.get_rank(), sent)
+    return model

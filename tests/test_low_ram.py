@@ -1,0 +1,100 @@
+"""Low CPU-RAM loading (load_qlora_model(low_cpu_ram=True)): rank 0 reads the checkpoint, the others receive.
+
+One 2-rank launch (accelerate + the shipped CPU FSDP2 config) of the trainer scenarios with the low-RAM
+loader. Every rank ends with the same packed bytes and quant states, FSDP2 engages and shards every 4-bit
+weight, and the first-step logits equal a normal single-process load's bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from dist_utils import SCRIPTS, accelerate_launch, check, read_results
+from tiny_models import build_tiny_model
+
+sys.path.insert(0, str(SCRIPTS))
+
+pytestmark = pytest.mark.distributed
+
+SCENARIOS = {"lr": ("llama", "lowram"), "lt": ("llama_tied", "lowram"), "lq": ("qwen2", "lowram")}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    import json
+
+    models = tmp_path_factory.mktemp("models")
+    for arch in {a for a, _ in SCENARIOS.values()}:
+        build_tiny_model(models / arch, arch)
+    out = tmp_path_factory.mktemp("low_ram") / "run"
+    spec = ",".join(f"{name}={arch}:{kind}" for name, (arch, kind) in SCENARIOS.items())
+    proc = accelerate_launch(
+        "cpu_fsdp2_rehearsal.yaml", "low_ram_worker.py",
+        "--models", str(models), "--out", str(out), "--fsdp-version", "2", "--scenarios", spec,
+        timeout=600,
+    )  # fmt: skip
+    check(proc)
+    lowram = {
+        arch: {r: json.loads((out / f"lowram_{arch}_rank{r}.json").read_text()) for r in (0, 1)}
+        for arch, _ in SCENARIOS.values()
+    }
+    return models, out, read_results(out), lowram, proc
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_ranks_hold_identical_4bit_weights_and_quant_states(run, name):
+    _, _, _, lowram, _ = run
+    found = lowram[SCENARIOS[name][0]]
+    assert found[0]["world_size"] == 2
+    assert found[0]["digests"] and found[0]["digests"] == found[1]["digests"]
+    assert found[1]["meta_left"] == []
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_fsdp2_engaged_and_4bit_sharded(run, name):
+    _, _, results, _, _ = run
+    for rank in (0, 1):
+        found = results[rank][name]
+        assert found["ok"], found.get("traceback")
+        assert found["is_fsdp2"] and "FSDP" in found["distributed_type"]
+        assert found["packed_count"] > 0 and found["packed_dtensor"] == found["packed_count"]
+        assert found["packed_local_bytes"] * 2 == found["packed_full_bytes"]
+        assert found["mp_param_dtype"] in found["packed_dtypes"]
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_logits_equal_normal_load_bit_for_bit(run, name):
+    import train_scenarios as worker
+
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.dtypes import harmonize_dtypes, training_dtype, view_packed_storage_as
+
+    models, out, results, _, _ = run
+    arch, _ = SCENARIOS[name]
+    # The oracle: a normal single-process load. LoRA B starts at zero, so the random A does not matter.
+    model = load_qlora_model(str(models / arch), lora_config=worker.lora_config(), gradient_checkpointing=False)
+    dtype = training_dtype(model)
+    view_packed_storage_as(model, dtype)
+    harmonize_dtypes(model, dtype)
+    model.train()  # an eval-mode no_grad forward would repack the weights for the CPU kernel (FACTS)
+    ids = torch.tensor(results[0][name]["first_batch"])
+    with torch.no_grad():
+        for rank, chunk in enumerate(ids.split(worker.BATCH)):
+            expected = model(input_ids=chunk, attention_mask=torch.ones_like(chunk)).logits.float()
+            got = torch.load(out / name / f"logits_rank{rank}.pt")
+            assert torch.equal(got, expected), (got - expected).abs().max()
+
+
+def test_single_process_falls_back_to_normal_load(tmp_path, caplog):
+    import logging
+
+    from hf_fsdp_qlora import load_qlora_model
+
+    path = build_tiny_model(tmp_path / "m", "llama")
+    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora.low_ram"):
+        model = load_qlora_model(str(path), gradient_checkpointing=False, low_cpu_ram=True)
+    assert any("single process" in r.message for r in caplog.records)
+    assert sum(type(p).__name__ == "Params4bit" for p in model.parameters()) > 0
