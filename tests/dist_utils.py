@@ -80,3 +80,22 @@ def read_results(out_dir: Path) -> dict:
     for path in sorted(Path(out_dir).glob("rank*.json")):
         results[int(path.stem[4:])] = json.loads(path.read_text())
     return results
+
+
+def launch_scenarios(tmp_path_factory, name, scenarios, script="train_scenarios.py", version=2):
+    """Build the tiny models `scenarios` ({key: (arch, kind)}) need, run them in one 2-rank accelerate launch
+    with the shipped CPU rehearsal config, and return (models dir, out dir, per-rank results, the process)."""
+    from tiny_models import build_tiny_model
+
+    models = tmp_path_factory.mktemp("models")
+    for arch in {arch for arch, _ in scenarios.values()}:
+        build_tiny_model(models / arch, arch)
+    out = tmp_path_factory.mktemp(name) / "run"
+    spec = ",".join(f"{key}={arch}:{kind}" for key, (arch, kind) in scenarios.items())
+    proc = accelerate_launch(
+        f"cpu_fsdp{version}_rehearsal.yaml", script,
+        "--models", str(models), "--out", str(out), "--fsdp-version", str(version), "--scenarios", spec,
+        timeout=600,
+    )  # fmt: skip
+    check(proc)
+    return models, out, read_results(out), proc

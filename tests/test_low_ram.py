@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dist_utils import SCRIPTS, accelerate_launch, check, read_results
+from dist_utils import SCRIPTS, launch_scenarios
 from tiny_models import build_tiny_model
 
 sys.path.insert(0, str(SCRIPTS))
@@ -26,22 +26,12 @@ SCENARIOS = {"lr": ("llama", "lowram"), "lt": ("llama_tied", "lowram"), "lq": ("
 def run(tmp_path_factory):
     import json
 
-    models = tmp_path_factory.mktemp("models")
-    for arch in {a for a, _ in SCENARIOS.values()}:
-        build_tiny_model(models / arch, arch)
-    out = tmp_path_factory.mktemp("low_ram") / "run"
-    spec = ",".join(f"{name}={arch}:{kind}" for name, (arch, kind) in SCENARIOS.items())
-    proc = accelerate_launch(
-        "cpu_fsdp2_rehearsal.yaml", "low_ram_worker.py",
-        "--models", str(models), "--out", str(out), "--fsdp-version", "2", "--scenarios", spec,
-        timeout=600,
-    )  # fmt: skip
-    check(proc)
+    models, out, results, proc = launch_scenarios(tmp_path_factory, "low_ram", SCENARIOS, script="low_ram_worker.py")
     lowram = {
         arch: {r: json.loads((out / f"lowram_{arch}_rank{r}.json").read_text()) for r in (0, 1)}
         for arch, _ in SCENARIOS.values()
     }
-    return models, out, read_results(out), lowram, proc
+    return models, out, results, lowram, proc
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

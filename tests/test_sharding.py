@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 
-from dist_utils import SCRIPTS, accelerate_launch, check, read_results
-from tiny_models import build_tiny_model
+from dist_utils import SCRIPTS, launch_scenarios
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -32,18 +31,8 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    models = tmp_path_factory.mktemp("models")
-    for arch in {a for a, _ in SCENARIOS.values()}:
-        build_tiny_model(models / arch, arch)
-    out = tmp_path_factory.mktemp("sharding") / "run"
-    spec = ",".join(f"{name}={arch}:{kind}" for name, (arch, kind) in SCENARIOS.items())
-    proc = accelerate_launch(
-        "cpu_fsdp2_rehearsal.yaml", "train_scenarios.py",
-        "--models", str(models), "--out", str(out), "--fsdp-version", "2", "--scenarios", spec,
-        timeout=600,
-    )  # fmt: skip
-    check(proc)
-    return models, out, read_results(out)
+    models, out, results, _ = launch_scenarios(tmp_path_factory, "sharding", SCENARIOS)
+    return models, out, results
 
 
 def _unsharded(models, arch, kind):
