@@ -99,3 +99,15 @@ def launch_scenarios(tmp_path_factory, name, scenarios, script="train_scenarios.
     )  # fmt: skip
     check(proc)
     return models, out, read_results(out), proc
+
+
+def assert_first_logits_equal(model, out, name, first_batch, batch_size):
+    """Bit-exact: the unsharded `model`'s logits on each rank's first batch equal what that rank saved."""
+    import torch
+
+    ids = torch.tensor(first_batch)
+    with torch.no_grad():
+        for rank, chunk in enumerate(ids.split(batch_size)):
+            expected = model(input_ids=chunk, attention_mask=torch.ones_like(chunk)).logits.float()
+            got = torch.load(Path(out) / name / f"logits_rank{rank}.pt")
+            assert torch.equal(got, expected), (rank, (got - expected).abs().max())

@@ -10,9 +10,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
-from dist_utils import SCRIPTS, launch_scenarios
+from dist_utils import SCRIPTS, assert_first_logits_equal, launch_scenarios
 from tiny_models import build_tiny_model
 
 sys.path.insert(0, str(SCRIPTS))
@@ -70,12 +69,7 @@ def test_logits_equal_normal_load_bit_for_bit(run, name):
     view_packed_storage_as(model, dtype)
     harmonize_dtypes(model, dtype)
     model.train()  # an eval-mode no_grad forward would repack the weights for the CPU kernel (FACTS)
-    ids = torch.tensor(results[0][name]["first_batch"])
-    with torch.no_grad():
-        for rank, chunk in enumerate(ids.split(worker.BATCH)):
-            expected = model(input_ids=chunk, attention_mask=torch.ones_like(chunk)).logits.float()
-            got = torch.load(out / name / f"logits_rank{rank}.pt")
-            assert torch.equal(got, expected), (got - expected).abs().max()
+    assert_first_logits_equal(model, out, name, results[0][name]["first_batch"], worker.BATCH)
 
 
 def test_single_process_falls_back_to_normal_load(tmp_path, caplog):

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from dist_utils import SCRIPTS, launch_scenarios
+from dist_utils import SCRIPTS, assert_first_logits_equal, launch_scenarios
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -67,12 +67,7 @@ def test_logits_equal_unsharded_bit_for_bit(run, name):
     models, out, results = run
     arch, kind = SCENARIOS[name]
     model = _unsharded(models, arch, kind)
-    ids = torch.tensor(results[0][name]["first_batch"])
-    with torch.no_grad():
-        for rank, chunk in enumerate(ids.split(worker.BATCH)):
-            expected = model(input_ids=chunk, attention_mask=torch.ones_like(chunk)).logits.float()
-            got = torch.load(out / name / f"logits_rank{rank}.pt")
-            assert torch.equal(got, expected), (got - expected).abs().max()
+    assert_first_logits_equal(model, out, name, results[0][name]["first_batch"], worker.BATCH)
 
 
 def test_planted_bytes_read_as_nan_inf_subnormal(run):
