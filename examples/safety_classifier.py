@@ -65,6 +65,9 @@ def main(argv=None):
     )  # fmt: skip
     trainer.train()
     trainer.save_model(args.output)
+    if torch.distributed.is_initialized():  # meet before teardown: FSDP2 exits can abort otherwise
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 

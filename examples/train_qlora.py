@@ -99,6 +99,9 @@ def main(argv=None):
             print(f"  {step:4d}: {loss:.4f}  " + "#" * int(loss * 8))
         first, last = curve.points[0][1], curve.points[-1][1]
         print(f"loss {first:.4f} -> {last:.4f}; adapter saved to {args.output}")
+    if torch.distributed.is_initialized():  # meet before teardown: FSDP2 exits can abort otherwise
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -58,3 +58,6 @@ base.build_model = _build_model  # run_trainer_scenario looks it up in train_sce
 if __name__ == "__main__":
     Path(OUT).mkdir(parents=True, exist_ok=True)
     base.main()
+    from dist_utils import exit_worker
+
+    exit_worker()

@@ -360,3 +360,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from dist_utils import exit_worker
+
+    exit_worker()
