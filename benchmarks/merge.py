@@ -13,6 +13,7 @@ Goals: our peak RSS <= 0.35x peft's; our time <= peft's and <= 2x the copy's.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/merge.py              # full size, ~1.5 GB
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/merge.py --size 150MB # quick
+    .venv/bin/python benchmarks/merge.py --device cuda                   # ours on a GPU
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _fsync_tree(path: Path) -> None:
             os.close(fd)
 
 
-def child(which: str, base: Path, adapter: Path, output: Path, shard: str) -> None:
+def child(which: str, base: Path, adapter: Path, output: Path, shard: str, device: str = "cpu") -> None:
     """Run one contender in this process and print its timings as JSON."""
     start = time.perf_counter()
     if which == "copy":
@@ -110,19 +111,19 @@ def child(which: str, base: Path, adapter: Path, output: Path, shard: str) -> No
         from hf_fsdp_qlora.merge import merge_adapters
 
         imported = time.perf_counter()
-        merge_adapters(base, adapter, output, max_shard_size=shard, progress=False)
+        merge_adapters(base, adapter, output, max_shard_size=shard, progress=False, device=device)
     done = time.perf_counter()
     print(json.dumps({"import_s": imported - start, "work_s": done - imported}))
 
 
-def measure(which: str, base: Path, adapter: Path, output: Path, shard: str) -> dict:
+def measure(which: str, base: Path, adapter: Path, output: Path, shard: str, device: str = "cpu") -> dict:
     """Run `which` in a fresh interpreter; its own peak RSS comes from wait4 on that child alone.
 
     This process imports nothing heavy: ru_maxrss of a child counts the image it was forked from.
     """
     shutil.rmtree(output, ignore_errors=True)
     cmd = [sys.executable, __file__, "--_child", which, "--_base", str(base), "--_adapter", str(adapter)]
-    cmd += ["--_output", str(output), "--_shard", shard]
+    cmd += ["--_output", str(output), "--_shard", shard, "--device", device]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.stdout.read(), proc.stderr.read()
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="1.5GB", help="approximate base model size in bf16 (default: 1.5GB)")
     parser.add_argument("--shards", type=int, default=4, help="minimum number of base shards (default: 4)")
     parser.add_argument("--workdir", default=None, help="where to build and write (default: a temp folder, removed)")
+    parser.add_argument("--device", default="cpu", help="where ours computes: cpu (default) or cuda")
     parser.add_argument("--repeat", type=int, default=1, help="runs per contender; the fastest is reported")
     parser.add_argument("--_child", choices=CONTENDERS + ("build",), help=argparse.SUPPRESS)
     parser.add_argument("--_base", help=argparse.SUPPRESS)
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         build(Path(args._base), Path(args._adapter), _parse_size(args.size), args.shards)
         return 0
     if args._child:
-        child(args._child, Path(args._base), Path(args._adapter), Path(args._output), args._shard)
+        child(args._child, Path(args._base), Path(args._adapter), Path(args._output), args._shard, args.device)
         return 0
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="merge-bench-"))
@@ -171,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         base_gb = sum(f.stat().st_size for f in shard_files) / 1e9
         shard = f"{int(base_gb * 1e9 / len(shard_files) / 1e6) + 1}MB"  # same shard size as the base
         print(
-            f"base: {base_gb:.2f} GB in {len(shard_files)} shards; output shards up to {shard}; CPUs: {os.cpu_count()}"
+            f"base: {base_gb:.2f} GB in {len(shard_files)} shards; output shards up to {shard}; CPUs: {os.cpu_count()}; "
+            f"ours on {args.device}"
         )
         results = {}
         for which in CONTENDERS:
-            runs = [measure(which, base, adapter, workdir / f"out-{which}", shard) for _ in range(args.repeat)]
+            out = workdir / f"out-{which}"
+            runs = [measure(which, base, adapter, out, shard, args.device) for _ in range(args.repeat)]
             best = min(runs, key=lambda r: r["wall_s"])
             best["rss_mb"] = max(r["rss_mb"] for r in runs)
             results[which] = best

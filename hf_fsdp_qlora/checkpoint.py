@@ -52,6 +52,25 @@ def unwrap_peft_model(model):
     return None
 
 
+def unsharded_fsdp1(model) -> bool:
+    """True when `model` is wrapped by FSDP1 and every unit is ``NO_SHARD`` (what FSDP1 makes of one rank).
+
+    With ``use_orig_params=True`` such a unit's forward leaves the frozen parameters as plain tensor
+    attributes, not in the module's ``_parameters``, and FSDP's own state-dict hook then fails ("FSDP
+    assumes ...base_layer.weight is in the state_dict but the state_dict only has ...": on one GPU no
+    adapter could be saved). Nothing is sharded there, so the trainable parameters are read directly.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    units = [m for m in model.modules() if isinstance(m, FSDP)]
+    return bool(units) and all(m.sharding_strategy == ShardingStrategy.NO_SHARD for m in units)
+
+
+def _trainable_by_name(model) -> dict[str, torch.nn.Parameter]:
+    return {clean_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+
+
 def gather_trainable_state_dict(model) -> dict[str, torch.Tensor]:
     """Collective: full (unsharded) CPU tensors of every trainable parameter, on every rank.
 
@@ -64,6 +83,8 @@ def gather_trainable_state_dict(model) -> dict[str, torch.Tensor]:
     # cpu_offload=True crashes FSDP1 on CPU-only ranks (SIGSEGV / "setStorage: ... out of bounds");
     # on GPUs it keeps the gathered tensors off the device.
     options = StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator, ignore_frozen_params=True)
+    if unsharded_fsdp1(model):
+        return {name: p.detach().to("cpu").clone() for name, p in _trainable_by_name(model).items()}
     state_dict = get_model_state_dict(model, options=options)
     gathered = {}
     for name, tensor in state_dict.items():
@@ -246,12 +267,25 @@ def gather_optimizer_state(model, optimizer) -> dict:
     """Collective: the optimizer state of the trainable parameters as full CPU tensors keyed by name."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, optimizer, options=_options(model))
-
     def to_cpu(value):
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()
         return value.detach().to("cpu").clone() if torch.is_tensor(value) else value
+
+    if unsharded_fsdp1(model):  # see unsharded_fsdp1: the same layout as torch's API gives, read directly
+        names = {id(p): name for name, p in _trainable_by_name(model).items()}
+        state = {
+            "state": {names[id(p)]: entry for p, entry in optimizer.state.items() if id(p) in names},
+            "param_groups": [
+                {
+                    **{k: v for k, v in group.items() if k != "params"},
+                    "params": [names[id(p)] for p in group["params"]],
+                }
+                for group in optimizer.param_groups
+            ],
+        }
+    else:
+        state = get_optimizer_state_dict(model, optimizer, options=_options(model))
 
     return {
         "state": {name: {k: to_cpu(v) for k, v in entry.items()} for name, entry in state["state"].items()},
@@ -263,6 +297,14 @@ def load_optimizer_state(model, optimizer, state: dict) -> None:
     """Collective: load what :func:`gather_optimizer_state` returned; each rank keeps its own shard."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    if unsharded_fsdp1(model):  # torch's own index layout, built from the names
+        index, groups = {}, []
+        for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+            by_id = {id(p): name for name, p in _trainable_by_name(model).items()}
+            groups.append({**saved, "params": [len(index) + i for i in range(len(group["params"]))]})
+            index.update({by_id[id(p)]: len(index) + i for i, p in enumerate(group["params"])})
+        optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
+        return
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=_options(model))
 
 

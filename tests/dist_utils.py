@@ -46,14 +46,18 @@ def _run(cmd: list[str], timeout: int, env: dict | None) -> subprocess.Completed
     return proc
 
 
-def accelerate_launch(config: str | Path, script: str, *args: str, timeout: int = 300, env: dict | None = None):
-    """`accelerate launch --config_file CONFIG tests/scripts/SCRIPT ARGS` on a fresh port."""
+def accelerate_launch(
+    config: str | Path, script: str, *args: str, timeout: int = 300, env: dict | None = None, num_processes=None
+):
+    """`accelerate launch --config_file CONFIG tests/scripts/SCRIPT ARGS` on a fresh port
+    (`num_processes`: override the config's, e.g. 1 for a single-GPU user)."""
     config = Path(config)
     if not config.is_absolute():
         config = CONFIGS / config
     cmd = [
         str(BIN / "accelerate"), "launch", "--config_file", str(config),
-        "--main_process_port", str(free_port()), str(SCRIPTS / script), *args,
+        "--main_process_port", str(free_port()),
+        *(["--num_processes", str(num_processes)] if num_processes else []), str(SCRIPTS / script), *args,
     ]  # fmt: skip
     return _run(cmd, timeout, env)
 

@@ -25,12 +25,12 @@ def models(tmp_path_factory):
     return root
 
 
-def _launch(version, mode, models, out, expect_ok=True):
+def _launch(version, mode, models, out, expect_ok=True, num_processes=None):
     proc = accelerate_launch(
         f"cpu_fsdp{version}_rehearsal.yaml",
         "resume_scenarios.py",
         "--models", str(models), "--out", str(out), "--fsdp-version", str(version), "--mode", mode,
-        timeout=300,
+        timeout=300, num_processes=num_processes,
     )  # fmt: skip
     if expect_ok:
         check(proc)
@@ -42,6 +42,21 @@ def resumed(request, models, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"resume{request.param}")
     _launch(request.param, "resume", models, out)
     return request.param, out, read_results(out)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_single_rank_save_and_resume(models, tmp_path, version):
+    """One process (one GPU): FSDP1 turns FULL_SHARD into NO_SHARD, whose forward unregisters the frozen
+    parameters, and FSDP's own state-dict hook then failed every save ("FSDP assumes ...base_layer.weight is
+    in the state_dict"; seen on an H100). Saves, resume and the optimizer state must work there too."""
+    proc = _launch(version, "resume", models, tmp_path, num_processes=1)
+    found = read_results(tmp_path)
+    assert list(found) == [0], proc.stdout[-2000:]
+    engaged = found[0]["engaged"]
+    assert (engaged["flat_params"] if version == 1 else engaged["fsdp2_modules"]) > 0, engaged
+    assert found[0]["B_losses"] == found[0]["A_losses"][3:]
+    weights = torch.load(tmp_path / "weights.pt")
+    assert weights["A"] and all(torch.equal(v, weights["B"][k]) for k, v in weights["A"].items())
 
 
 def test_resume_is_exact(resumed):

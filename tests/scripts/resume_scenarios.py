@@ -51,6 +51,7 @@ def main():
         a = make_trainer(path, out / "A", version, steps=6, save_steps=3, **common)
         a.train()
         found["A_losses"] = a.losses
+        found["engaged"] = a.fsdp_callback.engagement
         wa = finish(a, version)
         b = make_trainer(path, out / "B", version, steps=6, save_steps=3, **common)
         b.train(resume_from_checkpoint=str(out / "A" / "checkpoint-3"))

@@ -1,0 +1,161 @@
+"""On a CUDA GPU: the paths CPU CI cannot run (bnb CUDA kernels, NCCL, `merge-adapters --device cuda`).
+
+Skipped where no CUDA device is visible (CI has none); run on a GPU machine with `pytest -m cuda`.
+Each test compares against an oracle: the CPU merge and peft's own merge for `--device cuda`, the loss
+curve and FSDP engagement printed by the example for the NCCL launches.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_utils import REPO, _env, free_port
+from test_merge import (
+    _build,
+    assert_within_one_rounding,
+    load_base_tensor,
+    make_adapter,
+    peft_merged,
+    read_output,
+)
+from tiny_models import tiny_config
+
+from hf_fsdp_qlora.merge import merge_adapters
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine: pytest -m cuda)"
+    ),
+]
+
+MERGE_SCENARIOS = {
+    "all_linear": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"},
+    "rslora_patterns": {
+        "r": 4,
+        "lora_alpha": 8,
+        "use_rslora": True,
+        "target_modules": ["q_proj", "v_proj", "down_proj"],
+        "rank_pattern": {"v_proj": 8},
+        "alpha_pattern": {"q_proj": 32},
+    },
+    "modules_to_save": {"r": 4, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]},
+    "dora": {"r": 4, "target_modules": ["q_proj", "gate_proj"], "use_dora": True},
+}
+
+
+@pytest.fixture(scope="module")
+def llama_base(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("base") / "llama", tiny_config("llama"), max_shard_size="100KB")
+
+
+@pytest.mark.parametrize("name", list(MERGE_SCENARIOS))
+def test_merge_on_cuda_equals_cpu_merge_and_peft(llama_base, tmp_path, name):
+    """Every tensor of a `device="cuda"` merge: within one bf16 rounding of the CPU merge and of peft's."""
+    adapter = make_adapter(llama_base, tmp_path / "adapter", **MERGE_SCENARIOS[name])
+    on_cpu = read_output(merge_adapters(llama_base, adapter, tmp_path / "cpu", device="cpu", progress=False))
+    on_gpu = read_output(merge_adapters(llama_base, adapter, tmp_path / "cuda", device="cuda", progress=False))
+    ref = peft_merged(llama_base, adapter)
+    assert set(on_gpu) == set(on_cpu)
+    changed = 0
+    for key, tensor in on_gpu.items():
+        assert tensor.device.type == "cpu"
+        assert_within_one_rounding(tensor, on_cpu[key], key)
+        assert_within_one_rounding(tensor, ref[key], key)
+        changed += not torch.equal(tensor, load_base_tensor(llama_base, key))
+    assert changed > 0
+
+
+def test_dequantized_merge_on_cuda_uses_the_cuda_kernels_and_matches_cpu(llama_base, tmp_path):
+    """`dequantize="nf4"` on CUDA quantizes with bnb's CUDA kernels: the same 4-bit round trip as on CPU."""
+    adapter = make_adapter(llama_base, tmp_path / "adapter", r=4, target_modules=["q_proj", "down_proj"])
+    kwargs = {"dequantize": "nf4", "progress": False}
+    on_cpu = read_output(merge_adapters(llama_base, adapter, tmp_path / "cpu", device="cpu", **kwargs))
+    on_gpu = read_output(merge_adapters(llama_base, adapter, tmp_path / "cuda", device="cuda", **kwargs))
+    untargeted = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(on_gpu[untargeted], on_cpu[untargeted])  # pure quantize/dequantize: bit for bit
+    assert not torch.equal(on_gpu[untargeted], load_base_tensor(llama_base, untargeted))
+    for key, tensor in on_gpu.items():
+        assert_within_one_rounding(tensor, on_cpu[key], key)
+
+
+def _launch(config: str, script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`accelerate launch` with one process per visible GPU (NCCL), as a user launches on a GPU machine."""
+    nproc = torch.cuda.device_count()
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
+        "--num_processes", str(nproc), "--main_process_port", str(free_port()), str(REPO / script), *args,
+    ]  # fmt: skip
+    env = _env({"OMP_NUM_THREADS": "4"})
+    env.pop("CUDA_VISIBLE_DEVICES", None) if nproc > 1 else None
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO))
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "tiny-llama"
+    data = REPO / "examples" / "data" / "capitals.jsonl"
+    subprocess.run(
+        [sys.executable, str(REPO / "examples" / "build_tiny_model.py"), "--data", str(data), "--output", str(out)],
+        check=True, capture_output=True, timeout=300, env=_env(),
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("config", ["fsdp2_qlora.yaml", "fsdp1_qlora.yaml"])
+def test_shipped_gpu_config_trains_and_merges_on_cuda(demo_model, tmp_path, config):
+    """The shipped GPU config + examples/train_qlora.py on NCCL: FSDP engaged, the loss falls, and the
+    adapter merged with `merge-adapters --device cuda` reproduces base+adapter (examples/check_merged.py)."""
+    data = REPO / "examples" / "data" / "capitals.jsonl"
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    proc = _launch(config, "examples/train_qlora.py", "--model", str(demo_model), "--data", str(data),
+                   "--output", str(adapter), "--epochs", "8")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    engaged = re.search(r"FSDP engaged: (\{.*\})", proc.stdout)
+    assert engaged, proc.stdout[-3000:]
+    counts = {k: int(v) for k, v in re.findall(r"'(\w+)': (\d+)", engaged.group(1))}
+    assert (counts["fsdp2_modules"] if "fsdp2" in config else counts["flat_params"]) > 0, counts
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups())
+    assert last < first - 0.5, f"the loss did not fall: {first} -> {last}"
+    assert (adapter / "adapter_model.safetensors").is_file()
+
+    cmd = [sys.executable, "-m", "hf_fsdp_qlora.cli.merge", "--base", str(demo_model), "--adapter", str(adapter),
+           "--output", str(merged), "--device", "cuda", "--no-progress"]  # fmt: skip
+    merge = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=str(REPO))
+    assert merge.returncode == 0, merge.stderr[-3000:]
+    check = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "check_merged.py"), "--base", str(demo_model),
+         "--adapter", str(adapter), "--merged", str(merged)],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=str(REPO),
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]
+    diff, scale = map(float, re.search(r"max abs diff ([\d.e+-]+) \(logit scale ([\d.]+)\)", check.stdout).groups())
+    assert diff < 0.02 * scale, check.stdout
+
+
+def test_qlora_weights_on_gpu_have_one_dtype_and_match_cpu_quantization(demo_model):
+    """`load_qlora_model` on CUDA: bf16 quant storage, bf16 adapters, and packed NF4 bytes equal to bnb's CPU
+    quantization of the same weights (the CPU rehearsal quantizes exactly what a GPU run trains on)."""
+    import bitsandbytes as bnb
+    from peft import LoraConfig
+
+    from hf_fsdp_qlora import load_qlora_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    gpu = load_qlora_model(str(demo_model), dtype="bfloat16", lora_config=lora, device_map={"": 0})
+    cpu = load_qlora_model(str(demo_model), dtype="bfloat16", lora_config=lora, device_map={"": "cpu"})
+    gpu_layers = {n: m for n, m in gpu.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    cpu_layers = {n: m for n, m in cpu.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert gpu_layers and gpu_layers.keys() == cpu_layers.keys()
+    for name, layer in gpu_layers.items():
+        assert layer.weight.device.type == "cuda" and layer.weight.dtype == torch.bfloat16, name
+        assert torch.equal(layer.weight.data.cpu().view(torch.uint8), cpu_layers[name].weight.data.view(torch.uint8))
+    assert {p.dtype for n, p in gpu.named_parameters() if p.requires_grad} == {torch.bfloat16}
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        logits = gpu(input_ids=ids.cuda()).logits
+    assert torch.isfinite(logits).all()
