@@ -11,6 +11,7 @@ from .consistency import make_fsdp_consistent
 from .cpu_rehearsal import enable_cpu_fsdp, fsdp_requested_by_launch
 from .errors import FSDPNotEngagedError
 from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge
+from .low_ram import verify_partial_rows
 
 __all__ = ["FSDPQLoRACallback"]
 
@@ -76,5 +77,6 @@ class FSDPQLoRACallback(TrainerCallback):
         if self._version is None or model is None:
             return
         self.engagement = assert_fsdp_engaged(model, self._version)
+        verify_partial_rows(model)
         guard_sharded_merge(model)
         logger.info("hf_fsdp_qlora: FSDP%d engaged: %s", self._version, self.engagement)

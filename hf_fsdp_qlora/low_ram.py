@@ -4,7 +4,17 @@ accelerate's ``cpu_ram_efficient_loading`` skips models with ``Params4bit`` weig
 rank reads the whole checkpoint and quantizes the whole model: N ranks on one machine need N times the
 host RAM of one load. Here rank 0 loads as usual; every other rank builds the same quantized module
 tree on the meta device (no checkpoint read, no quantization) and receives rank 0's tensors one at a
-time, so its peak RAM is about one copy of the *quantized* model. FSDP2 then shards as usual.
+time. FSDP2 then shards as usual.
+
+Launched for FSDP2 (``accelerate launch`` with ``fsdp_version: 2``, one shard dimension), a receiving
+rank gets only the rows of each parameter that FSDP2 will keep on it: the parameter is allocated full
+size but only that byte range is ever written, so the rest of it never becomes resident (the kernel
+maps pages on first touch) and ``fully_shard`` copies exactly those rows into the rank's shard. The
+peak RAM of such a rank is about 1/N of the quantized model instead of all of it. Until FSDP2 has
+sharded the model such a rank's weights are incomplete: a forward pass raises, and
+:func:`verify_partial_rows` (run by :class:`~hf_fsdp_qlora.FSDPQLoRACallback` once the model is
+wrapped) checks that each rank's shard lies inside what it received. Any other launch (FSDP1, HSDP
+and other device meshes) receives whole tensors.
 
 The quantization state of each 4-bit weight (``weight.quant_state``: absmax, nested absmax/offset/state2,
 code, shape, dtype, blocksize) is not a parameter; FSDP2 never moves it, yet every rank needs an exact
@@ -24,7 +34,10 @@ import torch.distributed as dist
 from .dtypes import _is_params4bit
 from .rank_sync import _collective_device, agree_on_failure
 
-__all__ = ["load_base_low_ram", "materialize_from_rank0"]
+__all__ = ["load_base_low_ram", "materialize_from_rank0", "verify_partial_rows"]
+
+_ROWS_ATTR = "_hf_fsdp_qlora_received_bytes"  # on a module: {param name: (first byte, end byte, total bytes)}
+_FLAG_ATTR = "_hf_fsdp_qlora_partial_rows"  # on the base model, every rank: partial rows were sent
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +110,98 @@ def _new_tensor(entry, module, data):
     return data
 
 
+def fsdp2_shard_world() -> int | None:
+    """The number of FSDP2 shards when this launch is plain FSDP2 over all ranks (one mesh dimension), else None.
+
+    Read from what ``accelerate launch`` exports, the same on every rank. HSDP and other parallelism
+    configs (device meshes with more than one dimension) are excluded: their shard groups are not the world.
+    """
+    env = os.environ
+    if env.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true") or env.get("FSDP_VERSION") != "2":
+        return None
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() in ("1", "true"):
+        return None
+    return dist.get_world_size()
+
+
+def _row_bytes(shape, dtype, rank: int, world: int) -> tuple[int, int, int]:
+    """(first byte, end byte, total bytes) of the dim-0 rows FSDP2 keeps on `rank` (``torch.chunk`` layout)."""
+    rows = shape[0]
+    row_bytes = dtype.itemsize
+    for dim in shape[1:]:
+        row_bytes *= dim
+    per_rank = -(-rows // world)
+    first = min(rows, rank * per_rank)
+    end = min(rows, first + per_rank)
+    return first * row_bytes, end * row_bytes, rows * row_bytes
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _empty_untouched(shape, dtype, device) -> torch.Tensor:
+    # Deterministic mode would fill new memory with NaN, touching (and making resident) every page.
+    from torch.utils import deterministic
+
+    fill, deterministic.fill_uninitialized_memory = deterministic.fill_uninitialized_memory, False
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    finally:
+        deterministic.fill_uninitialized_memory = fill
+
+
+def _guard(module, args):
+    if getattr(module, _ROWS_ATTR, None) is not None:
+        raise RuntimeError(
+            "hf_fsdp_qlora: this rank holds only its FSDP2 shard of the base weights (load_qlora_model("
+            "low_cpu_ram=True) under an FSDP2 launch), and the model has not been checked since FSDP2 wrapped "
+            "it. Train it with FSDPQLoRATrainer / FSDPQLoRASFTTrainer (or add FSDPQLoRACallback to your trainer), "
+            "or load with low_cpu_ram=False to use the model outside FSDP2."
+        )
+
+
+def _send_rows(data: torch.Tensor, device, world: int, src: int) -> None:
+    flat = _as_bytes(data)
+    for rank in range(world):
+        first, end, _ = _row_bytes(tuple(data.shape), data.dtype, rank, world)
+        if rank == src or end == first:
+            continue
+        dist.send(flat[first:end].to(device), dst=rank)
+
+
+def _receive_rows(entry, module, local, device, world: int, src: int) -> torch.Tensor:
+    shape, dtype = entry["shape"], entry["dtype"]
+    first, end, total = _row_bytes(shape, dtype, dist.get_rank(), world)
+    home = torch.device("cpu") if entry["on_cpu"] else device
+    full = _empty_untouched(shape, dtype, home)
+    if end > first:
+        region = _as_bytes(full)[first:end]
+        if region.device == device:
+            dist.recv(region, src=src)
+        else:
+            staged = torch.empty(end - first, dtype=torch.uint8, device=device)
+            dist.recv(staged, src=src)
+            region.copy_(staged)
+    rows = getattr(module, _ROWS_ATTR, None)
+    if rows is None:
+        rows = {}
+        object.__setattr__(module, _ROWS_ATTR, rows)
+        module.register_forward_pre_hook(_guard)
+    rows[local] = (first, end, total)
+    return full
+
+
 @torch.no_grad()
-def materialize_from_rank0(model, src: int = 0) -> int:
+def materialize_from_rank0(model, src: int = 0, *, shard_world: int | None = None) -> int:
     """Collective: make every other rank's `model` a bit-exact copy of rank `src`'s, one tensor at a time.
 
     On rank `src`, `model` is the loaded model; elsewhere it is the same module tree on the meta device
     (see :func:`load_base_low_ram`). Receiving ranks allocate each tensor just before receiving it, so
     their peak RAM is one copy of the model as rank `src` holds it (4-bit weights stay packed).
+
+    With `shard_world` (rank `src`'s value counts), each receiving rank gets only the rows of each
+    parameter that FSDP2 will keep on it when sharding over `shard_world` ranks; see the module docstring.
 
     Returns:
         The number of tensors broadcast.
@@ -112,9 +210,9 @@ def materialize_from_rank0(model, src: int = 0) -> int:
         RuntimeError: if the module trees differ between ranks (names are compared before any tensor moves).
     """
     is_src = dist.get_rank() == src
-    payload = [_manifest(model) if is_src else None]
+    payload = [(_manifest(model), shard_world) if is_src else None]
     dist.broadcast_object_list(payload, src=src)
-    manifest = payload[0]
+    manifest, shard_world = payload[0]
     slots = list(_slots(model))
     names = [s[0] for s in slots]
     error = None
@@ -134,6 +232,16 @@ def materialize_from_rank0(model, src: int = 0) -> int:
             if not is_src:
                 store[local] = made[entry["tied_to"]]
             continue
+        if shard_world and is_param and len(entry["shape"]) >= 1:
+            if is_src:
+                _send_rows(store[local].data.contiguous(), device, shard_world, src)
+            else:
+                data = _receive_rows(entry, module, local, device, shard_world, src)
+                if not entry["on_cpu"] and "params4bit" in entry:
+                    entry["params4bit"]["quant_state"].to(data.device)
+                made[name] = store[local] = _new_tensor(entry, module, data)
+            sent += 1
+            continue
         if is_src:
             data = store[local].data
             buffer = data if data.device == device and data.is_contiguous() else data.contiguous().to(device)
@@ -149,7 +257,58 @@ def materialize_from_rank0(model, src: int = 0) -> int:
             elif not entry["on_cpu"] and "params4bit" in entry:
                 entry["params4bit"]["quant_state"].to(buffer.device)  # unpickled on rank `src`'s device
             made[name] = store[local] = _new_tensor(entry, module, buffer)
+    if shard_world:
+        object.__setattr__(model, _FLAG_ATTR, True)
     return sent
+
+
+def verify_partial_rows(model) -> int:
+    """Collective, after FSDP2 wrapping: check that every rank's shard lies inside the rows it received.
+
+    Call on every rank (the callback does). A no-op unless the base model was loaded with partial rows
+    (:func:`materialize_from_rank0` with `shard_world`). On success the forward guard is lifted.
+
+    Returns:
+        The number of parameters checked on this rank.
+
+    Raises:
+        UnsupportedSetupError: on every rank, if some rank's FSDP2 shard reaches outside what it received
+            (the model was wrapped differently from the launch's FSDP2 config).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    from .errors import UnsupportedSetupError
+
+    if not any(getattr(m, _FLAG_ATTR, False) for m in model.modules()):
+        return 0
+    checked, outside = 0, []
+    owners = [m for m in model.modules() if getattr(m, _ROWS_ATTR, None) is not None]
+    for module in owners:
+        for local, (first, end, total) in getattr(module, _ROWS_ATTR).items():
+            param = module._parameters.get(local)
+            checked += 1
+            if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
+                outside.append(f"{type(module).__name__}.{local} (not an FSDP2 Shard(0) DTensor)")
+                continue
+            mesh_rank, world, rows = param.device_mesh.get_local_rank(), param.device_mesh.size(), param.shape[0]
+            row_bytes = total // rows if rows else 0
+            kept_first = min(rows, mesh_rank * -(-rows // world)) * row_bytes
+            kept_end = kept_first + param.to_local().shape[0] * row_bytes
+            if kept_end > kept_first and not (first <= kept_first and kept_end <= end):
+                outside.append(f"{type(module).__name__}.{local} (keeps bytes {kept_first}-{kept_end}, "
+                               f"received {first}-{end})")  # fmt: skip
+    error = None
+    if outside:
+        error = UnsupportedSetupError(
+            f"hf_fsdp_qlora: rank {dist.get_rank()} received only the rows FSDP2 over all ranks would keep on it "
+            f"(load_qlora_model(low_cpu_ram=True)), but the model was wrapped differently: {outside[:3]}. Its "
+            "weights would be incomplete. Load with low_cpu_ram=False for this setup, or launch with plain FSDP2 "
+            "(fsdp_version: 2, no parallelism_config)."
+        )
+    agree_on_failure(error)
+    for module in owners:
+        object.__delattr__(module, _ROWS_ATTR)
+    return checked
 
 
 def _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote_code, from_pretrained_kwargs):
@@ -210,6 +369,6 @@ def load_base_low_ram(model_name_or_path, *, quantization_config, dtype, trust_r
     except Exception as err:  # noqa: BLE001 - re-raised below; the other ranks must not wait in a broadcast
         error = err
     agree_on_failure(error)
-    sent = materialize_from_rank0(model)
+    sent = materialize_from_rank0(model, shard_world=fsdp2_shard_world())
     logger.info("hf_fsdp_qlora: rank %d has the base model from rank 0 (%d tensors)", dist.get_rank(), sent)
     return model

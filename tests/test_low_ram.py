@@ -35,11 +35,24 @@ def run(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_ranks_hold_identical_4bit_weights_and_quant_states(run, name):
+    """Rank 1 received exactly the packed rows FSDP2 keeps on it (an FSDP2 launch: partial rows), bit for bit
+    equal to rank 0's bytes of those rows, and every quant state whole."""
     _, _, _, lowram, _ = run
     found = lowram[SCENARIOS[name][0]]
     assert found[0]["world_size"] == 2
-    assert found[0]["digests"] and found[0]["digests"] == found[1]["digests"]
+    assert found[0]["partial"] and found[1]["partial"]
+    assert found[1]["digests"]["1"] and found[0]["digests"]["1"] == found[1]["digests"]["1"]
+    assert found[0]["digests"]["0"] != found[0]["digests"]["1"]  # different rows: the comparison can fail
     assert found[1]["meta_left"] == []
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_partial_rank_refuses_use_before_fsdp2_wrapped_it(run, name):
+    _, _, _, lowram, _ = run
+    found = lowram[SCENARIOS[name][0]]
+    assert "holds only its FSDP2 shard" in found[1]["forward_before_wrap"]
+    assert "wrapped differently" in found[1]["verify_before_wrap"]
+    assert found[0]["verify_before_wrap"].startswith("peer: ")
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
