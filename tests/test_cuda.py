@@ -106,7 +106,7 @@ def demo_model(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("config", ["fsdp2_qlora.yaml", "fsdp1_qlora.yaml"])
+@pytest.mark.parametrize("config", ["fsdp2_qlora.yaml", "fsdp1_qlora.yaml", "fsdp2_qlora_offload.yaml"])
 def test_shipped_gpu_config_trains_and_merges_on_cuda(demo_model, tmp_path, config):
     """The shipped GPU config + examples/train_qlora.py on NCCL: FSDP engaged, the loss falls, and the
     adapter merged with `merge-adapters --device cuda` reproduces base+adapter (examples/check_merged.py)."""
@@ -135,6 +135,25 @@ def test_shipped_gpu_config_trains_and_merges_on_cuda(demo_model, tmp_path, conf
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]
     diff, scale = map(float, re.search(r"max abs diff ([\d.e+-]+) \(logit scale ([\d.]+)\)", check.stdout).groups())
     assert diff < 0.02 * scale, check.stdout
+
+
+def test_llamaguard_single_gpu_config_full_finetune(demo_model, tmp_path):
+    """The shipped one-GPU full fine-tune config (FSDP2, CPU offload, activation checkpointing) with
+    examples/safety_classifier.py: the loss falls and the saved model loads, with every weight trained."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "guard"
+    proc = _launch("llamaguard3_1b_1x24gb.yaml", "examples/safety_classifier.py", "--model", str(demo_model),
+                   "--data", str(REPO / "examples" / "data" / "safety.jsonl"), "--output", str(out),
+                   "--full-finetune", "--epochs", "4")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    losses = [float(v) for v in re.findall(r"'loss': '([\d.]+)'", proc.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).state_dict()
+    assert trained.keys() == base.keys()
+    changed = [k for k in base if not torch.equal(trained[k], base[k])]
+    assert len(changed) > len(base) // 2, f"only {len(changed)} of {len(base)} tensors changed"
 
 
 def test_qlora_weights_on_gpu_have_one_dtype_and_match_cpu_quantization(demo_model):
