@@ -183,13 +183,18 @@ def _receive_rows(entry, module, local, device, world: int, src: int) -> torch.T
             staged = torch.empty(end - first, dtype=torch.uint8, device=device)
             dist.recv(staged, src=src)
             region.copy_(staged)
+    _remember_rows(module, local, first, end, total)
+    return full
+
+
+def _remember_rows(module, local: str, first: int, end: int, total: int) -> None:
+    """Note that `module.<local>` holds only bytes [first, end) of its `total`; guard the module until checked."""
     rows = getattr(module, _ROWS_ATTR, None)
     if rows is None:
         rows = {}
         object.__setattr__(module, _ROWS_ATTR, rows)
         module.register_forward_pre_hook(_guard)
     rows[local] = (first, end, total)
-    return full
 
 
 @torch.no_grad()
@@ -327,6 +332,7 @@ def _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote
         hf_quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": "cpu"}, checkpoint_files=None)
     model.hf_quantizer = hf_quantizer
     hf_quantizer.postprocess_model(model)  # sets is_loaded_in_4bit / config.quantization_config as on rank 0
+    model.tie_weights()  # tied embeddings are one tensor here too, as after from_pretrained
     return model.eval()
 
 
@@ -360,15 +366,33 @@ def load_base_low_ram(model_name_or_path, *, quantization_config, dtype, trust_r
     if not _ensure_process_group():
         logger.info("hf_fsdp_qlora: low_cpu_ram=True but this is a single process: loading normally")
         return load()
-    model, error = None, None
+    from .low_ram_stream import stream_plan, stream_to_ranks
+
+    shard_world = fsdp2_shard_world()
+    model, error, plan = None, None, None
     try:
-        if dist.get_rank() == 0:
-            model = load()
-        else:
-            model = _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote_code, kwargs)
+        # Under FSDP2, rank 0 streams the checkpoint tensor by tensor and keeps only its own rows too, when
+        # the checkpoint maps one to one onto the model (see low_ram_stream); otherwise it loads it whole.
+        model = _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote_code, kwargs)
+        if shard_world and dist.get_rank() == 0:
+            plan = stream_plan(model, model_name_or_path, dtype, kwargs)
     except Exception as err:  # noqa: BLE001 - re-raised below; the other ranks must not wait in a broadcast
         error = err
     agree_on_failure(error)
-    sent = materialize_from_rank0(model, shard_world=fsdp2_shard_world())
+    decision = [None if plan is None else (plan["entries"] is not None, plan["reason"])]
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] is not None and decision[0][0]:
+        sent = stream_to_ranks(model, plan["entries"] if plan else None, shard_world, dtype)
+        logger.info("hf_fsdp_qlora: rank %d has its rows of the base model (%d tensors)", dist.get_rank(), sent)
+        return model
+    if decision[0] is not None:
+        logger.info("hf_fsdp_qlora: rank 0 loads the whole checkpoint: %s", decision[0][1])
+    try:
+        if dist.get_rank() == 0:
+            model = load()
+    except Exception as err:  # noqa: BLE001 - re-raised below
+        error = err
+    agree_on_failure(error)
+    sent = materialize_from_rank0(model, shard_world=shard_world)
     logger.info("hf_fsdp_qlora: rank %d has the base model from rank 0 (%d tensors)", dist.get_rank(), sent)
     return model

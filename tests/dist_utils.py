@@ -129,3 +129,34 @@ def exit_worker(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def packed_digests(model, rank: int = 0, world: int | None = None) -> dict:
+    """sha1 of each 4-bit weight's packed bytes and of every tensor/field of its quant state.
+
+    `world`: hash only the bytes FSDP2 over `world` ranks keeps on `rank` (a low-RAM load holds only those).
+    """
+    import hashlib
+
+    import torch
+
+    from hf_fsdp_qlora.low_ram import _row_bytes
+
+    found = {}
+    for name, param in model.named_parameters():
+        if type(param).__name__ != "Params4bit":
+            continue
+        data = param.data.contiguous().reshape(-1).view(torch.uint8)
+        if world:
+            first, end, _ = _row_bytes(tuple(param.shape), param.dtype, rank, world)
+            data = data[first:end]
+        h = hashlib.sha1(data.numpy().tobytes())
+        for key, value in sorted(param.quant_state.as_dict(packed=False).items()):
+            h.update(key.encode())
+            h.update(
+                value.contiguous().view(torch.uint8).numpy().tobytes()
+                if torch.is_tensor(value)
+                else repr(value).encode()
+            )
+        found[name] = h.hexdigest()
+    return found

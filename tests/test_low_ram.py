@@ -11,14 +11,20 @@ import sys
 
 import pytest
 
-from dist_utils import SCRIPTS, assert_first_logits_equal, launch_scenarios
+from dist_utils import SCRIPTS, assert_first_logits_equal, launch_scenarios, packed_digests
 from tiny_models import build_tiny_model
 
 sys.path.insert(0, str(SCRIPTS))
 
 pytestmark = pytest.mark.distributed
 
-SCENARIOS = {"lr": ("llama", "lowram"), "lt": ("llama_tied", "lowram"), "lq": ("qwen2", "lowram")}
+# lw: rank 0 cannot stream (a from_pretrained argument only a whole load honours) and loads the whole model.
+SCENARIOS = {
+    "lr": ("llama", "lowram"),
+    "lt": ("llama_tied", "lowram"),
+    "lq": ("qwen2", "lowram"),
+    "lw": ("llama", "lowram_whole"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,32 +33,41 @@ def run(tmp_path_factory):
 
     models, out, results, proc = launch_scenarios(tmp_path_factory, "low_ram", SCENARIOS, script="low_ram_worker.py")
     lowram = {
-        arch: {r: json.loads((out / f"lowram_{arch}_rank{r}.json").read_text()) for r in (0, 1)}
-        for arch, _ in SCENARIOS.values()
+        name: {r: json.loads((out / f"lowram_{kind}_{arch}_rank{r}.json").read_text()) for r in (0, 1)}
+        for name, (arch, kind) in SCENARIOS.items()
     }
     return models, out, results, lowram, proc
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_ranks_hold_identical_4bit_weights_and_quant_states(run, name):
-    """Rank 1 received exactly the packed rows FSDP2 keeps on it (an FSDP2 launch: partial rows), bit for bit
-    equal to rank 0's bytes of those rows, and every quant state whole."""
-    _, _, _, lowram, _ = run
-    found = lowram[SCENARIOS[name][0]]
-    assert found[0]["world_size"] == 2
-    assert found[0]["partial"] and found[1]["partial"]
-    assert found[1]["digests"]["1"] and found[0]["digests"]["1"] == found[1]["digests"]["1"]
-    assert found[0]["digests"]["0"] != found[0]["digests"]["1"]  # different rows: the comparison can fail
-    assert found[1]["meta_left"] == []
+def test_each_rank_holds_its_rows_of_a_normal_load(run, name):
+    """Rank 0 streamed the checkpoint: each rank holds exactly the packed rows FSDP2 keeps on it, bit for bit
+    those of a normal single-process load, and every quant state whole."""
+    from hf_fsdp_qlora import load_qlora_model
+
+    models, _, _, lowram, _ = run
+    arch = SCENARIOS[name][0]
+    found = lowram[name]
+    assert found[0]["world_size"] == 2 and found[0]["partial"] and found[1]["partial"]
+    oracle = load_qlora_model(str(models / arch), gradient_checkpointing=False)
+    expected = {rank: packed_digests(oracle, rank, 2) for rank in (0, 1)}
+    assert expected[0] and expected[0] != expected[1]  # different rows: the comparison can fail
+    for rank in (0, 1):
+        assert found[rank]["digests"] == expected[rank], rank
+        assert found[rank]["meta_left"] == []
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_partial_rank_refuses_use_before_fsdp2_wrapped_it(run, name):
     _, _, _, lowram, _ = run
-    found = lowram[SCENARIOS[name][0]]
-    assert "holds only its FSDP2 shard" in found[1]["forward_before_wrap"]
-    assert "wrapped differently" in found[1]["verify_before_wrap"]
-    assert found[0]["verify_before_wrap"].startswith("peer: ")
+    found = lowram[name]
+    streamed = name != "lw"  # rank 0 streamed the checkpoint and kept only its own rows too
+    assert found[0]["holds_partial_rows"] is streamed and found[1]["holds_partial_rows"]
+    for rank in (0, 1) if streamed else (1,):
+        assert "holds only its FSDP2 shard" in found[rank]["forward_before_wrap"]
+        assert "wrapped differently" in found[rank]["verify_before_wrap"]
+    if not streamed:  # rank 0 holds the whole model: nothing to refuse, and it joins the others' refusal
+        assert found[0]["verify_before_wrap"].startswith("peer: ")
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

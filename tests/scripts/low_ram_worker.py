@@ -7,7 +7,6 @@ after loading, for the test to compare across ranks.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -15,57 +14,38 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import train_scenarios as base
+from dist_utils import packed_digests
 
 from hf_fsdp_qlora import load_qlora_model
 
 
-def _digest(model, rank: int, world: int | None) -> dict:
-    """sha1 of each 4-bit weight's packed bytes and of every tensor/field of its quant state.
-
-    `world`: the model holds partial rows (an FSDP2 launch): hash only the bytes FSDP2 keeps on `rank`.
-    """
-    from hf_fsdp_qlora.low_ram import _row_bytes
-
-    found = {}
-    for name, param in model.named_parameters():
-        if type(param).__name__ != "Params4bit":
-            continue
-        data = param.data.contiguous().reshape(-1).view(torch.uint8)
-        if world:
-            first, end, _ = _row_bytes(tuple(param.shape), param.dtype, rank, world)
-            data = data[first:end]
-        h = hashlib.sha1(data.numpy().tobytes())
-        for key, value in sorted(param.quant_state.as_dict(packed=False).items()):
-            h.update(key.encode())
-            h.update(
-                value.contiguous().view(torch.uint8).numpy().tobytes()
-                if torch.is_tensor(value)
-                else repr(value).encode()
-            )
-        found[name] = h.hexdigest()
-    return found
-
-
 def _build_model(path, kind):
-    if kind != "lowram":
+    if kind not in ("lowram", "lowram_whole"):
         return ORIGINAL_BUILD(path, kind)
+    # lowram_whole: a from_pretrained argument that only a whole load honours makes rank 0 load the whole model
+    # (the fallback to streaming); the other ranks still receive only their rows.
+    extra = {"device_map": {"": "cpu"}} if kind == "lowram_whole" else {}
     from hf_fsdp_qlora.errors import UnsupportedSetupError
-    from hf_fsdp_qlora.low_ram import _FLAG_ATTR, verify_partial_rows
+    from hf_fsdp_qlora.low_ram import _FLAG_ATTR, _ROWS_ATTR, verify_partial_rows
 
-    model = load_qlora_model(path, lora_config=base.lora_config(), gradient_checkpointing=False, low_cpu_ram=True)
+    model = load_qlora_model(
+        path, lora_config=base.lora_config(), gradient_checkpointing=False, low_cpu_ram=True, **extra
+    )
     out = Path(OUT)
     world = dist.get_world_size() if dist.is_initialized() else 1
     partial = any(getattr(m, _FLAG_ATTR, False) for m in model.modules())
     rank = base.rank()
     info = {
         "partial": partial,
-        # rank 0 hashes every rank's rows, each other rank its own: the test compares them.
-        "digests": {r: _digest(model, r, world if partial else None) for r in (range(world) if rank == 0 else [rank])},
+        "holds_partial_rows": any(getattr(m, _ROWS_ATTR, None) for m in model.modules()),
+        # Each rank hashes the rows it holds; the test compares them with a normal load's.
+        "digests": packed_digests(model, rank, world if partial else None),
         "world_size": world,
         "meta_left": [n for n, p in model.named_parameters() if p.device.type == "meta"],
     }
     # Before FSDP2 has wrapped it, a rank with partial rows must refuse a forward, and the check must fail.
-    if rank != 0:
+    # (Not tried on a rank holding the whole model: an eval-mode CPU forward may repack its 4-bit weights.)
+    if info["holds_partial_rows"]:
         try:
             model(input_ids=torch.tensor([[1, 2, 3]]))
             info["forward_before_wrap"] = "ran"
@@ -78,7 +58,7 @@ def _build_model(path, kind):
         info["verify_before_wrap"] = str(err)
     except RuntimeError as err:  # the other rank's refusal, raised here by agree_on_failure
         info["verify_before_wrap"] = "peer: " + str(err)
-    (out / f"lowram_{Path(path).name}_rank{base.rank()}.json").write_text(json.dumps(info))
+    (out / f"lowram_{kind}_{Path(path).name}_rank{base.rank()}.json").write_text(json.dumps(info))
     return model, base.LossRecorder, None
 
 
