@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=4, help="minimum number of base shards (default: 4)")
     parser.add_argument("--workdir", default=None, help="where to build and write (default: a temp folder, removed)")
     parser.add_argument("--device", default="cpu", help="where ours computes: cpu (default) or cuda")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per contender; the fastest is reported")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of all three contenders; the median is reported")
     parser.add_argument("--_child", choices=CONTENDERS + ("build",), help=argparse.SUPPRESS)
     parser.add_argument("--_base", help=argparse.SUPPRESS)
     parser.add_argument("--_adapter", help=argparse.SUPPRESS)
@@ -176,13 +176,18 @@ def main(argv: list[str] | None = None) -> int:
             f"base: {base_gb:.2f} GB in {len(shard_files)} shards; output shards up to {shard}; CPUs: {os.cpu_count()}; "
             f"ours on {args.device}"
         )
+        # Interleaved (copy, peft, ours, copy, ...): the disk's state drifts between runs, so each round
+        # gives all three the same conditions; the median round of each is reported.
+        runs = {which: [] for which in CONTENDERS}
+        for round_ in range(args.repeat):
+            for which in CONTENDERS:
+                runs[which].append(measure(which, base, adapter, workdir / f"out-{which}", shard, args.device))
+            if args.repeat > 1:
+                print(f"round {round_ + 1}: " + ", ".join(f"{w} {r[-1]['work_s']:.2f} s" for w, r in runs.items()))
         results = {}
-        for which in CONTENDERS:
-            out = workdir / f"out-{which}"
-            runs = [measure(which, base, adapter, out, shard, args.device) for _ in range(args.repeat)]
-            best = min(runs, key=lambda r: r["wall_s"])
-            best["rss_mb"] = max(r["rss_mb"] for r in runs)
-            results[which] = best
+        for which, done in runs.items():
+            median = sorted(done, key=lambda r: r["wall_s"])[len(done) // 2]
+            results[which] = {**median, "rss_mb": max(r["rss_mb"] for r in done)}
         _report(results)
     finally:
         if args.workdir is None:

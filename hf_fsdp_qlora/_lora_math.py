@@ -24,7 +24,15 @@ import torch
 
 from hf_fsdp_qlora.errors import MergeError
 
-__all__ = ["LoraFactors", "TensorUpdate", "apply_update", "check_shape", "collect_updates", "quantize_roundtrip"]
+__all__ = [
+    "LoraFactors",
+    "TensorUpdate",
+    "apply_update",
+    "apply_update_into",
+    "check_shape",
+    "collect_updates",
+    "quantize_roundtrip",
+]
 
 PREFIX = "base_model.model."
 _LORA_KEY = re.compile(
@@ -251,6 +259,53 @@ def apply_update(
         bias, scaling = update.lora_bias
         w.add_(bias.to(device=device, dtype=torch.float32) * scaling)
     return w
+
+
+# Rows per block on CPU: about 1 MiB of float32, so a block's float32 copy, its update and its cast all stay
+# in cache; memory traffic is then one read of the base tensor and one write of the result.
+_BLOCK_ELEMENTS = 1 << 18
+
+
+def apply_update_into(
+    out: torch.Tensor, weight: torch.Tensor | None, update: TensorUpdate, device: torch.device, scratch=None
+) -> torch.Tensor:
+    """Write the updated tensor into `out` (the output dtype, on `device`), computed in float32, cast once.
+
+    A plain LoRA update of a 2-D weight on CPU is computed a block of rows at a time
+    (`W[rows] + (B[rows] @ A) * scaling`, or the transposed factors for embeddings / fan_in_fan_out):
+    the same float32 operations as `apply_update`, without whole-tensor float32 passes.
+    Anything else (DoRA, replaced tensors, trained biases, other devices) goes through `apply_update`.
+    """
+    f = update.lora
+    blockwise = (
+        device.type == "cpu"
+        and f is not None
+        and f.magnitude is None
+        and update.replacement is None
+        and update.lora_bias is None
+        and weight is not None
+        and weight.dim() == 2
+    )
+    if not blockwise:
+        return out.copy_(apply_update(weight, update, device, scratch))
+    a = f.a.to(device=device, dtype=torch.float32)
+    b = f.b.to(device=device, dtype=torch.float32)
+    left, right = (a.T, b.T) if (f.embedding or f.fan_in_fan_out) else (b, a)
+    rows, cols = weight.shape
+    step = max(1, _BLOCK_ELEMENTS // max(cols, 1))
+    if scratch is None:
+        block, delta = (torch.empty((step, cols), dtype=torch.float32, device=device) for _ in range(2))
+    else:
+        block, delta = (scratch(name, (step, cols), torch.float32) for name in ("block", "block_delta"))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        w, d = block[: stop - start], delta[: stop - start]
+        w.copy_(weight[start:stop])
+        torch.matmul(left[start:stop], right, out=d)
+        d.mul_(f.scaling)  # (B @ A) * scaling, then added: peft's association
+        w.add_(d)
+        out[start:stop].copy_(w)
+    return out
 
 
 def quantize_roundtrip(weight: torch.Tensor, quant_type: str, blocksize: int, double_quant: bool) -> torch.Tensor:

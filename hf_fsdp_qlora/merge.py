@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,14 @@ import torch
 
 from hf_fsdp_qlora._adapter_io import load_adapter
 from hf_fsdp_qlora._base_model import INDEX_NAME, base_entries, check_base_name, quantized_keys, tied_map
-from hf_fsdp_qlora._lora_math import TensorUpdate, apply_update, check_shape, collect_updates, quantize_roundtrip
+from hf_fsdp_qlora._lora_math import (
+    TensorUpdate,
+    apply_update,
+    apply_update_into,
+    check_shape,
+    collect_updates,
+    quantize_roundtrip,
+)
 from hf_fsdp_qlora._safetensors_io import (
     DTYPE_NAMES,
     AtomicOutputDir,
@@ -218,9 +226,25 @@ def _produce(item: _Item, fh, device: torch.device, quant, scratch: _Scratch, sl
     if item.quantize:
         # Quantized from the tensor in the dtype training loaded it in (the output dtype), as bnb does.
         weight = quantize_roundtrip(weight.to(out), *quant)
+    target = scratch(f"out{slot}", tuple(item.entry.shape), out)
     if item.update is not None:
-        weight = apply_update(weight, item.update, device, scratch)
-    return scratch(f"out{slot}", tuple(item.entry.shape), out).copy_(weight)
+        return apply_update_into(target, weight, item.update, device, scratch)
+    return target.copy_(weight)
+
+
+@contextlib.contextmanager
+def _leave_a_core_for_writes(device: torch.device):
+    """On CPU, compute with one core fewer than this process may use, so the writer thread has one: the
+    merge is bound by memory bandwidth, and on 2 cores one compute thread plus the writer was faster than
+    two compute threads competing with it."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, min(before, cores - 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _write_shards(items: list[_Item], tmp: Path, max_bytes: int, device, quant, progress: bool) -> dict[str, str]:
@@ -367,7 +391,8 @@ def merge_adapters(
                     cfg["tie_word_embeddings"] = False
         quant = (dequantize, quant_blocksize, double_quant) if dequantize else None
         with AtomicOutputDir(output) as tmp:
-            weight_map = _write_shards(items, tmp, max_bytes, device, quant, progress)
+            with _leave_a_core_for_writes(device):
+                weight_map = _write_shards(items, tmp, max_bytes, device, quant, progress)
             if len(set(weight_map.values())) > 1:
                 index = {"metadata": {"total_size": needed}, "weight_map": dict(sorted(weight_map.items()))}
                 (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from tiny_models import build_tiny_model, tiny_config
 
-from hf_fsdp_qlora import _safetensors_io
-from hf_fsdp_qlora._lora_math import collect_updates
+from hf_fsdp_qlora import _lora_math, _safetensors_io
+from hf_fsdp_qlora._lora_math import LoraFactors, TensorUpdate, apply_update, apply_update_into, collect_updates
 from hf_fsdp_qlora.errors import MergeError
 from hf_fsdp_qlora.merge import MergeUsageError, merge_adapters
 
@@ -192,6 +192,37 @@ def test_tensors_equal_peft_merge_within_one_rounding(merged_scenarios, name):
         assert_within_one_rounding(tensor, ref16[key], key, delta)
         changed += not torch.equal(tensor, load_base_tensor(base, key))
     assert changed > 0, "the adapter changed nothing: the test could not fail"
+
+
+@pytest.mark.parametrize("layout", ["linear", "fan_in_fan_out", "embedding"])
+def test_blockwise_update_equals_whole_tensor_update(monkeypatch, layout):
+    """The CPU path that updates a weight a block of rows at a time (the merge's fast path) computes what the
+    whole-tensor update computes, across block edges and a short last block, for both factor layouts."""
+    torch.manual_seed(0)
+    rows, cols, rank = 37, 24, 4
+    weight = torch.randn(rows, cols).to(torch.bfloat16)
+    transposed = layout != "linear"  # W is (in, out) for fan_in_fan_out, (num_embeddings, dim) for embeddings
+    a = torch.randn(rank, rows if transposed else cols)
+    b = torch.randn(cols if transposed else rows, rank)
+    factors = LoraFactors(a, b, 0.7, layout == "embedding", layout == "fan_in_fan_out", None, "m")
+    update = TensorUpdate(lora=factors)
+    cpu = torch.device("cpu")
+    whole = apply_update(weight, update, cpu)
+    monkeypatch.setattr(_lora_math, "_BLOCK_ELEMENTS", 5 * cols)  # 7 blocks of 5 rows, then one of 2
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the blockwise path fell back to the whole-tensor update")
+
+    monkeypatch.setattr(_lora_math, "apply_update", no_fallback)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((rows, cols), float("nan"), dtype=dtype)  # a row left unwritten stays NaN
+        apply_update_into(out, weight, update, cpu)
+        assert not out.isnan().any()
+        if dtype == torch.float32:  # a block's matmul may round differently from the whole one's
+            torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
+        else:
+            assert_within_one_rounding(out, whole.to(dtype), f"{layout} {dtype}")
+    assert (whole - weight.float()).abs().min() > 0, "the update changed nothing: the test could not fail"
 
 
 def _embedding_lora_modules(adapter: Path) -> set[str]:
