@@ -156,6 +156,7 @@ def read_tensor(fh, entry: TensorEntry, buf: torch.Tensor | None = None) -> torc
 
 
 _WRITE_CHUNK = 1 << 17
+_FLUSH_EVERY = 64 << 20
 
 
 def _write_all(fd: int, data) -> None:
@@ -195,6 +196,17 @@ class ShardWriter:
         self._pending.reverse()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         _write_all(self._fd, struct.pack("<Q", len(raw)) + raw)
+        self._end = self._flushed = 8 + len(raw)
+
+    def _wrote(self, nbytes: int) -> None:
+        # Start writing back every _FLUSH_EVERY bytes instead of letting dirty pages pile up until the kernel
+        # throttles this writer and the final fsync: a 6 GB merge took 9 s without this and 5.5 s with it
+        # (2 cores, ext4 in a VM). DONTNEED also keeps the output from evicting the base shards from the page
+        # cache. Durability still comes from the fsync in close().
+        self._end += nbytes
+        if self._end - self._flushed >= _FLUSH_EVERY and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, self._flushed, self._end - self._flushed, os.POSIX_FADV_DONTNEED)
+            self._flushed = self._end
 
     def _next(self, name: str, nbytes: int) -> None:
         expected, expected_bytes = self._pending.pop()
@@ -208,6 +220,7 @@ class ShardWriter:
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._next(name, data.numel())
         _write_all(self._fd, data.numpy())
+        self._wrote(data.numel())
 
     def copy_bytes(self, name: str, src_fd: int, offset: int, nbytes: int) -> None:
         """Append the next planned entry by copying `nbytes` at `offset` of `src_fd` (kernel copy when possible)."""
@@ -224,6 +237,7 @@ class ShardWriter:
                 raise MergeError(f"source file ended while copying tensor {name!r}: it is truncated, save it again")
             offset += n
             remaining -= n
+        self._wrote(nbytes)
 
     def _copy_chunk(self, src_fd: int, offset: int, size: int) -> int:
         data = os.pread(src_fd, size, offset)
