@@ -342,7 +342,8 @@ def merge_adapters(
         output: the folder to create; it appears only once complete.
         dtype: output dtype of floating tensors ("bfloat16", "float16", "float32"); default: the base's.
         max_shard_size: largest output shard, e.g. "5GB" (decimal units, like transformers) or "2GiB".
-        device: where every update is computed, "cpu" or "cuda[:N]".
+        device: where every update is computed, "cpu" or "cuda[:N]". On CPU the merge computes with one
+            torch thread fewer than the cores it may use (one is left to the writer), restored on return.
         force: replace an existing `output` (the old folder is kept until the new one is complete).
         dequantize: "nf4" or "fp4" to merge onto the 4-bit round trip of the base that QLoRA trained against.
         double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize`).
