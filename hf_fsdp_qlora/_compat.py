@@ -18,4 +18,15 @@ Each entry names the module that holds the workaround and the test that fails wh
   state-dict API instead. ``tests/test_checkpoints.py`` (exact resume, FSDP1 and FSDP2) guards both.
 * ``dtypes.view_packed_storage_as``: accelerate's FSDP2 (<= 1.15) excludes integer-stored Params4bit
   from sharding; ``tests/test_sharding.py`` checks every 4-bit weight is a half-size DTensor shard.
+* ``trainer_hook.install_trainer_hook``: wraps ``transformers.Trainer.__init__`` so a trainer built with
+  ``FSDPQLoRACallback`` (or every trainer, under ``python -m hf_fsdp_qlora.run``) gets our mixin: transformers
+  (<= 5.23) raises on FSDP + Trainer activation checkpointing inside ``__init__``, before any callback event, and
+  its FSDP saves write no adapter (FSDP2) or crash (FSDP1 on CPU). Remove when a callback can take part in
+  ``create_accelerator_and_postprocess`` and the stock saves gather adapters; ``tests/test_recipes.py`` runs the
+  stock Trainer and trl's DPOTrainer through it.
+* ``_trainer_mixin.resolve_activation_checkpointing``: transformers (<= 5.23) refuses FSDP's activation
+  checkpointing together with the Trainer's, which trl (<= 1.16) turns on by default; ``tests/test_recipes.py``
+  counts one recomputation per layer and step.
+* ``cpu_rehearsal._honour_use_cpu_in_training_arguments``: transformers (<= 5.23) refuses ``bf16=True`` without a
+  GPU unless ``use_cpu=True``, and ignores accelerate's ``use_cpu: true``; only inside a CPU FSDP launch.
 """

@@ -52,6 +52,53 @@ def with_fsdp_callback(callbacks, args=None):
     return ours + callbacks
 
 
+def _set_trainer_checkpointing(args, value: bool) -> None:
+    # `gradient_checkpointing` is transformers 5's deprecated alias of `activation_checkpointing`; trl reads both.
+    args.activation_checkpointing = value
+    if hasattr(args, "gradient_checkpointing"):
+        args.gradient_checkpointing = value
+
+
+def resolve_activation_checkpointing(trainer) -> str:
+    """Apply activation checkpointing exactly once, and say which in one line. Returns "fsdp", "trainer",
+    "model" or "none".
+
+    Three switches can each turn it on: FSDP's own (``fsdp_activation_checkpointing``, which wraps every
+    transformer layer), the Trainer's ``activation_checkpointing``/``gradient_checkpointing`` (trl's configs
+    default to True) and the model's own (``load_qlora_model`` and ``prepare_model_for_kbit_training`` enable it).
+    With two on, transformers raises, or each layer's forward runs three times per step. FSDP's own is kept when
+    the accelerate config asks for it (transformers' advice under FSDP: the Trainer's adds a redundant all-gather
+    in backward); the others are turned off.
+    """
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    model = trainer.model
+    model_on = bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)))
+    trainer_on = bool(trainer.args.activation_checkpointing)
+    if plugin is not None and plugin.activation_checkpointing:
+        off = []
+        if trainer_on:
+            _set_trainer_checkpointing(trainer.args, False)
+            off.append("TrainingArguments.gradient_checkpointing=True")
+        if model_on:
+            disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+            disable()
+            off.append("the model's gradient checkpointing")
+        logger.info(
+            "hf_fsdp_qlora: activation checkpointing: FSDP's own (fsdp_activation_checkpointing: true), once per "
+            "layer%s",
+            f"; turned off {' and '.join(off)} so it is not applied twice" if off else "",
+        )
+        return "fsdp"
+    if trainer_on or model_on:
+        logger.info(
+            "hf_fsdp_qlora: activation checkpointing: %s",
+            "TrainingArguments.gradient_checkpointing=True" if trainer_on else "the model's gradient checkpointing",
+        )
+        return "trainer" if trainer_on else "model"
+    logger.info("hf_fsdp_qlora: activation checkpointing: off")
+    return "none"
+
+
 def _barrier():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -87,11 +134,17 @@ class FSDPSaveMixin:
         save_only_model = self.args.save_only_model
         if save_only_model and self.args.load_best_model_at_end:
             raise ValueError("save_only_model=True cannot be combined with load_best_model_at_end=True under FSDP.")
+        # transformers also refuses FSDP's activation checkpointing together with the Trainer's, which trl's
+        # configs turn on by default: the choice is made after the plugin exists (resolve_activation_checkpointing).
+        wants_checkpointing = bool(self.args.activation_checkpointing)
         self.args.save_only_model = False
+        _set_trainer_checkpointing(self.args, False)
         try:
             super().create_accelerator_and_postprocess()
         finally:
             self.args.save_only_model = save_only_model
+            _set_trainer_checkpointing(self.args, wants_checkpointing)
+        resolve_activation_checkpointing(self)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         if not getattr(self, "is_fsdp_enabled", False):
@@ -135,6 +188,10 @@ class FSDPSaveMixin:
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(staged, final)
+            try:  # leave no empty staging folder behind in the user's output folder
+                os.rmdir(os.path.join(run_dir, STAGING_DIR))
+            except OSError:
+                pass
             if self.state.best_model_checkpoint == staged:
                 self.state.best_model_checkpoint = final
             rotate_checkpoints(

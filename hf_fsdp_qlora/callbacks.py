@@ -12,13 +12,57 @@ from .cpu_rehearsal import enable_cpu_fsdp, fsdp_requested_by_launch
 from .errors import FSDPNotEngagedError
 from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge
 from .low_ram import verify_partial_rows
+from .trainer_hook import install_trainer_hook
 
 __all__ = ["FSDPQLoRACallback"]
 
 logger = logging.getLogger(__name__)
 
-# Installed at import, before the user's TrainingArguments builds accelerate's state (see cpu_rehearsal).
+# Installed at import, before the user's TrainingArguments builds accelerate's state (see cpu_rehearsal), and
+# before the user's Trainer is built (see trainer_hook: a Trainer built with this callback gets our behaviour).
 enable_cpu_fsdp()
+install_trainer_hook()
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GB"
+
+
+def engagement_summary(model, version: int, found: dict) -> str:
+    """One line for the log: what FSDP wrapped, and how many parameter bytes this rank holds of the whole."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (FSDP, FSDPModule)):
+            inner = module.module if isinstance(module, FSDP) else module
+            name = type(inner).__name__.removeprefix("FSDP")
+            kinds[name] = kinds.get(name, 0) + 1
+    units = ", ".join(f"{count} {name}" for name, count in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    local = total = 0
+    if version == 1:
+        for module in model.modules():
+            flat = getattr(module, "_flat_param", None) if isinstance(module, FSDP) else None
+            if flat is not None:
+                local += flat.numel() * flat.element_size()
+                total += sum(getattr(flat, "_numels", (flat.numel() * world,))) * flat.element_size()
+    else:
+        for param in model.parameters():
+            size = param.element_size()
+            total += param.numel() * size
+            local += (param.to_local().numel() if hasattr(param, "to_local") else param.numel()) * size
+    return (
+        f"FSDP{version} engaged on {world} rank(s): {units or 'no'} units; this rank holds {_human(local)} of "
+        f"{_human(total)} of parameters ({found.get('dtensor_params', 0)} DTensor parameters, "
+        f"{found.get('flat_params', 0)} FlatParameters)"
+    )
 
 
 def _fsdp_requested(args) -> bool:
@@ -79,4 +123,4 @@ class FSDPQLoRACallback(TrainerCallback):
         self.engagement = assert_fsdp_engaged(model, self._version)
         verify_partial_rows(model)
         guard_sharded_merge(model)
-        logger.info("hf_fsdp_qlora: FSDP%d engaged: %s", self._version, self.engagement)
+        logger.info("hf_fsdp_qlora: %s", engagement_summary(model, self._version, self.engagement))

@@ -35,10 +35,10 @@ class ConsistencyReport:
 def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
     """Prepare `model` and accelerate's FSDP `plugin` for wrapping. Collective (call on every rank).
 
-    1. run the doctor's checks (:func:`hf_fsdp_qlora.check_setup`, the same ones ``hf-fsdp-qlora doctor`` runs)
-       on the live model and plugin, and refuse their errors (8-bit base, integer 4-bit storage under FSDP1, a
-       spreading device_map, a missing wrap class, ...) on every rank before any collective - if any rank
-       refuses, every rank raises;
+    1. view integer-stored 4-bit weights as the training dtype (same bytes), then run the doctor's checks
+       (:func:`hf_fsdp_qlora.check_setup`, the same ones ``hf-fsdp-qlora doctor`` runs) on the live model and
+       plugin, and refuse their errors (8-bit base, a spreading device_map, a missing wrap class, ...) on every
+       rank before any collective - if any rank refuses, every rank raises;
     2. cast every non-quantized floating parameter (adapters, norms, biases, embeddings) to the one
        training dtype, the 4-bit storage dtype;
     3. set FSDP's mixed precision to that dtype and, for FSDP1, ``use_orig_params=True``;
@@ -48,9 +48,15 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
         UnsupportedSetupError: for a setup FSDP cannot run, with the setting and value to use.
     """
     version = fsdp_version(plugin)
+    # Integer-stored 4-bit weights (bitsandbytes' default uint8, what trl's `--load_in_4bit` gives) cannot be
+    # flattened by FSDP1 ("Cannot flatten integer dtype tensors") and stay out of FSDP2 sharding (a full copy per
+    # GPU): view their bytes as the training dtype so they shard like everything else. No value is converted, so
+    # the logits are bit for bit those of the unwrapped model. Done first, so the checks below see the result.
     error = None
     findings = []
+    viewed = 0
     try:
+        viewed = view_packed_storage_as(model, training_dtype(model))
         findings = check_setup(model, fsdp_plugin=plugin)
         raise_for_errors(findings)
         dtype = training_dtype(model)
@@ -61,17 +67,15 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
         level = logging.WARNING if finding.severity == "warning" else logging.INFO
         logger.log(level, "hf_fsdp_qlora: [%s] %s", finding.id, finding.message)
 
-    report = ConsistencyReport(fsdp_version=version, dtype=dtype)
-    if version == 2:
-        # Integer-stored 4-bit weights would stay out of FSDP2 sharding (a full copy per GPU): view their
-        # bytes as the training dtype so they shard like everything else. FSDP1 refuses them (above).
-        report.viewed_storage = view_packed_storage_as(model, dtype)
-        if report.viewed_storage:
-            logger.info(
-                "hf_fsdp_qlora: viewed %d integer-stored 4-bit weights as %s so FSDP2 shards them (bytes unchanged)",
-                report.viewed_storage,
-                dtype,
-            )
+    report = ConsistencyReport(fsdp_version=version, dtype=dtype, viewed_storage=viewed)
+    if viewed:
+        logger.info(
+            "hf_fsdp_qlora: viewed %d integer-stored 4-bit weights as %s so FSDP%d can %s them (bytes unchanged)",
+            viewed,
+            dtype,
+            version,
+            "flatten" if version == 1 else "shard",
+        )
     report.cast_parameters = harmonize_dtypes(model, dtype)
     if report.cast_parameters:
         logger.info(

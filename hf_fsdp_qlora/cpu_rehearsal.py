@@ -44,7 +44,7 @@ def fsdp_requested_by_launch() -> bool:
     ACCELERATE_USE_FSDP is accelerate's own launch contract (set by `accelerate launch` from the YAML's
     `distributed_type: FSDP`, or by Trainer when `fsdp` is on), not a setting of ours.
     """
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
 
 
 def _fsdp_requested(fsdp_plugin=None) -> bool:
@@ -125,7 +125,33 @@ def enable_cpu_fsdp() -> None:
 
     PartialState.__init__ = partial_init
     AcceleratorState.__init__ = __init__
+    _honour_use_cpu_in_training_arguments()
     _ENABLED = True
+
+
+def _rehearsing_on_cpu() -> bool:
+    return _fsdp_requested() and _no_accelerator() and _launched_distributed()
+
+
+def _honour_use_cpu_in_training_arguments() -> None:
+    """A CPU rehearsal launch is a CPU run: make ``TrainingArguments.use_cpu`` say so.
+
+    transformers refuses ``bf16=True`` on a machine without a GPU unless ``use_cpu=True`` ("Your setup doesn't
+    support bf16/gpu"), and trl's configs default to ``bf16=True``: an unchanged trl script would need an extra
+    ``--use_cpu`` on the laptop that it must not have on the cluster. The rehearsal configs already say
+    ``use_cpu: true``; this applies it to the training arguments too, only inside such a launch.
+    """
+    from transformers import TrainingArguments
+
+    original = TrainingArguments.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        if not self.use_cpu and _rehearsing_on_cpu():
+            self.use_cpu = True
+        original(self, *args, **kwargs)
+
+    TrainingArguments.__post_init__ = __post_init__
 
 
 def is_cpu_fsdp_enabled() -> bool:

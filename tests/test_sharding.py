@@ -77,3 +77,29 @@ def test_planted_bytes_read_as_nan_inf_subnormal(run):
     tiny = torch.finfo(torch.bfloat16).tiny
     assert torch.isnan(packed).sum() > 100 and torch.isinf(packed).sum() > 100
     assert ((packed != 0) & (packed.abs() < tiny)).sum() > 100
+
+
+# Under FSDP1 integer storage used to be refused ("Cannot flatten integer dtype tensors" upstream): trl's QLoRA recipe
+# (`--load_in_4bit`) leaves bitsandbytes' default uint8. Ours views the same bytes as the compute dtype.
+FSDP1_SCENARIOS = {"s": ("llama_nanbytes", "st_uint8_nf4_dq"), "t": ("llama", "st_uint8_fp4_nodq")}
+
+
+@pytest.fixture(scope="module")
+def run_fsdp1(tmp_path_factory):
+    models, out, results, _ = launch_scenarios(tmp_path_factory, "sharding_fsdp1", FSDP1_SCENARIOS, version=1)
+    return models, out, results
+
+
+@pytest.mark.parametrize("name", sorted(FSDP1_SCENARIOS))
+def test_fsdp1_integer_storage_flattens_bit_exact(run_fsdp1, name):
+    import train_scenarios as worker
+
+    models, out, results = run_fsdp1
+    for rank in (0, 1):
+        found = results[rank][name]
+        assert found["ok"], found.get("traceback")
+        assert found["engagement"]["flat_params"] > 0  # FSDP1 engaged: FlatParameters over the viewed bytes
+        assert found["packed_dtypes"] == ["torch.bfloat16"] == [found["mp_param_dtype"]]
+    arch, kind = FSDP1_SCENARIOS[name]
+    model = _unsharded(models, arch, kind)
+    assert_first_logits_equal(model, out, name, results[0][name]["first_batch"], worker.BATCH)

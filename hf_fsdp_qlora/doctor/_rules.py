@@ -62,20 +62,21 @@ def quantization_rules(ctx: Context):
     if s.quantization != "4bit" or s.storage not in _INTEGER:
         return
     dtype = _TORCH[_float_dtype(s)]
-    if version == 1:
+    if s.integer_storage_sharded:
+        yield _finding(
+            f"fsdp{version}-integer-storage", "info",
+            f"The 4-bit weights are stored as {s.storage}; hf_fsdp_qlora views the packed bytes as {_float_dtype(s)} "
+            f"(no value changes) so that FSDP{version} {'can flatten' if version == 1 else 'shards'} them.",
+            "bnb_4bit_quant_storage", f"{dtype} (the compute dtype)",
+        )  # fmt: skip
+    elif version == 1:
         yield _finding(
             "fsdp1-integer-storage", "error",
             f"The 4-bit weights are stored as {s.storage} (bitsandbytes' default), which FSDP1 cannot flatten "
             f"('Cannot flatten integer dtype tensors'). Store them in the compute dtype: BitsAndBytesConfig(..., "
             f"bnb_4bit_compute_dtype={dtype}, bnb_4bit_quant_storage={dtype}), as "
-            f"hf_fsdp_qlora.load_qlora_model(path, dtype={dtype}) does.",
-            "bnb_4bit_quant_storage", f"{dtype} (the compute dtype)",
-        )  # fmt: skip
-    elif s.integer_storage_sharded:
-        yield _finding(
-            "fsdp2-integer-storage", "info",
-            f"The 4-bit weights are stored as {s.storage}; hf_fsdp_qlora views the packed bytes as {_float_dtype(s)} "
-            "(no value changes) so that FSDP2 shards them.",
+            f"hf_fsdp_qlora.load_qlora_model(path, dtype={dtype}) does, or train with hf_fsdp_qlora's trainer, "
+            "which views the packed bytes as the compute dtype.",
             "bnb_4bit_quant_storage", f"{dtype} (the compute dtype)",
         )  # fmt: skip
     else:

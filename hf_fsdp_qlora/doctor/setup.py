@@ -26,10 +26,6 @@ __all__ = [
 ]
 
 TRAINERS = ("hf_fsdp_qlora", "transformers", "accelerate")
-# Whether hf_fsdp_qlora's trainer re-types integer 4-bit storage as the compute dtype before wrapping, so that
-# FSDP2 shards it (hf_fsdp_qlora.dtypes.view_packed_storage_as). Keep it equal to what the trainer does:
-# tests/test_doctor.py measures that scenario (p2_uint8_ours) on real FSDP2 and fails when the two disagree.
-OURS_SHARDS_INTEGER_STORAGE_UNDER_FSDP2 = True
 _MIXED_PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 
 
@@ -129,8 +125,9 @@ class RunSetup:
 
     @property
     def integer_storage_sharded(self) -> bool:
-        """Integer 4-bit storage gets sharded: only where our trainer re-types it, under FSDP2."""
-        return self.trainer == "hf_fsdp_qlora" and self.fsdp.version == 2 and OURS_SHARDS_INTEGER_STORAGE_UNDER_FSDP2
+        """Integer 4-bit storage is viewed as the compute dtype (so FSDP1 flattens it and FSDP2 shards it): only where
+        our trainer re-types it, under FSDP1 and FSDP2."""
+        return self.trainer == "hf_fsdp_qlora" and self.fsdp.version in (1, 2)
 
     @property
     def peft_wraps(self) -> bool:

@@ -1,0 +1,85 @@
+"""Give any `transformers.Trainer` (trl's SFT/DPO/GRPO/reward trainers, your own subclass) our FSDP behaviour.
+
+There is one implementation of that behaviour: :class:`~hf_fsdp_qlora._trainer_mixin.FSDPSaveMixin` (resolving
+activation checkpointing before accelerate is created, gathered adapter saves, crash-safe checkpoints, exact
+resume) plus the callbacks it installs (:class:`~hf_fsdp_qlora.FSDPQLoRACallback` and the hygiene callbacks).
+Our trainer classes inherit it; every other route gets it here, by giving the trainer object a subclass of its own
+class with the mixin in front, at the start of ``Trainer.__init__``:
+
+* ``Trainer(..., callbacks=[FSDPQLoRACallback()])`` - the callback alone is enough. Part of what it fixes happens
+  inside ``Trainer.__init__`` before any callback event (transformers raises there when FSDP's and the Trainer's
+  activation checkpointing are both on), so the callback's presence is looked for when ``__init__`` starts;
+* ``python -m hf_fsdp_qlora.run SCRIPT.py`` - every trainer the script builds, without any change to it.
+
+The subclass keeps the class's name and is an instance of the user's class (``isinstance(t, DPOTrainer)`` holds).
+Installing the hook wraps ``Trainer.__init__`` once; it changes nothing for a trainer built without our callback
+unless ``adopt_all`` was asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+__all__ = ["install_trainer_hook", "adopted_class", "is_adopting_all"]
+
+_INSTALLED = False
+_ADOPT_ALL = False
+_CLASSES: dict[type, type] = {}
+
+
+def adopted_class(cls: type) -> type:
+    """`cls` with our behaviour: `cls` itself if it already has it, else a cached subclass with the mixin first."""
+    from ._trainer_mixin import FSDPSaveMixin
+
+    if issubclass(cls, FSDPSaveMixin):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(
+            cls.__name__,
+            (FSDPSaveMixin, cls),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
+        )
+    return _CLASSES[cls]
+
+
+def _has_our_callback(callbacks) -> bool:
+    from .callbacks import FSDPQLoRACallback
+
+    return any(isinstance(cb, FSDPQLoRACallback) or cb is FSDPQLoRACallback for cb in callbacks or ())
+
+
+def is_adopting_all() -> bool:
+    """Whether every Trainer built in this process gets our behaviour (``python -m hf_fsdp_qlora.run``)."""
+    return _ADOPT_ALL
+
+
+def install_trainer_hook(adopt_all: bool = False) -> None:
+    """Wrap ``transformers.Trainer.__init__`` (once) so trainers built with our callback - or every trainer, with
+    `adopt_all` - get our behaviour. Idempotent; `adopt_all=True` is sticky for the process."""
+    global _INSTALLED, _ADOPT_ALL
+    _ADOPT_ALL = _ADOPT_ALL or adopt_all
+    if _INSTALLED:
+        return
+    from transformers import Trainer
+
+    original = Trainer.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        from ._trainer_mixin import FSDPSaveMixin, with_fsdp_callback
+
+        try:
+            bound = signature.bind_partial(self, *args, **kwargs)
+        except TypeError:  # let the original raise its own error for a wrong call
+            return original(self, *args, **kwargs)
+        callbacks = bound.arguments.get("callbacks")
+        if not isinstance(self, FSDPSaveMixin) and (_ADOPT_ALL or _has_our_callback(callbacks)):
+            self.__class__ = adopted_class(type(self))
+        if isinstance(self, FSDPSaveMixin):
+            bound.arguments["callbacks"] = with_fsdp_callback(callbacks, bound.arguments.get("args"))
+        original(*bound.args, **bound.kwargs)
+
+    Trainer.__init__ = __init__
+    _INSTALLED = True

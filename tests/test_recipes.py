@@ -1,0 +1,222 @@
+"""Real recipes, with their own defaults, under the shipped CPU rehearsal configs (FSDP1 and FSDP2, 2 gloo ranks).
+
+The matrix: {our trainer, our SFT trainer, stock Trainer + FSDPQLoRACallback, trl's DPOTrainer + FSDPQLoRACallback}
+x {FSDP1, FSDP2}, each with its config class's default arguments (trl: gradient checkpointing on, bf16=True; the
+QLoRA recipe's uint8 4-bit storage), evaluation on, a checkpoint every 2 steps, and a resume; plus trl's own
+`sft.py` and `dpo.py`, run unchanged from the installed trl package through `-m hf_fsdp_qlora.run`.
+
+Each cell asserts: FSDP engaged; activation checkpointing applied exactly once (counted recomputations); the
+saved adapter (final and checkpoint) equal bit for bit to the trained weights gathered independently (FSDP2
+`full_tensor`, FSDP1 `summon_full_params`); checkpoints holding adapter + optimizer state; resume == uninterrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import BIN, CONFIGS, REPO, SCRIPTS, _run, accelerate_launch, check, free_port, read_results
+from recipe_fixtures import build_chat_dataset, build_preference_dataset, build_recipe_model
+
+sys.path.insert(0, str(SCRIPTS))
+
+pytestmark = pytest.mark.distributed
+
+ROUTES = ("ours", "ours_sft", "callback", "dpo")
+LN2_FP32 = float(torch.tensor(math.log(2), dtype=torch.float32))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipe_models")
+    build_recipe_model(root / "recipe")
+    return root
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
+def matrix(request, models, tmp_path_factory):
+    version = request.param
+    out = tmp_path_factory.mktemp(f"recipes_fsdp{version}") / "run"
+    proc = accelerate_launch(
+        f"cpu_fsdp{version}_rehearsal.yaml", "recipe_scenarios.py",
+        "--models", str(models), "--out", str(out), "--fsdp-version", str(version), timeout=600,
+    )  # fmt: skip
+    check(proc)
+    return version, out, read_results(out)[0], proc
+
+
+def _expected_forwards(version, route):
+    # Forward calls of each layer per step: 2 = forward + one recomputation (checkpointing applied once), 1 = off.
+    # The FSDP2 configs ask for FSDP's own checkpointing; under FSDP1 (off in the config) the model's
+    # (load_qlora_model) or trl's default gradient_checkpointing=True applies; a stock Trainer's default is off.
+    return 1 if (version, route) == (1, "callback") else 2
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_route_trains_saves_and_resumes(matrix, route):
+    version, out, found, _ = matrix
+    r = found[route]
+    engaged = r["engaged"]
+    assert (engaged["flat_params"] > 0) if version == 1 else (engaged["fsdp2_modules"] > 0 and engaged["dtensor_params"])
+    assert r["adopted"] == "FSDPSaveMixin"  # the callback route got the same implementation as our trainers
+    assert r["forwards_per_step"] == [_expected_forwards(version, route)] * 4
+    if version == 2:  # FSDP's own checkpointing kept; the Trainer's and the model's turned off
+        assert not r["model_checkpointing"] and not r["args_checkpointing"]
+    assert sorted(r["losses"]) == ["1", "2", "3", "4"] and sorted(r["eval_losses"]) == ["2", "4"]
+    for saved in ("final", "checkpoint"):
+        s = r[saved]
+        assert s["saved_keys"] == s["gathered_keys"] > 0 and not s["missing_from_saved"] and not s["unequal"], s
+        assert s["lora_b_nonzero"] == s["saved_keys"] // 2  # every LoRA B moved away from its zero init
+    assert {"adapter_model.safetensors", "optimizer_gathered.pt", "scheduler.pt"} <= set(r["checkpoint_files"])
+    assert ".incomplete-checkpoints" not in r["output_entries"]
+    assert r["resume_equal"], "resumed run's adapter differs from the uninterrupted run's"
+    assert {k: v for k, v in r["resumed_losses"].items() if int(k) > 2} == {
+        k: v for k, v in r["losses"].items() if int(k) > 2
+    }
+
+
+def test_dpo_first_loss_is_ln2(matrix):
+    """Reference log-probs = the policy's with the adapter disabled: the first DPO loss is -log(sigmoid(0))."""
+    _, _, found, _ = matrix
+    assert found["dpo"]["losses"]["1"] == LN2_FP32
+
+
+def test_engaged_and_checkpointing_lines_printed(matrix):
+    version, _, _, proc = matrix
+    text = proc.stdout + proc.stderr
+    assert f"hf_fsdp_qlora: FSDP{version} engaged on 2 rank(s)" in text
+    assert "hf_fsdp_qlora: activation checkpointing:" in text
+    # INFO lines come from the main process only: once per trainer built (4 routes x 2 runs).
+    assert text.count(f"FSDP{version} engaged on 2 rank(s)") == 8
+
+
+# trl's own scripts, unchanged, from the installed package.
+def _trl_script(name):
+    import importlib
+
+    return str(Path(importlib.import_module(f"trl.scripts.{name}").__file__))
+
+
+def _launch_script(config, script, *args, timeout=420):
+    cmd = [
+        str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / config),
+        "--main_process_port", str(free_port()), "-m", "hf_fsdp_qlora.run", _trl_script(script), *args,
+    ]  # fmt: skip
+    return _run(cmd, timeout, None)
+
+
+def _script_args(model, data, out, *extra):
+    return [
+        "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
+        "--use_peft", "--load_in_4bit", "--max_steps", "4", "--per_device_train_batch_size", "2",
+        "--per_device_eval_batch_size", "2", "--eval_strategy", "steps", "--eval_steps", "2", "--save_steps", "2",
+        "--logging_steps", "1", "--report_to", "none", "--learning_rate", "1e-3", *extra,
+    ]  # fmt: skip
+
+
+def _adapter(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "adapter_model.safetensors"))
+
+
+def _log(folder):
+    return json.loads((Path(folder) / "trainer_state.json").read_text())["log_history"]
+
+
+@pytest.fixture(scope="module")
+def script_runs(models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("trl_scripts")
+    data = {"sft": build_chat_dataset(root / "chat"), "dpo": build_preference_dataset(root / "pref")}
+    runs = {}
+    for script, version in (("sft", 2), ("dpo", 1), ("sft", 1), ("dpo", 2)):
+        out = root / f"{script}_fsdp{version}"
+        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", script, *_script_args(models / "recipe", data[script], out))
+        check(proc)
+        runs[(script, version)] = (out, proc)
+    # Resume, as a user would after a crash: the same command with --resume_from_checkpoint.
+    for script, version in (("sft", 2), ("dpo", 1)):
+        out = root / f"{script}_fsdp{version}"
+        resumed = root / f"{script}_fsdp{version}_resumed"
+        args = _script_args(models / "recipe", data[script], resumed, "--resume_from_checkpoint", str(out / "checkpoint-2"))
+        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", script, *args)
+        check(proc)
+        runs[(script, version, "resumed")] = (resumed, proc)
+    return runs
+
+
+@pytest.mark.parametrize("script,version", [("sft", 1), ("sft", 2), ("dpo", 1), ("dpo", 2)])
+def test_trl_script_unchanged_through_run(script_runs, models, script, version):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, proc = script_runs[(script, version)]
+    text = proc.stdout + proc.stderr
+    assert f"hf_fsdp_qlora: FSDP{version} engaged on 2 rank(s)" in text
+    assert "hf_fsdp_qlora: activation checkpointing: " in text  # trl's gradient_checkpointing=True, applied once
+    final, last = _adapter(out), _adapter(out / "checkpoint-4")
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    assert all(v.abs().sum() > 0 for k, v in final.items() if "lora_B" in k)
+    assert (out / "checkpoint-2" / "optimizer_gathered.pt").is_file()
+    assert not (out / ".incomplete-checkpoints").exists()
+    # The adapter loads into the base as peft loads any adapter, every key used.
+    base = AutoModelForCausalLM.from_pretrained(models / "recipe", dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(out))
+    loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if "lora_" in k}
+    assert {k.removeprefix("base_model.model.") for k in final} <= {k.removeprefix("base_model.model.") for k in loaded}
+    if script == "dpo":
+        assert _log(out / "checkpoint-4")[0]["loss"] == LN2_FP32
+
+
+@pytest.mark.parametrize("script,version", [("sft", 2), ("dpo", 1)])
+def test_trl_script_resume_equals_uninterrupted(script_runs, script, version):
+    out, _ = script_runs[(script, version)]
+    resumed, _ = script_runs[(script, version, "resumed")]
+    a, b = _adapter(out), _adapter(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    losses = lambda log: {e["step"]: e["loss"] for e in log if "loss" in e}  # noqa: E731
+    assert losses(_log(out / "checkpoint-4")) == losses(_log(resumed / "checkpoint-4"))
+
+
+def test_run_usage_errors():
+    for args, needle in (([], "usage: python -m hf_fsdp_qlora.run"), (["no_such.py"], "no such script"), (["-m"], "-m needs")):
+        proc = _run([str(BIN / "python"), "-m", "hf_fsdp_qlora.run", *args], 60, None)
+        assert proc.returncode == 2 and needle in proc.stderr, (proc.returncode, proc.stderr[-500:])
+        assert "Traceback" not in proc.stderr
+
+
+def test_run_passes_the_scripts_exit_status(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nprint('ran', sys.argv[1:])\nsys.exit(3)\n")
+    proc = _run([str(BIN / "python"), "-m", "hf_fsdp_qlora.run", str(script), "--x", "1"], 60, None)
+    assert proc.returncode == 3 and "ran ['--x', '1']" in proc.stdout
+
+
+def test_bare_import_rehearses_fsdp(tmp_path):
+    """`import hf_fsdp_qlora` alone, then a stock accelerate script, under the CPU FSDP2 config: FSDP engages."""
+    script = tmp_path / "bare.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "import hf_fsdp_qlora  # noqa: F401\n"
+        "from accelerate import Accelerator\n"
+        "acc = Accelerator()\n"
+        "model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))\n"
+        "from torch.distributed.fsdp import FSDPModule\n"
+        "found = {'type': str(acc.state.distributed_type), 'fsdp2': sum(isinstance(m, FSDPModule) for m in model.modules())}\n"
+        "open(sys.argv[1] + f'/rank{acc.process_index}.json', 'w').write(json.dumps(found))\n"
+        "acc.wait_for_everyone()\n"
+        "acc.end_training()\n"
+        "import os; os._exit(0)  # skip gloo's teardown at exit, which sometimes aborts (FACTS)\n"
+    )
+    cmd = [
+        str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "cpu_fsdp2_rehearsal.yaml"),
+        "--main_process_port", str(free_port()), str(script), str(tmp_path),
+    ]  # fmt: skip
+    check(_run(cmd, 180, {"PYTHONPATH": str(REPO)}))
+    results = read_results(tmp_path)
+    assert sorted(results) == [0, 1]
+    assert all(r["type"] == "DistributedType.FSDP" and r["fsdp2"] > 0 for r in results.values())
