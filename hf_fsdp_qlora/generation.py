@@ -18,7 +18,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-__all__ = ["generate_under_fsdp", "prepare_for_evaluation", "SampleGenerationsCallback"]
+__all__ = ["SampleGenerationsCallback", "generate_under_fsdp", "prepare_for_evaluation"]
 
 logger = logging.get_logger(__name__)
 
@@ -147,7 +147,9 @@ def prepare_for_evaluation(trainer) -> None:
             update_fsdp_plugin_peft(trainer.model, accelerator)
         model = accelerator.prepare(trainer.model)
     trainer.model = trainer.model_wrapped = model
-    logger.info("hf_fsdp_qlora: model wrapped with FSDP%d for evaluation before training", 2 if accelerator.is_fsdp2 else 1)
+    logger.info(
+        "hf_fsdp_qlora: model wrapped with FSDP%d for evaluation before training", 2 if accelerator.is_fsdp2 else 1
+    )
 
 
 class SampleGenerationsCallback(TrainerCallback):
@@ -174,7 +176,9 @@ class SampleGenerationsCallback(TrainerCallback):
 
     def __init__(self, prompts, every_n_steps: int = 100, max_new_tokens: int = 32, tokenizer=None):
         if isinstance(prompts, (str, bytes)) or not prompts:
-            raise ValueError("SampleGenerationsCallback: prompts must be a non-empty list of strings or token-id lists")
+            raise ValueError(
+                "SampleGenerationsCallback: prompts must be a non-empty list of strings or token-id lists"
+            )
         if every_n_steps < 1 or max_new_tokens < 1:
             raise ValueError("SampleGenerationsCallback: every_n_steps and max_new_tokens must be at least 1")
         self.prompts = list(prompts)

@@ -30,15 +30,16 @@ import torch.distributed as dist
 # sets the flag per instance in __init__, so the class attribute alone does not reach already built layers).
 bnb.nn.Linear4bit.support_avx512bf16_for_cpu = False
 
-import hf_fsdp_qlora  # noqa: E402,F401  (installs the CPU rehearsal hook before TrainingArguments)
-from hf_fsdp_qlora import FSDPQLoRACallback, FSDPQLoRATrainer, load_qlora_model  # noqa: E402
-from hf_fsdp_qlora.generation import (  # noqa: E402
+from train_scenarios import TokenDataset, full_trainable, lora_config, reset_accelerate, training_args
+from transformers import Trainer, TrainerCallback
+
+import hf_fsdp_qlora  # noqa: F401  (installs the CPU rehearsal hook before TrainingArguments)
+from hf_fsdp_qlora import FSDPQLoRACallback, FSDPQLoRATrainer, load_qlora_model
+from hf_fsdp_qlora.generation import (
     SampleGenerationsCallback,
     generate_under_fsdp,
     prepare_for_evaluation,
 )
-from train_scenarios import TokenDataset, full_trainable, lora_config, reset_accelerate, training_args  # noqa: E402
-from transformers import Trainer, TrainerCallback  # noqa: E402
 
 # Per-rank prompts of equal length; rank 1 asks for more tokens than rank 0, so under FSDP rank 0 must keep
 # running forward passes after it has finished (synced_gpus).
@@ -47,7 +48,7 @@ MAX_NEW = {0: 5, 1: 8}
 SAMPLE_PROMPTS = [[11, 12, 13], [250, 3, 77, 90, 4]]
 SAMPLE_NEW = 4
 # A constant learning rate, so the first steps of a 2-step run equal those of a 3-step run.
-COMMON = dict(per_device_eval_batch_size=2, lr_scheduler_type="constant")
+COMMON = {"per_device_eval_batch_size": 2, "lr_scheduler_type": "constant"}
 
 
 def rank() -> int:
@@ -150,7 +151,7 @@ def run(name, path, out, version):
         trainer.train()
         result["train_losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     else:
-        steps = dict(eval_strategy="steps", eval_steps=1) if name == "during" else {}
+        steps = {"eval_strategy": "steps", "eval_steps": 1} if name == "during" else {}
         args = training_args(here, version, "llama", steps=3, **COMMON, **steps)
         sampler = SampleGenerationsCallback(SAMPLE_PROMPTS, every_n_steps=1, max_new_tokens=SAMPLE_NEW)
         recorder = Recorder(version, here)
@@ -182,7 +183,7 @@ def main():
         try:
             results[name] = run(name, str(Path(args.models) / "llama"), out, args.fsdp_version)
             results[name]["ok"] = True
-        except Exception as err:  # recorded for the test to assert on
+        except Exception as err:  # noqa: BLE001  (recorded for the test to assert on)
             results[name] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000],
                              "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
             print(f"[rank{rank()}] scenario {name} failed:\n{traceback.format_exc()}", flush=True)
