@@ -110,6 +110,8 @@ def test_evaluate_predict_generate_before_training(run, oracle):
     for rank in (0, 1):
         res = results[rank]["fresh"]
         _engaged(version, res)
+        if version == 1:  # wrapped as train() wraps it: LoRA layers in their own units too (31, not 3)
+            assert res["engagement"] == results[rank]["plain"]["engagement"]
         model = oracle(out / "fresh" / "adapter_init.pt")
         loss, logits = _expected_eval(model)
         assert res["before_evaluate"]["eval_loss"] == pytest.approx(loss, rel=1e-6, abs=0)
