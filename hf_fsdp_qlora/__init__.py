@@ -22,6 +22,7 @@ _EXPORTS = {
     "FSDPQLoRATrainer": "trainer",
     "FSDPQLoRASFTTrainer": "sft_trainer",
     "FSDPQLoRACallback": "callbacks",
+    "SampleGenerationsCallback": "generation",
     "FSDPQLoRATrainingArguments": "training_args",
     "DistinctBatchesCallback": "hygiene",
     "DuplicateBatchesError": "hygiene",
