@@ -30,9 +30,9 @@ from hf_fsdp_qlora._lora_math import (
     collect_updates,
     quantize_roundtrip,
 )
+from hf_fsdp_qlora._output_dir import AtomicOutputDir, check_output
 from hf_fsdp_qlora._safetensors_io import (
     DTYPE_NAMES,
-    AtomicOutputDir,
     OrderedWorker,
     ShardWriter,
     TensorEntry,
@@ -40,7 +40,7 @@ from hf_fsdp_qlora._safetensors_io import (
     plan_shards,
     read_tensor,
 )
-from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 
 __all__ = ["DTYPES", "MergeError", "MergeUsageError", "merge_adapters"]
 
@@ -51,12 +51,6 @@ _TOKENIZER_FILE = re.compile(
     r"|spiece\.model|sentencepiece.*\.model)$"
 )
 _NOT_COPIED = {"adapter_config.json", "README.md"} | {"config.json"}  # config.json is rewritten, not copied
-
-
-class MergeUsageError(MergeError):
-    """The merge was asked for in a way that cannot work (bad option, missing path); exit status 2."""
-
-    exit_code = 2
 
 
 @dataclass
@@ -86,22 +80,28 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {v: k for k, v in DTYPE_NAMES.items()}[name]
 
 
-def _check_usage(base: Path, adapter: Path, output: Path, force: bool, dtype, device: str, dequantize, max_shard_size):
+_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' 4-bit kernels accept
+
+
+def _check_usage(base, adapter, output, force, dtype, device, dequantize, max_shard_size, blocksize, adapter_config):
     if not (base / "config.json").is_file():
         raise MergeUsageError(
             f"--base {base} is not a model folder (no config.json): pass the 16-bit base model's folder"
         )
     if not adapter.exists():
         raise MergeUsageError(f"--adapter {adapter} does not exist: pass the adapter folder or Trainer checkpoint")
-    out = output.absolute()
-    for name, path in (("--base", base), ("--adapter", adapter)):
-        p = path.absolute()
-        if out == p or out in p.parents or p in out.parents:
-            raise MergeUsageError(f"--output {output} overlaps {name} {path}: write the merged model to a new folder")
-    if output.exists() and not force:
+    if adapter_config is not None and not adapter_config.is_file():
+        raise MergeUsageError(f"--adapter-config {adapter_config} is not a file: pass the run's adapter_config.json")
+    inputs = [("--base", base), ("--adapter", adapter)]
+    if adapter.is_file():  # an adapter_model.* file: its folder holds the config and tokenizer read with it
+        inputs.append(("the folder of --adapter", adapter.parent))
+    if adapter_config is not None:
+        inputs.append(("--adapter-config", adapter_config))
+    out = check_output(output, inputs, force)
+    if dequantize is not None and blocksize not in _BLOCKSIZES:
         raise MergeUsageError(
-            f"--output {output} already exists. Pass --force to replace it (the old folder is kept until the new "
-            "merge is complete), or choose another --output."
+            f"--quant-blocksize {blocksize} is not a 4-bit block size bitsandbytes uses: pass the "
+            f"bnb_4bit_blocksize of training, one of {', '.join(map(str, _BLOCKSIZES))} (default 64)"
         )
     if dtype is not None and dtype not in DTYPES and dtype not in DTYPES.values():
         raise MergeUsageError(f"--dtype {dtype} is not supported: use one of {', '.join(DTYPES)}")
@@ -123,7 +123,7 @@ def _check_usage(base: Path, adapter: Path, output: Path, force: bool, dtype, de
         )
     if dev.type not in ("cpu", "cuda"):
         raise MergeUsageError(f"--device {device} is not supported: use cpu or cuda")
-    return dev, max_bytes
+    return out, dev, max_bytes
 
 
 def _resolve_ties(entries, updates, tied, dtype_of, untie: bool, device) -> tuple[dict, dict]:
@@ -332,6 +332,8 @@ def merge_adapters(
     double_quant: bool = True,
     quant_blocksize: int = 64,
     untie_embeddings: bool = False,
+    adapter_config: str | Path | None = None,
+    allow_other_base: bool = False,
     progress: bool = True,
 ) -> Path:
     """Merge a LoRA adapter into a 16-bit base model, streaming shard by shard, and write a plain model folder.
@@ -344,12 +346,18 @@ def merge_adapters(
         max_shard_size: largest output shard, e.g. "5GB" (decimal units, like transformers) or "2GiB".
         device: where every update is computed, "cpu" or "cuda[:N]". On CPU the merge computes with one
             torch thread fewer than the cores it may use (one is left to the writer), restored on return.
-        force: replace an existing `output` (the old folder is kept until the new one is complete).
+        force: replace an existing `output` that an earlier merge-adapters or convert wrote and that holds
+            nothing else (the old folder is kept until the new one is complete). Nothing else is ever replaced:
+            an output that is, contains or lies inside an input (after resolving symlinks and `..`), `""`,
+            the current or home folder, or a folder with other content is refused.
         dequantize: "nf4" or "fp4" to merge onto the 4-bit round trip of the base that QLoRA trained against.
         double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize`).
         quant_blocksize: the 4-bit block size of training (bitsandbytes' default 64; only with `dequantize`).
         untie_embeddings: when the adapter changes only one side of tied embeddings, write both sides
             (tie_word_embeddings=false) instead of failing.
+        adapter_config: the run's adapter_config.json, for an FSDP sharded checkpoint saved without one.
+        allow_other_base: merge even though adapter_config.json names a local model of another architecture
+            than `base` (by default that is refused, even when the shapes match).
         progress: show a tqdm bar per output shard.
 
     Returns:
@@ -359,8 +367,11 @@ def merge_adapters(
         MergeUsageError: an option or path that cannot work (exit status 2 on the command line).
         MergeError: the adapter does not fit the base, a file is corrupted, or the disk is full (exit status 1).
     """
-    base, adapter, output = Path(base), Path(adapter), Path(output)
-    device, max_bytes = _check_usage(base, adapter, output, force, dtype, device, dequantize, max_shard_size)
+    base, adapter = Path(base), Path(adapter)
+    adapter_config = Path(adapter_config) if adapter_config is not None else None
+    output, device, max_bytes = _check_usage(
+        base, adapter, output, force, dtype, device, dequantize, max_shard_size, quant_blocksize, adapter_config
+    )
     out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     try:
         config = json.loads((base / "config.json").read_text())
@@ -370,14 +381,16 @@ def merge_adapters(
                 "base the quantized model was made from; pass that as --base (and --dequantize nf4 to match QLoRA)."
             )
         entries = base_entries(base)
-        loaded = load_adapter(adapter)
+        loaded = load_adapter(adapter, config_path=adapter_config)
         base_model = loaded.config.get("base_model_name_or_path")
         updates = collect_updates(loaded.config, loaded.tensors)
         tied = tied_map(base, config, entries)
         quantized = quantized_keys(base) if dequantize else set()
         items, untied = _plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model)
-        check_base_name(loaded.config, base, config)
+        check_base_name(loaded.config, base, config, allow_other=allow_other_base)
         needed = sum(item.nbytes for item in items)
+        # Leftovers of killed runs go first: on a tight disk they may hold the room this merge needs.
+        atomic = AtomicOutputDir(output, "merge-adapters")
         existing = next(p for p in output.absolute().parents if p.exists())
         free = shutil.disk_usage(existing).free
         if needed > free:
@@ -391,7 +404,7 @@ def merge_adapters(
                 if isinstance(cfg, dict):
                     cfg["tie_word_embeddings"] = False
         quant = (dequantize, quant_blocksize, double_quant) if dequantize else None
-        with AtomicOutputDir(output) as tmp:
+        with atomic as tmp:
             with _leave_a_core_for_writes(device):
                 weight_map = _write_shards(items, tmp, max_bytes, device, quant, progress)
             if len(set(weight_map.values())) > 1:
