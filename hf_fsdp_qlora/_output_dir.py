@@ -75,9 +75,10 @@ def check_output(
         real = resolve_path(path)
         if out == real or out in real.parents or real in out.parents:
             how = "is" if out == real else ("contains" if out in real.parents else "lies inside")
+            named = str(path) if str(path) == str(real) else f"{path} (= {real})"
             raise MergeUsageError(
-                f"{option} {shown} {how} {name} {path} (= {real}): nothing was touched; write the result to a "
-                "folder outside every input"
+                f"{option} {shown} {how} {name} {named}: nothing was touched; write the result to a folder "
+                "outside every input"
             )
     if not os.path.lexists(out):
         return out
