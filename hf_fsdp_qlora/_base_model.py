@@ -185,3 +185,66 @@ def check_base_name(adapter_config: dict, base: Path, base_config: dict, allow_o
 def _architecture(config: dict) -> str:
     """`model_type` (e.g. "llama"), or the first architecture class name."""
     return str(config.get("model_type") or (config.get("architectures") or ["unknown"])[0])
+
+
+# Input embeddings and output heads: the tensors a tokenizer resize (added tokens) changes in their first dim.
+_VOCAB_TENSOR = re.compile(
+    r"(^|\.)(embed_tokens|wte|word_embeddings|embed_in|tok_embeddings|lm_head|embed_out)\.weight$"
+)
+_INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|embed_in|tok_embeddings)\.weight$")
+_TASK_MAPPINGS = {  # peft task_type -> the transformers auto mapping of the model class trained
+    "SEQ_CLS": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "TOKEN_CLS": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "QUESTION_ANS": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+}
+
+
+def resized_vocab(key: str, replacement_shape: tuple[int, ...], base_shape: tuple[int, ...]) -> bool:
+    """Whether a full tensor saved with the adapter is `key` resized for added tokens (only the first dim grew)."""
+    return (
+        _VOCAB_TENSOR.search(key) is not None
+        and len(replacement_shape) == len(base_shape)
+        and replacement_shape[1:] == tuple(base_shape[1:])
+        and replacement_shape[0] != base_shape[0]
+    )
+
+
+def is_input_embedding(key: str) -> bool:
+    return _INPUT_EMBEDDING.search(key) is not None
+
+
+def task_model(base: Path, config: dict, adapter_config: dict, heads: dict[str, tuple[int, ...]]):
+    """The task model an adapter was trained on when it carries a head the base lacks (e.g. a reward model:
+    `score` of LlamaForSequenceClassification saved through modules_to_save), else None.
+
+    Args:
+        heads: the full tensors of the adapter that the base does not have, name -> shape.
+
+    Returns:
+        `(class name, its tensor names, config.json updates)`, from the class built on the meta device.
+    """
+    mapping_name = _TASK_MAPPINGS.get(str(adapter_config.get("task_type") or "").upper())
+    if mapping_name is None or not heads:
+        return None
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, models
+
+    cls_name = getattr(models.auto.modeling_auto, mapping_name).get(config.get("model_type"))
+    if not cls_name:
+        return None
+    import transformers
+
+    two_d = [shape for shape in heads.values() if len(shape) == 2]
+    num_labels = two_d[0][0] if two_d else 2
+    task_config = AutoConfig.from_pretrained(base, num_labels=num_labels)
+    with init_empty_weights():
+        model = getattr(transformers, cls_name)(task_config)
+    names = set(model.state_dict())
+    if not set(heads) <= names:
+        return None
+    updates = {
+        "architectures": [cls_name],
+        "id2label": {str(i): task_config.id2label[i] for i in range(num_labels)},
+        "label2id": {task_config.id2label[i]: i for i in range(num_labels)},
+    }
+    return cls_name, names, updates

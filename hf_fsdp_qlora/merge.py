@@ -21,7 +21,16 @@ from pathlib import Path
 import torch
 
 from hf_fsdp_qlora._adapter_io import load_adapter
-from hf_fsdp_qlora._base_model import INDEX_NAME, base_entries, check_base_name, quantized_keys, tied_map
+from hf_fsdp_qlora._base_model import (
+    INDEX_NAME,
+    base_entries,
+    check_base_name,
+    is_input_embedding,
+    quantized_keys,
+    resized_vocab,
+    task_model,
+    tied_map,
+)
 from hf_fsdp_qlora._lora_math import (
     TensorUpdate,
     apply_update,
@@ -62,12 +71,17 @@ class _Item:
     dtype: str  # output safetensors dtype name
     update: TensorUpdate | None = None
     quantize: bool = False
-    ready: torch.Tensor | None = None  # computed ahead (tied embeddings)
+    ready: torch.Tensor | None = None  # computed ahead (tied embeddings, task heads the base lacks)
+    resized: tuple[int, ...] | None = None  # the output shape, where the adapter resized the vocabulary
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.resized or tuple(self.entry.shape)
 
     @property
     def nbytes(self) -> int:
         numel = 1
-        for dim in self.entry.shape:
+        for dim in self.shape:
             numel *= dim
         return numel * _torch_dtype(self.dtype).itemsize
 
@@ -139,12 +153,14 @@ def _resolve_ties(entries, updates, tied, dtype_of, untie: bool, device) -> tupl
         # What each side of the tie was in training: both start from the one stored tensor.
         a = apply_update(stored, src_up, device) if src_up else stored.to(device, torch.float32)
         b = apply_update(stored, alias_up, device) if alias_up else stored.to(device, torch.float32)
+        if a.shape != b.shape:  # one side saved resized (added tokens): in training both were that one tensor
+            a = b = a if a.shape != stored.shape else b
         out = _torch_dtype(dtype_of(entry))
         if torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(a.abs().max())):
-            ready[source] = _Item(source, entry, dtype_of(entry), ready=a.to(out))
+            ready[source] = _Item(source, entry, dtype_of(entry), ready=a.to(out), resized=tuple(a.shape))
         elif untie:
-            ready[source] = _Item(source, entry, dtype_of(entry), ready=a.to(out))
-            untied[source] = _Item(alias, entry, dtype_of(entry), ready=b.to(out))
+            ready[source] = _Item(source, entry, dtype_of(entry), ready=a.to(out), resized=tuple(a.shape))
+            untied[source] = _Item(alias, entry, dtype_of(entry), ready=b.to(out), resized=tuple(b.shape))
         else:
             changed, other = (source, alias) if src_up is not None else (alias, source)
             raise MergeError(
@@ -157,8 +173,13 @@ def _resolve_ties(entries, updates, tied, dtype_of, untie: bool, device) -> tupl
     return ready, untied
 
 
-def _plan(entries, updates, tied, out_dtype, quantized, untie, device, base_model) -> tuple[list[_Item], bool]:
-    """The output tensors in base file order (tied weights stored once); returns (items, whether untied)."""
+def _plan(entries, updates, tied, out_dtype, quantized, untie, device, base_model, task=None):
+    """The output tensors in base file order (tied weights stored once); returns (items, whether untied).
+
+    `task`: `(class name, its tensor names, config updates)` when the adapter carries a task head the base
+    lacks (see :func:`task_model`): the head is added and base tensors the task model has not are left out.
+    """
+    task_names = task[1] if task else None
     unknown = sorted(k for k in updates if k not in entries and k not in tied)
     no_bias = [k for k in unknown if updates[k].lora_bias is not None and updates[k].replacement is None]
     if no_bias:
@@ -167,14 +188,22 @@ def _plan(entries, updates, tied, out_dtype, quantized, untie, device, base_mode
             "no bias in the base, so the bias cannot be merged (peft cannot either). Train with lora_bias=False, or "
             "target only layers with a bias."
         )
+    added = [k for k in unknown if task_names and k in task_names and updates[k].lora is None]
+    unknown = [k for k in unknown if k not in added]
     if unknown:
         raise MergeError(
             f"the adapter changes {len(unknown)} tensor(s) the base does not have, e.g. {unknown[:4]} (from "
             f"{updates[unknown[0]].sources[0]}): the adapter was trained on a different model (adapter_config.json: "
             f"base_model_name_or_path={base_model!r}). Pass the model it was trained on as --base."
         )
+    shapes = {}  # base tensor -> the shape the adapter gives it (a vocabulary resized for added tokens)
     for key, update in updates.items():
-        check_shape(key, update, entries[tied.get(key, key)].shape, base_model)
+        if key in added:
+            continue
+        base_shape = tuple(entries[tied.get(key, key)].shape)
+        if update.replacement is not None and resized_vocab(key, tuple(update.replacement.shape), base_shape):
+            shapes[key] = base_shape = tuple(update.replacement.shape)
+        check_shape(key, update, base_shape, base_model)
 
     def dtype_of(entry: TensorEntry) -> str:
         floating = entry.torch_dtype.is_floating_point
@@ -183,15 +212,24 @@ def _plan(entries, updates, tied, out_dtype, quantized, untie, device, base_mode
     ready, untied = _resolve_ties(entries, updates, tied, dtype_of, untie, device)
     items = []
     for name, entry in entries.items():
-        if name in tied:
-            continue  # a second stored copy of a tied weight: the source is written, like save_pretrained does
+        if name in tied or (task_names is not None and name not in task_names):
+            continue  # a second stored copy of a tied weight (written once, like save_pretrained), or not in the task model
         update = updates.get(name)
         replaced = update is not None and update.replacement is not None
         items.append(
-            ready.get(name) or _Item(name, entry, dtype_of(entry), update, name in quantized and not replaced)
+            ready.get(name)
+            or _Item(
+                name, entry, dtype_of(entry), update, name in quantized and not replaced, resized=shapes.get(name)
+            )
         )
         if name in untied:
             items.append(untied[name])
+    # A task head the base lacks (the `score` of a reward model), as trained: in the dtype of the model.
+    like = next(iter(entries.values()))
+    for name in added:
+        tensor = updates[name].replacement
+        entry = TensorEntry(name, dtype_of(like), tuple(tensor.shape), 0, 0, like.path)
+        items.append(_Item(name, entry, entry.dtype, ready=tensor.to(_torch_dtype(entry.dtype)).contiguous()))
     return items, bool(untied)
 
 
@@ -226,7 +264,7 @@ def _produce(item: _Item, fh, device: torch.device, quant, scratch: _Scratch, sl
     if item.quantize:
         # Quantized from the tensor in the dtype training loaded it in (the output dtype), as bnb does.
         weight = quantize_roundtrip(weight.to(out), *quant)
-    target = scratch(f"out{slot}", tuple(item.entry.shape), out)
+    target = scratch(f"out{slot}", item.shape, out)
     if item.update is not None:
         return apply_update_into(target, weight, item.update, device, scratch)
     return target.copy_(weight)
@@ -265,7 +303,7 @@ def _write_shards(items: list[_Item], tmp: Path, max_bytes: int, device, quant, 
                 "model.safetensors" if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
             )
             writer = ShardWriter(
-                tmp / fname, [(n, by_name[n].dtype, by_name[n].entry.shape) for n in names], {"format": "pt"}
+                tmp / fname, [(n, by_name[n].dtype, by_name[n].shape) for n in names], {"format": "pt"}
             )
             worker.on_abort(writer.abort)
             total = sum(by_name[n].nbytes for n in names)
@@ -386,7 +424,20 @@ def merge_adapters(
         updates = collect_updates(loaded.config, loaded.tensors)
         tied = tied_map(base, config, entries)
         quantized = quantized_keys(base) if dequantize else set()
-        items, untied = _plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model)
+        heads = {
+            k: tuple(u.replacement.shape)
+            for k, u in updates.items()
+            if k not in entries and k not in tied and u.replacement is not None and u.lora is None
+        }
+        task = task_model(base, config, loaded.config, heads) if heads else None
+        items, untied = _plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model, task)
+        if task is not None:  # e.g. a reward model: loads with AutoModelForSequenceClassification
+            config.update(task[2])
+        vocab = next((item.shape[0] for item in items if item.resized and is_input_embedding(item.name)), None)
+        if vocab is not None:  # embeddings resized for added tokens (e.g. ChatML) and saved whole with the adapter
+            for cfg in (config, config.get("text_config")):
+                if isinstance(cfg, dict) and ("vocab_size" in cfg or cfg is config):
+                    cfg["vocab_size"] = vocab
         check_base_name(loaded.config, base, config, allow_other=allow_other_base)
         needed = sum(item.nbytes for item in items)
         # Leftovers of killed runs go first: on a tight disk they may hold the room this merge needs.
