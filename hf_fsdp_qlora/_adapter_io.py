@@ -161,6 +161,10 @@ def read_distcp(ckpt_dir: Path, config: dict) -> dict[str, torch.Tensor]:
     )
     stripped = {(k[len("model.") :] if nested else k): k for k in tensors_meta}
     mapping = adapter_keys_from_model_state(stripped, config)
+    if not any(_LORA_PARAM.search(_strip_wrappers(k)) for k in mapping):
+        # No LoRA factor under any name: a checkpoint of a model without LoRA (e.g. a full fine-tune), whose
+        # keys would otherwise all pass as an adapter-only state dict.
+        mapping = {}
     state = {}
     for key in mapping:
         meta = tensors_meta[stripped[key]]

@@ -231,3 +231,159 @@ def test_live_run_elsewhere_is_never_deleted(world, tmp_path):
     # its holder gone, the same folder is a leftover and the next run removes it
     merge_adapters(world / "real" / "base", world / "real" / "ad", tmp_path / "out", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# ---------------------------------------------------------------- item 4/5: bad inputs name the real cause
+
+
+def _copy_base(world: Path, dest: Path) -> Path:
+    return Path(shutil.copytree(world / "real" / "base", dest))
+
+
+def _index(base: Path, weight_map) -> Path:
+    (base / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return base
+
+
+def _keys(base: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(base / "model.safetensors"), "pt") as fh:
+        return list(fh.keys())  # noqa: SIM118
+
+
+def _truncated_bin_adapter(world, tmp):
+    from safetensors.torch import load_file
+
+    ad = Path(shutil.copytree(world / "real" / "ad", tmp / "ad_bin"))
+    torch.save(load_file(str(ad / "adapter_model.safetensors")), ad / "adapter_model.bin")
+    (ad / "adapter_model.safetensors").unlink()
+    data = (ad / "adapter_model.bin").read_bytes()
+    (ad / "adapter_model.bin").write_bytes(data[: len(data) - 5000])
+    return ["--adapter", str(ad)]
+
+
+def _four_bit_base(world, tmp):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(world / "real" / "base", quantization_config=q, dtype=torch.bfloat16)
+    model.save_pretrained(tmp / "base4")
+    config = json.loads((tmp / "base4" / "config.json").read_text())
+    del config["quantization_config"]  # e.g. edited by hand, or lost when copying the config from the 16-bit base
+    (tmp / "base4" / "config.json").write_text(json.dumps(config))
+    return ["--base", str(tmp / "base4")]
+
+
+def _adapter_config_list(world, tmp):
+    ad = Path(shutil.copytree(world / "real" / "ad", tmp / "ad_list"))
+    (ad / "adapter_config.json").write_text("[1, 2]")
+    return ["--adapter", str(ad)]
+
+
+def _empty_fsdp_checkpoint(world, tmp):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    ckpt = tmp / "checkpoint-9"
+    state = load_file(str(world / "real" / "base" / "model.safetensors"))  # a full fine-tune: no LoRA at all
+    dcp.save({"model": state}, checkpoint_id=str(ckpt / "pytorch_model_fsdp_0"), no_dist=True)
+    shutil.copy(world / "real" / "ad" / "adapter_config.json", ckpt)
+    return ckpt
+
+
+def _mistral_adapter(world, tmp):
+    from test_merge import _build
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    mistral = _build(tmp / "mistral", cfg)
+    make_adapter(mistral, tmp / "ad_mistral", r=4, target_modules=["q_proj", "v_proj"])
+    return ["--adapter", str(tmp / "ad_mistral")]
+
+
+BAD_INPUTS = {
+    # name: (argv parts built from (world, tmp), exit code, message parts)
+    "truncated_bin_adapter": (_truncated_bin_adapter, 1, ["adapter_model.bin", "truncated or corrupted"]),
+    "index_lists_missing_tensor": (
+        lambda w, t: ["--base", str(_index(_copy_base(w, t / "b"), {**dict.fromkeys(_keys(t / "b"), "model.safetensors"),
+                                                                    "ghost.weight": "model.safetensors"}))],
+        1, ["lists tensors its shards do not hold (e.g. ['ghost.weight'])"],
+    ),
+    "index_lacks_an_entry": (
+        lambda w, t: ["--base", str(_index(_copy_base(w, t / "b"), dict.fromkeys(_keys(t / "b")[1:], "model.safetensors")))],
+        1, ["hold tensors", "does not list (e.g. ["],
+    ),
+    "empty_weight_map": (
+        lambda w, t: ["--base", str(_index(_copy_base(w, t / "b"), {}))], 1, ["lists no tensors (empty weight_map)"]
+    ),
+    "weight_map_not_object": (
+        lambda w, t: ["--base", str(_index(_copy_base(w, t / "b"), ["model.safetensors"]))], 2,
+        ["weight_map is not an object"],
+    ),
+    "four_bit_base_without_quantization_config": (
+        _four_bit_base, 1, ["holds bitsandbytes-quantized weights", "not a 16-bit base"]
+    ),
+    "adapter_config_not_object": (_adapter_config_list, 2, ["holds a JSON list, not an object"]),
+    "mistral_adapter_on_llama_base": (_mistral_adapter, 1, ["a mistral model", "is a llama model", "--allow-other-base"]),
+    **{
+        f"quant_blocksize_{n}": (
+            lambda w, t, n=n: ["--dequantize", "nf4", "--quant-blocksize", str(n)], 2, [f"--quant-blocksize {n} is not"]
+        )
+        for n in (0, 7, -1, 100000)
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_one_clear_line(world, case, tmp_path, capsys):
+    build, code, messages = BAD_INPUTS[case]
+    real = world / "real"
+    extra = build(world, tmp_path)
+    argv = ["--base", str(real / "base"), "--adapter", str(real / "ad"), "--output", str(tmp_path / "out")]
+    argv += ["--no-progress", *extra]  # later options win
+    before = tree_digest(world)
+    capsys.readouterr()
+    rc = merge_cli.main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    print(case, rc, lines[-1] if lines else "")
+    assert rc == code and len(lines) == 1 and "Traceback" not in err, err
+    for message in messages:
+        assert message in lines[0], lines[0]
+    assert not (tmp_path / "out").exists() and tree_digest(world) == before
+    if case == "mistral_adapter_on_llama_base":  # the user says so: merged
+        assert merge_cli.main([*argv, "--allow-other-base"]) == 0
+
+
+def test_distcp_without_config_advice_works_for_merge_and_convert(world, tmp_path, capsys):
+    real = world / "real"
+    ckpt = Path(shutil.copytree(real / "checkpoint-3", tmp_path / "checkpoint-3"))
+    (ckpt / "adapter_config.json").unlink()
+    argv = ["--base", str(real / "base"), "--adapter", str(ckpt), "--output", str(tmp_path / "out"), "--no-progress"]
+    assert merge_cli.main(argv) == 1
+    err = capsys.readouterr().err
+    print(err.strip())
+    assert "--adapter-config" in err and "merge-adapters and hf-fsdp-qlora convert both take it" in err
+    # the option the advice names exists, for both commands
+    assert merge_cli.main([*argv, "--adapter-config", str(real / "ad" / "adapter_config.json")]) == 0
+    conv = [
+        str(ckpt),
+        "--output",
+        str(tmp_path / "conv"),
+        "--adapter-config",
+        str(real / "ad" / "adapter_config.json"),
+    ]
+    assert convert_cli.main(conv) == 0
+
+
+def test_convert_of_a_checkpoint_without_adapter_does_not_say_run_convert(world, tmp_path, capsys):
+    ckpt = _empty_fsdp_checkpoint(world, tmp_path)
+    assert convert_cli.main([str(ckpt), "--output", str(tmp_path / "conv")]) == 1
+    err = capsys.readouterr().err.strip()
+    print(err)
+    assert "holds no adapter tensors" in err and "hf-fsdp-qlora convert CHECKPOINT" not in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "conv").exists()
