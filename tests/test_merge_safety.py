@@ -209,8 +209,10 @@ def test_live_run_elsewhere_is_never_deleted(world, tmp_path):
         [
             sys.executable,
             "-c",
-            "import fcntl,os,sys,time; fd=os.open(sys.argv[1], os.O_RDWR); "
-            "fcntl.lockf(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+            (
+                "import fcntl,os,sys,time; fd=os.open(sys.argv[1], os.O_RDWR); "
+                "fcntl.lockf(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"
+            ),
             str(live / ".hf-fsdp-qlora-writing.lock"),
         ],
         stdout=subprocess.PIPE,
@@ -249,7 +251,7 @@ def _keys(base: Path) -> list[str]:
     from safetensors import safe_open
 
     with safe_open(str(base / "model.safetensors"), "pt") as fh:
-        return list(fh.keys())  # noqa: SIM118
+        return list(fh.keys())
 
 
 def _truncated_bin_adapter(world, tmp):

@@ -92,7 +92,7 @@ def test_reward_model_adapter_merges_like_peft(tmp_path):
         assert torch.equal(merged(IDS[:, :6]).logits, oracle(IDS[:, :6]).logits)
 
 
-class safe_keys:  # noqa: N801 - used as a context manager
+class safe_keys:  # a context manager, named like one
     def __init__(self, folder):
         from safetensors import safe_open
 
