@@ -153,6 +153,8 @@ def _resolve_ties(entries, updates, tied, dtype_of, untie: bool, device) -> tupl
         # What each side of the tie was in training: both start from the one stored tensor.
         a = apply_update(stored, src_up, device) if src_up else stored.to(device, torch.float32)
         b = apply_update(stored, alias_up, device) if alias_up else stored.to(device, torch.float32)
+        if alias_up is None and src_up is not None and src_up.token_rows is not None and src_up.lora is None:
+            b = a  # peft gives the tied output head the embedding's trainable-token rows too
         if a.shape != b.shape:  # one side saved resized (added tokens): in training both were that one tensor
             a = b = a if a.shape != stored.shape else b
         out = _torch_dtype(dtype_of(entry))

@@ -103,3 +103,38 @@ class safe_keys:  # a context manager, named like one
 
     def __exit__(self, *exc):
         return False
+
+
+def test_trainable_token_indices_merge_like_peft(tmp_path):
+    """trainable_token_indices: only the listed rows are trained and saved (plus the whole embedding when the
+    vocabulary was resized); on a tied base the output head shares them."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    for arch, resize in (("llama", True), ("llama_tied", False)):
+        base = build_tiny_model(tmp_path / arch, arch)
+
+        def prepared(seed, base=base, resize=resize):
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+            if resize:
+                torch.manual_seed(seed)
+                model.resize_token_embeddings(258)
+            return model
+
+        rows = [256, 257, 7] if resize else [5, 17, 42]
+        config = LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=rows)
+        peft_model = get_peft_model(prepared(3), config)
+        _perturb(peft_model, 4)
+        peft_model.save_pretrained(tmp_path / f"ad_{arch}")
+        with safe_keys(tmp_path / f"ad_{arch}") as keys:
+            assert any("token_adapter.trainable_tokens_delta" in k for k in keys), keys
+
+        out = merge_adapters(base, tmp_path / f"ad_{arch}", tmp_path / f"out_{arch}", progress=False)
+        oracle = PeftModel.from_pretrained(prepared(99), tmp_path / f"ad_{arch}").merge_and_unload()
+        ref, ours = oracle.state_dict(), read_output(out)
+        ref = {k: v for k, v in ref.items() if k in ours or not oracle.config.tie_word_embeddings}
+        assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours), arch
+        merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+        ids = IDS if resize else IDS[:, :6]
+        with torch.no_grad():
+            assert torch.equal(merged(ids).logits, oracle(ids).logits), arch
