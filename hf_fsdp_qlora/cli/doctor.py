@@ -213,7 +213,8 @@ def _impossible(args: argparse.Namespace) -> str | None:
         ("--gpu-memory", args.gpu_memory, "a memory size, e.g. 80GB"),
     ):
         if value is not None and not value > 0:  # also NaN
-            return f"{option} {value}: must be positive ({unit})"
+            shown = f"{value / 2**30:g}GiB" if option == "--gpu-memory" else value
+            return f"{option} {shown}: must be positive ({unit})"
     return None
 
 
