@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 
 __all__ = ["LoadedAdapter", "find_distcp_dir", "load_adapter", "read_distcp", "save_adapter"]
 
@@ -51,11 +51,17 @@ def _strip_wrappers(key: str) -> str:
 
 def _read_config(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise MergeError(
             f"cannot read adapter config {path}: {err}. Save the adapter again with save_pretrained."
         ) from None
+    if not isinstance(config, dict):
+        raise MergeUsageError(
+            f"{path} holds a JSON {type(config).__name__}, not an object of LoraConfig fields: it is not an "
+            "adapter_config.json; pass the one peft saved with the adapter (save_pretrained writes it)."
+        )
+    return config
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -67,9 +73,19 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
             return {name: read_tensor(fh, entry) for name, entry in entries.items()}
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as err:  # what torch raises for damage
+    except (
+        RuntimeError,
+        ValueError,
+        EOFError,
+        OSError,
+        pickle.UnpicklingError,
+    ) as err:  # what torch raises for damage
+        # A truncated zip makes torch raise a bare OSError (EINVAL, no file name): name the file here, or the
+        # caller would blame the output path.
+        why = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         raise MergeError(
-            f"cannot read {path}: {err}. The file is truncated or corrupted: save the adapter again."
+            f"cannot read the adapter weights {path} ({why}). The file is truncated or corrupted: save the "
+            "adapter again (compare its size with the original's)."
         ) from None
     if not isinstance(state, dict):
         raise MergeError(
@@ -145,6 +161,10 @@ def read_distcp(ckpt_dir: Path, config: dict) -> dict[str, torch.Tensor]:
     )
     stripped = {(k[len("model.") :] if nested else k): k for k in tensors_meta}
     mapping = adapter_keys_from_model_state(stripped, config)
+    if not any(_LORA_PARAM.search(_strip_wrappers(k)) for k in mapping):
+        # No LoRA factor under any name: a checkpoint of a model without LoRA (e.g. a full fine-tune), whose
+        # keys would otherwise all pass as an adapter-only state dict.
+        mapping = {}
     state = {}
     for key in mapping:
         meta = tensors_meta[stripped[key]]
@@ -169,8 +189,8 @@ def _find_config(start: Path, explicit: Path | None) -> Path:
             return folder / CONFIG_NAME
     raise MergeError(
         f"no {CONFIG_NAME} found beside the FSDP checkpoint {start} (looked in it and its two parents). "
-        f"Pass the LoraConfig the run used: --adapter-config PATH/{CONFIG_NAME} (e.g. one saved by "
-        "peft_model.peft_config['default'].save_pretrained(PATH))."
+        f"Pass the LoraConfig the run used: --adapter-config PATH/{CONFIG_NAME} (merge-adapters and "
+        "hf-fsdp-qlora convert both take it; e.g. one saved by peft_model.peft_config['default'].save_pretrained(PATH))."
     )
 
 
@@ -218,6 +238,13 @@ def load_adapter(path: str | Path, config_path: str | Path | None = None, *, fsd
             f"no adapter found in {path}: expected adapter_model.safetensors or adapter_model.bin with "
             f"{CONFIG_NAME} (a peft adapter or Trainer checkpoint), or an FSDP checkpoint folder "
             f"(pytorch_model_fsdp_0 with .distcp files).{hint}"
+        )
+    if not tensors and kind == "fsdp-distcp":
+        raise MergeError(
+            f"the FSDP checkpoint {source} holds no adapter tensors (no lora_A/lora_B or modules_to_save entries "
+            "among its keys): it was saved from a model without LoRA, or by a stock Trainer under FSDP2, whose "
+            "sharded checkpoint keeps 0 adapter tensors. Use a checkpoint saved by hf_fsdp_qlora's trainers, or the "
+            "run's adapter_model.safetensors."
         )
     if not tensors:
         raise MergeError(

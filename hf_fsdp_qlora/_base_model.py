@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from hf_fsdp_qlora._safetensors_io import TensorEntry, read_header
-from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 
 __all__ = ["INDEX_NAME", "base_entries", "check_base_name", "quantized_keys", "tied_map"]
 
@@ -30,9 +30,21 @@ def base_entries(base: Path) -> dict[str, TensorEntry]:
     """
     if (base / _INDEX).is_file():
         try:
-            weight_map = json.loads((base / _INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise MergeError(f"{base / _INDEX} is corrupted ({err}); save or download the base model again") from None
+            index = json.loads((base / _INDEX).read_text())
+            weight_map = index["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise MergeUsageError(
+                f"{base / _INDEX} is corrupted ({type(err).__name__}: {err}); save or download the base model again"
+            ) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise MergeUsageError(
+                f"{base / _INDEX}: weight_map is not an object of tensor name -> shard file "
+                f"(found {type(weight_map).__name__}); save or download the base model again"
+            )
+        if not weight_map:
+            raise MergeError(
+                f"{base / _INDEX} lists no tensors (empty weight_map): the base is incomplete; save or download it again"
+            )
         files = sorted(set(weight_map.values()))
     elif (base / "model.safetensors").is_file():
         files, weight_map = ["model.safetensors"], None
@@ -49,12 +61,34 @@ def base_entries(base: Path) -> dict[str, TensorEntry]:
             if key in entries:
                 raise MergeError(f"tensor {key} is stored twice in {base} ({entries[key].path.name} and {name})")
             entries[key] = entry
-    if weight_map is not None and set(weight_map) != set(entries):
+    if weight_map is not None and set(weight_map) - set(entries):
         missing = sorted(set(weight_map) - set(entries))[:3]
         raise MergeError(
-            f"{base / _INDEX} lists tensors its shards do not hold (e.g. {missing}): the base is incomplete"
+            f"{base / _INDEX} lists tensors its shards do not hold (e.g. {missing}): the base is incomplete; "
+            "save or download it again"
         )
+    if weight_map is not None and set(entries) - set(weight_map):
+        unlisted = sorted(set(entries) - set(weight_map))[:3]
+        raise MergeError(
+            f"the shards of {base} hold tensors {base / _INDEX} does not list (e.g. {unlisted}): the index does not "
+            "belong to these shards; save or download the base model again"
+        )
+    _check_not_packed(base, entries)
     return entries
+
+
+# bitsandbytes' serialized quant state sits beside each packed 4-bit or 8-bit weight.
+_PACKED = re.compile(r"\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.bitsandbytes__\w+|SCB)$")
+
+
+def _check_not_packed(base: Path, entries: dict[str, TensorEntry]) -> None:
+    packed = next((k for k in entries if _PACKED.search(k)), None)
+    if packed is not None:
+        raise MergeError(
+            f"{base} holds bitsandbytes-quantized weights (e.g. {packed}), though its config.json has no "
+            "quantization_config: it is a saved 4-bit/8-bit model, not a 16-bit base. Pass the 16-bit model it was "
+            "quantized from as --base (and --dequantize nf4 to match QLoRA)."
+        )
 
 
 def tied_map(base: Path, config: dict, keys) -> dict[str, str]:
@@ -105,11 +139,13 @@ def quantized_keys(base: Path) -> set[str]:
     }
 
 
-def check_base_name(adapter_config: dict, base: Path, base_config: dict) -> None:
+def check_base_name(adapter_config: dict, base: Path, base_config: dict, allow_other: bool = False) -> None:
     """Warn when adapter_config.json names another base model (called after the shapes matched).
 
     A local copy of a hub model has any folder name, so only a clear mismatch warns: a named folder whose
-    config differs from the base's, or a hub id whose last part is not the base folder's name.
+    config differs from the base's, or a hub id whose last part is not the base folder's name. A named local
+    folder of another architecture (e.g. a Mistral adapter on a Llama base of the same shapes) is refused
+    unless `allow_other`: the shapes agree, but the merged model would be meaningless.
     """
     name = adapter_config.get("base_model_name_or_path")
     if not name:
@@ -127,6 +163,13 @@ def check_base_name(adapter_config: dict, base: Path, base_config: dict) -> None
             k: v for k, v in base_config.items() if k not in volatile
         }:
             return  # a copy of the same model
+        theirs = _architecture(other or {})
+        if other is not None and theirs != _architecture(base_config) and not allow_other:
+            raise MergeError(
+                f"adapter_config.json says the adapter was trained on {name}, a {theirs} model, but --base {base} "
+                f"is a {_architecture(base_config)} model. The shapes match, but the merged model would be wrong: "
+                f"pass --base {name}, or --allow-other-base if you really mean to merge it into {base}."
+            )
     elif name.rstrip("/").split("/")[-1].lower() in (
         base.resolve().name.lower(),
         str(base_config.get("_name_or_path", "")).rstrip("/").split("/")[-1].lower(),
@@ -137,3 +180,71 @@ def check_base_name(adapter_config: dict, base: Path, base_config: dict) -> None
         f"merging anyway; if {base} is not that model (or a copy of it), the merged model is wrong: pass --base {name}.",
         stacklevel=3,
     )
+
+
+def _architecture(config: dict) -> str:
+    """`model_type` (e.g. "llama"), or the first architecture class name."""
+    return str(config.get("model_type") or (config.get("architectures") or ["unknown"])[0])
+
+
+# Input embeddings and output heads: the tensors a tokenizer resize (added tokens) changes in their first dim.
+_VOCAB_TENSOR = re.compile(
+    r"(^|\.)(embed_tokens|wte|word_embeddings|embed_in|tok_embeddings|lm_head|embed_out)\.weight$"
+)
+_INPUT_EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|embed_in|tok_embeddings)\.weight$")
+_TASK_MAPPINGS = {  # peft task_type -> the transformers auto mapping of the model class trained
+    "SEQ_CLS": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "TOKEN_CLS": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+    "QUESTION_ANS": "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+}
+
+
+def resized_vocab(key: str, replacement_shape: tuple[int, ...], base_shape: tuple[int, ...]) -> bool:
+    """Whether a full tensor saved with the adapter is `key` resized for added tokens (only the first dim grew)."""
+    return (
+        _VOCAB_TENSOR.search(key) is not None
+        and len(replacement_shape) == len(base_shape)
+        and replacement_shape[1:] == tuple(base_shape[1:])
+        and replacement_shape[0] != base_shape[0]
+    )
+
+
+def is_input_embedding(key: str) -> bool:
+    return _INPUT_EMBEDDING.search(key) is not None
+
+
+def task_model(base: Path, config: dict, adapter_config: dict, heads: dict[str, tuple[int, ...]]):
+    """The task model an adapter was trained on when it carries a head the base lacks (e.g. a reward model:
+    `score` of LlamaForSequenceClassification saved through modules_to_save), else None.
+
+    Args:
+        heads: the full tensors of the adapter that the base does not have, name -> shape.
+
+    Returns:
+        `(class name, its tensor names, config.json updates)`, from the class built on the meta device.
+    """
+    mapping_name = _TASK_MAPPINGS.get(str(adapter_config.get("task_type") or "").upper())
+    if mapping_name is None or not heads:
+        return None
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, models
+
+    cls_name = getattr(models.auto.modeling_auto, mapping_name).get(config.get("model_type"))
+    if not cls_name:
+        return None
+    import transformers
+
+    two_d = [shape for shape in heads.values() if len(shape) == 2]
+    num_labels = two_d[0][0] if two_d else 2
+    task_config = AutoConfig.from_pretrained(base, num_labels=num_labels)
+    with init_empty_weights():
+        model = getattr(transformers, cls_name)(task_config)
+    names = set(model.state_dict())
+    if not set(heads) <= names:
+        return None
+    updates = {
+        "architectures": [cls_name],
+        "id2label": {str(i): task_config.id2label[i] for i in range(num_labels)},
+        "label2id": {task_config.id2label[i]: i for i in range(num_labels)},
+    }
+    return cls_name, names, updates

@@ -7,9 +7,11 @@ The adapter is read as peft saves it (keys without the adapter name, `base_model
   per module from `rank_pattern` / `alpha_pattern`; `fan_in_fan_out` stores the weight transposed.
 - `<module>.lora_magnitude_vector`: DoRA, which rescales each output row of the updated weight.
 - `<module>.lora_B.bias` (`lora_bias=True`): `scaling * bias` added to the module's bias.
+- `<module>.token_adapter.trainable_tokens_delta` (`trainable_token_indices`): the trained rows of an
+  embedding, written over the rows the config lists (peft's `index_copy`).
 - anything else (`modules_to_save` copies, biases trained with `bias="all"/"lora_only"`, embedding
-  layers saved whole): a full tensor that replaces the base tensor of the same name, with the
-  `.base_layer` / `.modules_to_save` wrapper parts removed from the key.
+  layers saved whole, also resized for added tokens): a full tensor that replaces the base tensor of the
+  same name, with the `.base_layer` / `.modules_to_save` wrapper parts removed from the key.
 
 Each update runs in float32 on one explicit device and is cast once, by the caller.
 """
@@ -50,7 +52,6 @@ _UNSUPPORTED = (
     "kasa_config",
     "use_qalora",
     "layer_replication",
-    "trainable_token_indices",
     "target_parameters",
 )
 
@@ -75,6 +76,7 @@ class TensorUpdate:
     replacement: torch.Tensor | None = None
     lora: LoraFactors | None = None
     lora_bias: tuple[torch.Tensor, float] | None = None
+    token_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (row indices, their trained values)
     sources: list[str] = field(default_factory=list)  # adapter keys, for messages
 
 
@@ -111,6 +113,23 @@ def _check_config(config: dict) -> None:
         )
 
 
+def _token_indices(config: dict, module: str, key: str, delta: torch.Tensor) -> torch.Tensor:
+    """The rows `trainable_token_indices` names for `module`: a list (the input embedding) or {name: list}."""
+    spec = config.get("trainable_token_indices")
+    indices = (
+        spec if isinstance(spec, list) else _pattern_value(spec if isinstance(spec, dict) else None, module, None)
+    )
+    if indices is None and isinstance(spec, dict) and len(spec) == 1:
+        indices = next(iter(spec.values()))  # the tied output head shares the embedding's adapter
+    if not isinstance(indices, list) or len(indices) != delta.shape[0]:
+        raise MergeError(
+            f"adapter tensor {key} holds {delta.shape[0]} trained token rows, but adapter_config.json's "
+            f"trainable_token_indices={spec!r} does not list that many for {module}: use the adapter_config.json "
+            "saved with these weights"
+        )
+    return torch.tensor(indices, dtype=torch.long)
+
+
 def collect_updates(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, TensorUpdate]:
     """Group the adapter's tensors by the base tensor they change.
 
@@ -133,10 +152,19 @@ def collect_updates(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str,
         match = _LORA_KEY.match(name)
         if match:
             modules.setdefault(match["module"], {})[match["part"]] = (key, tensor)
-        elif ".lora_" in name or ".token_adapter." in name:
+        elif name.endswith(".token_adapter.trainable_tokens_delta"):
+            module = name.removesuffix(".token_adapter.trainable_tokens_delta")
+            update = updates.setdefault(f"{module}.weight", TensorUpdate())
+            update.token_rows, update.sources = (
+                (_token_indices(config, module, key, tensor), tensor),
+                update.sources + [key],
+            )
+        elif ".lora_" in name or (".token_adapter." in name and ".token_adapter.base_layer." not in name):
             raise MergeError(f"adapter tensor {key} belongs to a LoRA variant merge-adapters does not merge")
         else:
-            target = name.replace(".base_layer.", ".").replace(".modules_to_save.", ".")
+            # A resized embedding under trainable tokens is saved as `<module>.token_adapter.base_layer.weight`.
+            target = name.replace(".token_adapter.base_layer.", ".")
+            target = target.replace(".base_layer.", ".").replace(".modules_to_save.", ".")
             update = updates.setdefault(target, TensorUpdate())
             if update.replacement is not None:
                 raise MergeError(f"adapter tensors {update.sources[0]} and {key} both replace {target}")
@@ -202,9 +230,22 @@ def _implied_shapes(key: str, update: TensorUpdate) -> list[tuple[str, tuple[int
     return found
 
 
+def _check_token_rows(key: str, update: TensorUpdate, base_shape: tuple[int, ...], base_model) -> None:
+    rows, delta = update.token_rows
+    if tuple(delta.shape[1:]) != tuple(base_shape[1:]) or int(rows.max()) >= base_shape[0] or int(rows.min()) < 0:
+        trained_on = f" (adapter_config.json: base_model_name_or_path={base_model!r})" if base_model else ""
+        raise MergeError(
+            f"adapter tensor {next(s for s in update.sources if 'token_adapter' in s)} writes rows up to "
+            f"{int(rows.max())} of width {tuple(delta.shape[1:])} into {key}, whose shape is {base_shape}: the "
+            f"adapter was trained on a different model{trained_on}. Pass the model it was trained on as --base."
+        )
+
+
 def check_shape(key: str, update: TensorUpdate, base_shape: tuple[int, ...], base_model: str | None) -> None:
     """Raise MergeError when the adapter implies a shape for base tensor `key` that the base does not have."""
     base_shape = tuple(base_shape)
+    if update.token_rows is not None:
+        _check_token_rows(key, update, base_shape, base_model)
     for source, shape, rows in _implied_shapes(key, update):
         out_rows = base_shape[-1] if update.lora is not None and update.lora.fan_in_fan_out else base_shape[0]
         if (shape is not None and shape != base_shape) or (rows is not None and rows != out_rows):
@@ -258,6 +299,9 @@ def apply_update(
     if update.lora_bias is not None:
         bias, scaling = update.lora_bias
         w.add_(bias.to(device=device, dtype=torch.float32) * scaling)
+    if update.token_rows is not None:  # after everything else, as peft's TrainableTokensLayer.merge overwrites
+        rows, delta = update.token_rows
+        w.index_copy_(0, rows.to(device), delta.to(device=device, dtype=torch.float32))
     return w
 
 
@@ -283,6 +327,7 @@ def apply_update_into(
         and f.magnitude is None
         and update.replacement is None
         and update.lora_bias is None
+        and update.token_rows is None
         and weight is not None
         and weight.dim() == 2
     )

@@ -1,4 +1,4 @@
-"""Streamed safetensors I/O: read one tensor at a time, write shards tensor by tensor, publish atomically.
+"""Streamed safetensors I/O: read one tensor at a time, write shards tensor by tensor.
 
 A merge must never hold the model in memory. Reading goes through each tensor's byte range into a buffer
 of its own (a memory map of the whole shard would count every touched page towards the resident set
@@ -14,7 +14,6 @@ import json
 import os
 import queue
 import re
-import shutil
 import struct
 import threading
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from hf_fsdp_qlora.errors import MergeError
 
 __all__ = [
     "DTYPE_NAMES",
-    "AtomicOutputDir",
     "OrderedWorker",
     "ShardWriter",
     "TensorEntry",
@@ -346,76 +344,3 @@ def plan_shards(items: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
         shards[-1].append(name)
         used += nbytes
     return shards if shards[0] else []
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class AtomicOutputDir:
-    """A hidden folder beside `output` that becomes `output` only once everything in it is written.
-
-    An existing `output` is moved aside, not deleted, until the new folder is in place, so an interrupted
-    run leaves the old model intact and the partial one under a name no loader looks at. Leftovers of
-    killed runs (whose process is gone) are removed on the next run.
-    """
-
-    def __init__(self, output: str | Path):
-        self.output = Path(output).absolute()
-        self.output.parent.mkdir(parents=True, exist_ok=True)
-        self._remove_stale()
-        self.tmp = self.output.parent / f".{self.output.name}.partial-{os.getpid()}"
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
-
-    def _remove_stale(self) -> None:
-        for path in self.output.parent.glob(f".{self.output.name}.partial-*"):
-            pid = path.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-                shutil.rmtree(path, ignore_errors=True)
-
-    def commit(self) -> None:
-        """Put the finished folder at `output`; the old one, if any, is deleted only after that succeeded."""
-        fd = os.open(self.tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        old = None
-        if self.output.exists() or self.output.is_symlink():
-            old = self.output.parent / f".{self.output.name}.old-{os.getpid()}"
-            os.rename(self.output, old)
-        try:
-            os.rename(self.tmp, self.output)
-        except BaseException:
-            if old is not None:
-                os.rename(old, self.output)
-            raise
-        if old is not None:
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink()
-
-    def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def __enter__(self) -> Path:
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            try:
-                self.commit()
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            self.abort()

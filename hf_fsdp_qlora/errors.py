@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedSetupError", "FSDPNotEngagedError", "MergeError"]
+__all__ = ["UnsupportedSetupError", "FSDPNotEngagedError", "MergeError", "MergeUsageError"]
 
 
 class UnsupportedSetupError(ValueError):
@@ -20,3 +20,9 @@ class MergeError(ValueError):
     """
 
     exit_code = 1
+
+
+class MergeUsageError(MergeError):
+    """A merge or convert asked for in a way that cannot work (bad option, path or input file); exit status 2."""
+
+    exit_code = 2

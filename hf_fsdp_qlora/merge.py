@@ -15,32 +15,35 @@ import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hf_fsdp_qlora._adapter_io import load_adapter
-from hf_fsdp_qlora._base_model import INDEX_NAME, base_entries, check_base_name, quantized_keys, tied_map
+from hf_fsdp_qlora._base_model import (
+    INDEX_NAME,
+    base_entries,
+    check_base_name,
+    is_input_embedding,
+    quantized_keys,
+    task_model,
+    tied_map,
+)
 from hf_fsdp_qlora._lora_math import (
-    TensorUpdate,
-    apply_update,
     apply_update_into,
-    check_shape,
     collect_updates,
     quantize_roundtrip,
 )
+from hf_fsdp_qlora._merge_plan import Item, plan, torch_dtype
+from hf_fsdp_qlora._output_dir import AtomicOutputDir, check_output
 from hf_fsdp_qlora._safetensors_io import (
-    DTYPE_NAMES,
-    AtomicOutputDir,
     OrderedWorker,
     ShardWriter,
-    TensorEntry,
     parse_size,
     plan_shards,
     read_tensor,
 )
-from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 
 __all__ = ["DTYPES", "MergeError", "MergeUsageError", "merge_adapters"]
 
@@ -53,55 +56,28 @@ _TOKENIZER_FILE = re.compile(
 _NOT_COPIED = {"adapter_config.json", "README.md"} | {"config.json"}  # config.json is rewritten, not copied
 
 
-class MergeUsageError(MergeError):
-    """The merge was asked for in a way that cannot work (bad option, missing path); exit status 2."""
-
-    exit_code = 2
+_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' 4-bit kernels accept
 
 
-@dataclass
-class _Item:
-    """One output tensor: where it comes from and what happens to it."""
-
-    name: str
-    entry: TensorEntry  # the base tensor it is computed from
-    dtype: str  # output safetensors dtype name
-    update: TensorUpdate | None = None
-    quantize: bool = False
-    ready: torch.Tensor | None = None  # computed ahead (tied embeddings)
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for dim in self.entry.shape:
-            numel *= dim
-        return numel * _torch_dtype(self.dtype).itemsize
-
-    @property
-    def passthrough(self) -> bool:
-        return self.update is None and self.ready is None and not self.quantize and self.dtype == self.entry.dtype
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return {v: k for k, v in DTYPE_NAMES.items()}[name]
-
-
-def _check_usage(base: Path, adapter: Path, output: Path, force: bool, dtype, device: str, dequantize, max_shard_size):
+def _check_usage(base, adapter, output, force, dtype, device, dequantize, max_shard_size, blocksize, adapter_config):
     if not (base / "config.json").is_file():
         raise MergeUsageError(
             f"--base {base} is not a model folder (no config.json): pass the 16-bit base model's folder"
         )
     if not adapter.exists():
         raise MergeUsageError(f"--adapter {adapter} does not exist: pass the adapter folder or Trainer checkpoint")
-    out = output.absolute()
-    for name, path in (("--base", base), ("--adapter", adapter)):
-        p = path.absolute()
-        if out == p or out in p.parents or p in out.parents:
-            raise MergeUsageError(f"--output {output} overlaps {name} {path}: write the merged model to a new folder")
-    if output.exists() and not force:
+    if adapter_config is not None and not adapter_config.is_file():
+        raise MergeUsageError(f"--adapter-config {adapter_config} is not a file: pass the run's adapter_config.json")
+    inputs = [("--base", base), ("--adapter", adapter)]
+    if adapter.is_file():  # an adapter_model.* file: its folder holds the config and tokenizer read with it
+        inputs.append(("the folder of --adapter", adapter.parent))
+    if adapter_config is not None:
+        inputs.append(("--adapter-config", adapter_config))
+    out = check_output(output, inputs, force)
+    if dequantize is not None and blocksize not in _BLOCKSIZES:
         raise MergeUsageError(
-            f"--output {output} already exists. Pass --force to replace it (the old folder is kept until the new "
-            "merge is complete), or choose another --output."
+            f"--quant-blocksize {blocksize} is not a 4-bit block size bitsandbytes uses: pass the "
+            f"bnb_4bit_blocksize of training, one of {', '.join(map(str, _BLOCKSIZES))} (default 64)"
         )
     if dtype is not None and dtype not in DTYPES and dtype not in DTYPES.values():
         raise MergeUsageError(f"--dtype {dtype} is not supported: use one of {', '.join(DTYPES)}")
@@ -123,76 +99,7 @@ def _check_usage(base: Path, adapter: Path, output: Path, force: bool, dtype, de
         )
     if dev.type not in ("cpu", "cuda"):
         raise MergeUsageError(f"--device {device} is not supported: use cpu or cuda")
-    return dev, max_bytes
-
-
-def _resolve_ties(entries, updates, tied, dtype_of, untie: bool, device) -> tuple[dict, dict]:
-    """Merge tied embeddings ahead; returns ({name: item} computed now, {source: alias item} to write untied)."""
-    ready, untied = {}, {}
-    for alias, source in tied.items():
-        src_up, alias_up = updates.get(source), updates.get(alias)
-        if src_up is None and alias_up is None:
-            continue
-        entry = entries[source]
-        with open(entry.path, "rb", buffering=0) as fh:
-            stored = read_tensor(fh, entry)
-        # What each side of the tie was in training: both start from the one stored tensor.
-        a = apply_update(stored, src_up, device) if src_up else stored.to(device, torch.float32)
-        b = apply_update(stored, alias_up, device) if alias_up else stored.to(device, torch.float32)
-        out = _torch_dtype(dtype_of(entry))
-        if torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(a.abs().max())):
-            ready[source] = _Item(source, entry, dtype_of(entry), ready=a.to(out))
-        elif untie:
-            ready[source] = _Item(source, entry, dtype_of(entry), ready=a.to(out))
-            untied[source] = _Item(alias, entry, dtype_of(entry), ready=b.to(out))
-        else:
-            changed, other = (source, alias) if src_up is not None else (alias, source)
-            raise MergeError(
-                f"the base ties {alias} to {source} (tie_word_embeddings=true), but the adapter changes them "
-                f"differently ({changed} via {(src_up or alias_up).sources[0]}); in training {other} did not see "
-                "that change, and one tied tensor cannot hold both. Pass --untie-embeddings to write "
-                f"{alias} separately (sets tie_word_embeddings=false; one more vocab x hidden tensor), or train "
-                "with LoraConfig(ensure_weight_tying=True) so both sides share the update."
-            )
-    return ready, untied
-
-
-def _plan(entries, updates, tied, out_dtype, quantized, untie, device, base_model) -> tuple[list[_Item], bool]:
-    """The output tensors in base file order (tied weights stored once); returns (items, whether untied)."""
-    unknown = sorted(k for k in updates if k not in entries and k not in tied)
-    no_bias = [k for k in unknown if updates[k].lora_bias is not None and updates[k].replacement is None]
-    if no_bias:
-        raise MergeError(
-            f"the adapter has a LoRA bias for {no_bias[0].removesuffix('.bias')} (lora_bias=True), but that layer has "
-            "no bias in the base, so the bias cannot be merged (peft cannot either). Train with lora_bias=False, or "
-            "target only layers with a bias."
-        )
-    if unknown:
-        raise MergeError(
-            f"the adapter changes {len(unknown)} tensor(s) the base does not have, e.g. {unknown[:4]} (from "
-            f"{updates[unknown[0]].sources[0]}): the adapter was trained on a different model (adapter_config.json: "
-            f"base_model_name_or_path={base_model!r}). Pass the model it was trained on as --base."
-        )
-    for key, update in updates.items():
-        check_shape(key, update, entries[tied.get(key, key)].shape, base_model)
-
-    def dtype_of(entry: TensorEntry) -> str:
-        floating = entry.torch_dtype.is_floating_point
-        return DTYPE_NAMES[out_dtype] if out_dtype is not None and floating else entry.dtype
-
-    ready, untied = _resolve_ties(entries, updates, tied, dtype_of, untie, device)
-    items = []
-    for name, entry in entries.items():
-        if name in tied:
-            continue  # a second stored copy of a tied weight: the source is written, like save_pretrained does
-        update = updates.get(name)
-        replaced = update is not None and update.replacement is not None
-        items.append(
-            ready.get(name) or _Item(name, entry, dtype_of(entry), update, name in quantized and not replaced)
-        )
-        if name in untied:
-            items.append(untied[name])
-    return items, bool(untied)
+    return out, dev, max_bytes
 
 
 class _Scratch:
@@ -213,11 +120,11 @@ class _Scratch:
         return buf[:numel].view(shape)
 
 
-def _produce(item: _Item, fh, device: torch.device, quant, scratch: _Scratch, slot: int) -> torch.Tensor:
+def _produce(item: Item, fh, device: torch.device, quant, scratch: _Scratch, slot: int) -> torch.Tensor:
     if item.ready is not None:
         ready, item.ready = item.ready, None  # the write queue holds it now; freed once written
         return ready
-    out = _torch_dtype(item.dtype)
+    out = torch_dtype(item.dtype)
     replaced = item.update is not None and item.update.replacement is not None
     weight = None
     if not replaced:
@@ -226,7 +133,7 @@ def _produce(item: _Item, fh, device: torch.device, quant, scratch: _Scratch, sl
     if item.quantize:
         # Quantized from the tensor in the dtype training loaded it in (the output dtype), as bnb does.
         weight = quantize_roundtrip(weight.to(out), *quant)
-    target = scratch(f"out{slot}", tuple(item.entry.shape), out)
+    target = scratch(f"out{slot}", item.shape, out)
     if item.update is not None:
         return apply_update_into(target, weight, item.update, device, scratch)
     return target.copy_(weight)
@@ -247,7 +154,7 @@ def _leave_a_core_for_writes(device: torch.device):
         torch.set_num_threads(before)
 
 
-def _write_shards(items: list[_Item], tmp: Path, max_bytes: int, device, quant, progress: bool) -> dict[str, str]:
+def _write_shards(items: list[Item], tmp: Path, max_bytes: int, device, quant, progress: bool) -> dict[str, str]:
     """Compute tensors here while a background thread writes the previous ones, in order."""
     from tqdm.auto import tqdm
 
@@ -265,7 +172,7 @@ def _write_shards(items: list[_Item], tmp: Path, max_bytes: int, device, quant, 
                 "model.safetensors" if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
             )
             writer = ShardWriter(
-                tmp / fname, [(n, by_name[n].dtype, by_name[n].entry.shape) for n in names], {"format": "pt"}
+                tmp / fname, [(n, by_name[n].dtype, by_name[n].shape) for n in names], {"format": "pt"}
             )
             worker.on_abort(writer.abort)
             total = sum(by_name[n].nbytes for n in names)
@@ -332,6 +239,8 @@ def merge_adapters(
     double_quant: bool = True,
     quant_blocksize: int = 64,
     untie_embeddings: bool = False,
+    adapter_config: str | Path | None = None,
+    allow_other_base: bool = False,
     progress: bool = True,
 ) -> Path:
     """Merge a LoRA adapter into a 16-bit base model, streaming shard by shard, and write a plain model folder.
@@ -344,12 +253,18 @@ def merge_adapters(
         max_shard_size: largest output shard, e.g. "5GB" (decimal units, like transformers) or "2GiB".
         device: where every update is computed, "cpu" or "cuda[:N]". On CPU the merge computes with one
             torch thread fewer than the cores it may use (one is left to the writer), restored on return.
-        force: replace an existing `output` (the old folder is kept until the new one is complete).
+        force: replace an existing `output` that an earlier merge-adapters or convert wrote and that holds
+            nothing else (the old folder is kept until the new one is complete). Nothing else is ever replaced:
+            an output that is, contains or lies inside an input (after resolving symlinks and `..`), `""`,
+            the current or home folder, or a folder with other content is refused.
         dequantize: "nf4" or "fp4" to merge onto the 4-bit round trip of the base that QLoRA trained against.
         double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize`).
         quant_blocksize: the 4-bit block size of training (bitsandbytes' default 64; only with `dequantize`).
         untie_embeddings: when the adapter changes only one side of tied embeddings, write both sides
             (tie_word_embeddings=false) instead of failing.
+        adapter_config: the run's adapter_config.json, for an FSDP sharded checkpoint saved without one.
+        allow_other_base: merge even though adapter_config.json names a local model of another architecture
+            than `base` (by default that is refused, even when the shapes match).
         progress: show a tqdm bar per output shard.
 
     Returns:
@@ -359,8 +274,11 @@ def merge_adapters(
         MergeUsageError: an option or path that cannot work (exit status 2 on the command line).
         MergeError: the adapter does not fit the base, a file is corrupted, or the disk is full (exit status 1).
     """
-    base, adapter, output = Path(base), Path(adapter), Path(output)
-    device, max_bytes = _check_usage(base, adapter, output, force, dtype, device, dequantize, max_shard_size)
+    base, adapter = Path(base), Path(adapter)
+    adapter_config = Path(adapter_config) if adapter_config is not None else None
+    output, device, max_bytes = _check_usage(
+        base, adapter, output, force, dtype, device, dequantize, max_shard_size, quant_blocksize, adapter_config
+    )
     out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     try:
         config = json.loads((base / "config.json").read_text())
@@ -370,14 +288,29 @@ def merge_adapters(
                 "base the quantized model was made from; pass that as --base (and --dequantize nf4 to match QLoRA)."
             )
         entries = base_entries(base)
-        loaded = load_adapter(adapter)
+        loaded = load_adapter(adapter, config_path=adapter_config)
         base_model = loaded.config.get("base_model_name_or_path")
         updates = collect_updates(loaded.config, loaded.tensors)
         tied = tied_map(base, config, entries)
         quantized = quantized_keys(base) if dequantize else set()
-        items, untied = _plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model)
-        check_base_name(loaded.config, base, config)
+        heads = {
+            k: tuple(u.replacement.shape)
+            for k, u in updates.items()
+            if k not in entries and k not in tied and u.replacement is not None and u.lora is None
+        }
+        task = task_model(base, config, loaded.config, heads) if heads else None
+        items, untied = plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model, task)
+        if task is not None:  # e.g. a reward model: loads with AutoModelForSequenceClassification
+            config.update(task[2])
+        vocab = next((item.shape[0] for item in items if item.resized and is_input_embedding(item.name)), None)
+        if vocab is not None:  # embeddings resized for added tokens (e.g. ChatML) and saved whole with the adapter
+            for cfg in (config, config.get("text_config")):
+                if isinstance(cfg, dict) and ("vocab_size" in cfg or cfg is config):
+                    cfg["vocab_size"] = vocab
+        check_base_name(loaded.config, base, config, allow_other=allow_other_base)
         needed = sum(item.nbytes for item in items)
+        # Leftovers of killed runs go first: on a tight disk they may hold the room this merge needs.
+        atomic = AtomicOutputDir(output, "merge-adapters")
         existing = next(p for p in output.absolute().parents if p.exists())
         free = shutil.disk_usage(existing).free
         if needed > free:
@@ -391,7 +324,7 @@ def merge_adapters(
                 if isinstance(cfg, dict):
                     cfg["tie_word_embeddings"] = False
         quant = (dequantize, quant_blocksize, double_quant) if dequantize else None
-        with AtomicOutputDir(output) as tmp:
+        with atomic as tmp:
             with _leave_a_core_for_writes(device):
                 weight_map = _write_shards(items, tmp, max_bytes, device, quant, progress)
             if len(set(weight_map.values())) > 1:

@@ -427,3 +427,65 @@ def test_memory_plan_matches_rehearsal_per_rank(tiny, rehearsal, name):
 def test_ours_shards_integer_storage_under_fsdp2_is_info(tiny):
     assert "fsdp2-integer-storage" in _ids(tiny / "llama", F2Q, "info", **Q4, quant_storage="uint8")
     assert "fsdp2-integer-storage" not in _ids(tiny / "llama", F2Q, "warning", **Q4, quant_storage="uint8")
+
+
+# --- issue 13 item 5: values no run can have are one-line usage errors; impossible setups are findings ----------
+
+
+@pytest.mark.parametrize(
+    "option, value, expect",
+    [
+        ("--write-speed", "0", "--write-speed 0.0: must be positive"),
+        ("--write-speed", "-3", "--write-speed -3.0: must be positive"),
+        ("--lora-r", "0", "--lora-r 0: must be at least 1"),
+        ("--lora-r", "-4", "--lora-r -4: must be at least 1"),
+        ("--seq-len", "0", "--seq-len 0: must be at least 1"),
+        ("--batch-size", "0", "--batch-size 0: must be at least 1"),
+        ("--eval-batch-size", "0", "--eval-batch-size 0: must be at least 1"),
+        ("--num-gpus", "0", "--num-gpus 0: must be at least 1"),
+        ("--lora-dropout", "2", "--lora-dropout 2.0: a dropout probability"),
+        ("--lora-dropout", "-0.1", "--lora-dropout -0.1: a dropout probability"),
+        ("--gpu-memory", "0GB", "--gpu-memory 0GiB: must be positive"),
+        ("--gpu-memory=-8GB", None, "--gpu-memory -8GiB: must be positive"),
+        ("--timeout-minutes", "0", "--timeout-minutes 0.0: must be positive"),
+        ("--save-steps", "-1", "--save-steps -1: must not be negative"),
+    ],
+)
+def test_cli_values_no_run_can_have_exit_2_in_one_line(capsys, option, value, expect):
+    args = [option] if value is None else [option, value]
+    code, out, err = _cli(capsys, "--accelerate-config", "fsdp2_qlora", "--model", LLAMA3_70B, "--load-in-4bit",
+                          "--gpu-memory", "80GB", *args)  # fmt: skip
+    print(option, value, "->", code, err.strip())
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("hf-fsdp-qlora doctor: error:") and expect in err, err
+
+
+def test_seq_len_above_max_positions_is_a_finding(tiny, tmp_path):
+    from transformers import GPT2Config
+
+    llama = Path(tiny) / "llama"
+    max_pos = json.loads((llama / "config.json").read_text())["max_position_embeddings"]
+    rope = diagnose(llama, accelerate_config="fsdp2_qlora", quantization="4bit", seq_len=max_pos + 1)
+    found = {f.id: f for f in rope.findings}
+    assert found["seq-len-above-max-positions"].severity == "warning"
+    ok = diagnose(llama, accelerate_config="fsdp2_qlora", quantization="4bit", seq_len=max_pos)
+    assert "seq-len-above-max-positions" not in {f.id for f in ok.findings}
+    GPT2Config(n_positions=64, n_embd=64, n_layer=2, n_head=4, vocab_size=256).save_pretrained(tmp_path / "gpt2")
+    learned = diagnose(tmp_path / "gpt2", accelerate_config="fsdp2_qlora", quantization="4bit", seq_len=128)
+    assert {f.id: f.severity for f in learned.findings}["seq-len-above-max-positions"] == "error"
+    assert learned.exit_code == 1
+
+
+@pytest.mark.parametrize("architectures", [None, ["BertLMHeadModel"], ["BertForMaskedLM"]])
+def test_bert_style_model_is_not_ready_to_launch(tmp_path, capsys, architectures):
+    from transformers import BertConfig
+
+    config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    config.architectures = architectures
+    config.save_pretrained(tmp_path)
+    if architectures is None:  # save_pretrained may fill it in: make sure the config has none
+        data = json.loads((tmp_path / "config.json").read_text())
+        data.pop("architectures", None)
+        (tmp_path / "config.json").write_text(json.dumps(data))
+    code, out, err = _cli(capsys, "--accelerate-config", "fsdp2_qlora", "--model", tmp_path, "--load-in-4bit")
+    assert code == 2 and "ready to launch" not in out and "no causal-LM head" in err, (out, err)

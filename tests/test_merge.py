@@ -500,7 +500,7 @@ def test_usage_errors(bases, tmp_path):
     (tmp_path / "exists").mkdir()
     cases = [
         ({"output": tmp_path / "exists"}, "--force"),
-        ({"output": base / "merged"}, "overlaps --base"),
+        ({"output": base / "merged"}, "lies inside --base"),
         ({"dtype": "int8"}, "--dtype"),
         ({"max_shard_size": "lots"}, "5GB"),
         ({"adapter": tmp_path / "missing"}, "does not exist"),
@@ -547,9 +547,10 @@ def test_disk_full_leaves_nothing(bases, tmp_path, monkeypatch):
 def test_force_keeps_old_output_until_new_one_is_complete(bases, tmp_path, monkeypatch):
     base = bases["llama"]
     adapter = make_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj"])
+    other = make_adapter(base, tmp_path / "b", seed=7, r=4, target_modules=["v_proj"])
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "marker.txt").write_text("old")
+    merge_adapters(base, other, out, progress=False)  # an earlier output of this tool: --force may replace it
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def interrupted(self, name, tensor):
         raise KeyboardInterrupt
@@ -557,27 +558,23 @@ def test_force_keeps_old_output_until_new_one_is_complete(bases, tmp_path, monke
     monkeypatch.setattr(_safetensors_io.ShardWriter, "write_tensor", interrupted)
     with pytest.raises(KeyboardInterrupt):
         merge_adapters(base, adapter, out, force=True, progress=False)
-    assert (out / "marker.txt").read_text() == "old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "out"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "out"]
 
     monkeypatch.undo()
     merge_adapters(base, adapter, out, force=True, progress=False)
-    assert not (out / "marker.txt").exists() and (out / "model.safetensors").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "out"]
+    ours, ref = read_output(out), peft_merged(base, adapter)
+    assert all(torch.equal(ours[k], ref[k]) for k in ours)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "out"]
 
 
 def test_leftover_of_killed_run_is_removed(bases, tmp_path):
     base = bases["llama"]
     adapter = make_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj"])
-    dead = 2**22 + 12345
-    while True:  # a pid that is surely not running
-        try:
-            os.kill(dead, 0)
-            dead += 1
-        except ProcessLookupError:
-            break
-    stale = tmp_path / f".out.partial-{dead}"
+    # A killed run's folder: its lock file is there but nobody holds the lock any more.
+    stale = tmp_path / ".out.partial-otherhost-123-abcd"
     stale.mkdir()
+    (stale / ".hf-fsdp-qlora-writing.lock").write_text("otherhost pid 123\n")
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"partial")
     merge_adapters(base, adapter, tmp_path / "out", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "out"]

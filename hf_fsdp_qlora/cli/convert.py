@@ -39,7 +39,11 @@ def convert_command_parser(subparsers=None) -> argparse.ArgumentParser:
         metavar="PATH",
         help="adapter_config.json of the run (default: found beside the checkpoint)",
     )
-    parser.add_argument("--force", action="store_true", help="replace an existing --output")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --output that an earlier convert or merge-adapters wrote (nothing else)",
+    )
     if subparsers is not None:
         parser.set_defaults(func=run)
     return parser
@@ -59,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hf_fsdp_qlora._adapter_io import find_distcp_dir, load_adapter, save_adapter
-    from hf_fsdp_qlora._safetensors_io import AtomicOutputDir
+    from hf_fsdp_qlora._output_dir import AtomicOutputDir, check_output
     from hf_fsdp_qlora.errors import MergeError
 
-    checkpoint, output = Path(args.checkpoint), Path(args.output)
+    checkpoint = Path(args.checkpoint)
     if not checkpoint.is_dir() or find_distcp_dir(checkpoint) is None:
         print(
             f"hf-fsdp-qlora convert: error: {checkpoint} is not an FSDP sharded checkpoint (no .metadata and "
@@ -70,12 +74,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if output.exists() and not args.force:
-        print(f"hf-fsdp-qlora convert: error: --output {output} exists; pass --force to replace it", file=sys.stderr)
-        return 2
+    # The checkpoint (its .distcp shards, optimizer and trainer state) and the adapter config are inputs:
+    # an output that overlaps them is refused before anything is read or written.
+    inputs = [("CHECKPOINT", checkpoint)]
+    if args.adapter_config is not None:
+        inputs.append(("--adapter-config", args.adapter_config))
     try:
+        output = check_output(args.output, inputs, args.force)
         adapter = load_adapter(checkpoint, config_path=args.adapter_config, fsdp_only=True)
-        with AtomicOutputDir(output) as tmp:
+        with AtomicOutputDir(output, "convert") as tmp:
             save_adapter(adapter, tmp)
     except MergeError as err:
         print(f"hf-fsdp-qlora convert: error: {err}", file=sys.stderr)

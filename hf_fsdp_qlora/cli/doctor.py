@@ -45,13 +45,11 @@ def _dtype(value: str) -> str:
 
 
 def _positive(value: str) -> int:
+    # Only the type here: the range is checked in `run`, so that every bad value gives one line (see _impossible).
     try:
-        number = int(value)
+        return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value!r} must not be negative")
-    return number
 
 
 def _size(value: str) -> int:
@@ -196,8 +194,36 @@ def _settings(args: argparse.Namespace) -> dict:
     }
 
 
+# Values no run can have: a usage error (exit 2, one line), not a report built on a division by zero.
+_AT_LEAST_ONE = ("lora_r", "seq_len", "batch_size", "eval_batch_size", "num_gpus")
+
+
+def _impossible(args: argparse.Namespace) -> str | None:
+    for name in _AT_LEAST_ONE:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} {value}: must be at least 1"
+    if args.save_steps is not None and args.save_steps < 0:
+        return f"--save-steps {args.save_steps}: must not be negative (0: no checkpoints)"
+    if not 0.0 <= args.lora_dropout < 1.0:
+        return f"--lora-dropout {args.lora_dropout}: a dropout probability, from 0 up to (not including) 1"
+    for option, value, unit in (
+        ("--write-speed", args.write_speed, "MB/s, e.g. 200"),
+        ("--timeout-minutes", args.timeout_minutes, "minutes, e.g. 30"),
+        ("--gpu-memory", args.gpu_memory, "a memory size, e.g. 80GB"),
+    ):
+        if value is not None and not value > 0:  # also NaN
+            shown = f"{value / 2**30:g}GiB" if option == "--gpu-memory" else value
+            return f"{option} {shown}: must be positive ({unit})"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-fsdp-qlora doctor``: print the report; 0 no error, 1 errors, 2 usage error."""
+    problem = _impossible(args)
+    if problem:
+        print(f"hf-fsdp-qlora doctor: error: {problem}", file=sys.stderr)
+        return 2
     from hf_fsdp_qlora.doctor import SetupInputError, diagnose, render, to_json
 
     try:

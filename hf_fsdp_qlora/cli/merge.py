@@ -17,13 +17,15 @@ _DESCRIPTION = "Merge a LoRA adapter into its 16-bit base model and write a plai
 _EPILOG = """\
 The base is read one tensor at a time and every update is computed in float32 and cast once, so peak
 memory is about the largest tensor, not the model. The output appears only when complete; with --force
-the old output is kept until then.
+the old output is kept until then. --force replaces only an earlier output of this tool; an --output that
+is, contains or lies inside --base or --adapter (symlinks and .. resolved) is always refused.
 
 example:
   merge-adapters --base ./Llama-3.1-8B --adapter ./run/checkpoint-500 --output ./merged --dtype bfloat16
 
 exit status: 0 merged, 1 the merge failed (adapter does not fit the base, corrupted file, full disk),
-2 usage error (bad option, missing path, existing output without --force, no CUDA for --device cuda).
+2 usage error (bad option, missing path, existing output without --force, an output that may not be
+replaced, no CUDA for --device cuda).
 """
 
 
@@ -58,7 +60,21 @@ def merge_command_parser(subparsers=None) -> argparse.ArgumentParser:
         "--device", default="cpu", help="where the updates are computed: cpu or cuda[:N] (default: cpu)"
     )
     parser.add_argument(
-        "--force", action="store_true", help="replace an existing --output (kept until the new one is complete)"
+        "--force",
+        action="store_true",
+        help="replace an existing --output that an earlier merge-adapters or convert wrote and that holds nothing "
+        "else (kept until the new one is complete); any other folder is left alone",
+    )
+    parser.add_argument(
+        "--adapter-config",
+        default=None,
+        metavar="PATH",
+        help="adapter_config.json of the run, for an FSDP sharded checkpoint saved without one",
+    )
+    parser.add_argument(
+        "--allow-other-base",
+        action="store_true",
+        help="merge even though adapter_config.json names a local model of another architecture than --base",
     )
     parser.add_argument(
         "--dequantize",
@@ -129,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
             double_quant=args.double_quant,
             quant_blocksize=args.quant_blocksize,
             untie_embeddings=args.untie_embeddings,
+            adapter_config=args.adapter_config,
+            allow_other_base=args.allow_other_base,
             progress=args.progress,
         )
     except MergeError as err:

@@ -374,6 +374,15 @@ def data_rules(ctx: Context):
             "of the longest possible one, and short samples waste most of it.",
             "padding", "'longest' (DataCollatorWithPadding) or packing=True",
         )  # fmt: skip
+    if shape is not None and shape.max_positions and s.seq_len > shape.max_positions:
+        yield _finding(
+            "seq-len-above-max-positions", "warning" if shape.rotary else "error",
+            f"seq_len={s.seq_len} is longer than the model's max_position_embeddings={shape.max_positions}: "
+            + ("RoPE runs past it, but the model never saw such positions and quality drops unless the run extends "
+               "the context (rope_scaling)." if shape.rotary
+               else "its learned position table has no row for the later tokens, and the first such batch fails."),
+            "max_seq_length / seq_len", str(shape.max_positions),
+        )  # fmt: skip
     if plan is None or shape is None or plan.gpu_memory is None or not s.eval_batch_size:
         return
     # Evaluation runs without gradients but materialises logits and their fp32 log-softmax for the whole batch.

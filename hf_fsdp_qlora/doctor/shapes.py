@@ -51,6 +51,8 @@ class ModelShape:
     other_in_layers: int = 0
     other_outside: int = 0
     num_tensors: int = 0  # parameter tensors, tied ones once
+    max_positions: int | None = None  # max_position_embeddings (n_positions), if the config has one
+    rotary: bool = True  # positions from RoPE (a longer sequence runs, degraded), not a learned table
 
     @property
     def total_params(self) -> int:
@@ -118,10 +120,17 @@ def _check_causal_lm(config, path) -> None:
     causal = set()
     for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         causal.update([names] if isinstance(names, str) else names)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
     architectures = getattr(config, "architectures", None) or []
     # The same rule as hf_fsdp_qlora.load_qlora_model: a saved BertModel has a causal class but no LM head.
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
-        architectures and not any(a in causal or a.endswith("ForCausalLM") for a in architectures)
+    # An encoder family (it has a masked-LM class: BERT, RoBERTa, ...) is a causal LM only when configured
+    # as a decoder; otherwise its "causal" class (BertLMHeadModel) attends both ways and nothing is ready.
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if (
+        encoder
+        or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or (architectures and not any(a in causal or a.endswith("ForCausalLM") for a in architectures))
     ):
         raise SetupInputError(
             f"{path} describes a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'}), "
@@ -198,6 +207,8 @@ def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
         head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
         vocab_size=int(text.vocab_size),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_positions=getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
+        rotary=any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_theta", "rotary_dim")),
     )
     linear_weights = set()
     for name, sub in module.named_modules():
