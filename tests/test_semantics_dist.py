@@ -3,6 +3,9 @@
 One launch per FSDP version runs tests/scripts/semantics_train.py:
 - evaluation every step leaves the training losses unchanged (bitsandbytes' in-place CPU repack of 4-bit
   weights at the first no-grad forward changed them);
+- DistinctBatchesCallback lets a correctly split set of identical rows train and still stops a dataloader
+  without a DistributedSampler before step 1; LabelsCheckCallback stops labels that are all -100;
+- load_adapter_into refuses an adapter of another LoRA rank or with extra tensors in one line;
 - a model whose embeddings were resized for added tokens (peft's ChatML recipe), with trainable tokens and
   modules_to_save: the gathered adapter (final save and checkpoint) holds exactly what peft's own save
   writes for the same model unsharded, resuming from the checkpoint continues exactly, and the adapter
@@ -32,9 +35,12 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
 def launched(request, models, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"semantics{request.param}")
+    # The hygiene scenarios do not depend on the FSDP version: FSDP2 only.
+    scenarios = "eval,tokens" + (",hygiene" if request.param == 2 else "")
     proc = accelerate_launch(
         f"cpu_fsdp{request.param}_rehearsal.yaml", "semantics_train.py",
-        "--models", str(models), "--out", str(out), "--fsdp-version", str(request.param), timeout=400,
+        "--models", str(models), "--out", str(out), "--fsdp-version", str(request.param),
+        "--scenarios", scenarios, timeout=400,
     )  # fmt: skip
     check(proc)
     results = read_results(out)
@@ -121,3 +127,37 @@ def test_added_tokens_adapter_equals_peft_save_and_reloads(launched, models, tmp
     off = (reloaded_logits(stripped) - trained).abs()[0, [1, 3, 4, 6]].max()
     print(f"FSDP{version}: max |logit diff| on the new tokens without the embeddings: {float(off):.3f}")
     assert off > 0.05
+
+
+def test_resume_refuses_other_adapters_in_one_line(launched):
+    """A checkpoint of another LoRA rank, or with tensors the model lacks: one clear line, on every rank."""
+    _, _, results = launched
+    for found in results.values():
+        errors = found["mismatch"]
+        r8, extra = errors["r8"], errors["extra"]
+        assert r8 and r8.startswith("AdapterMismatchError") and "\n" not in r8, r8
+        assert "differ in shape" in r8 and "r=8 in the checkpoint, 4 in this model" in r8, r8
+        assert extra and extra.startswith("AdapterMismatchError") and "\n" not in extra, extra
+        assert "base_model.model.model.norm.weight" in extra and "no place for" in extra, extra
+
+
+def test_identical_rows_train_and_unsplit_data_stops(launched):
+    version, _, results = launched
+    if version != 2:
+        pytest.skip("run in the FSDP2 launch only")
+    for found in results.values():
+        same = found["same_rows"]  # identical content, split by Trainer: a healthy run
+        assert same["error"] is None and len(same["losses"]) == 2 and same["verdict"] == "split", same
+        unsplit = found["no_sampler"]  # every rank draws indices [0, 1], [2, 3]: stopped before any step
+        assert unsplit["error"].startswith("DuplicateBatchesError") and unsplit["losses"] == [], unsplit
+        assert "DistributedSampler" in unsplit["error"] and unsplit["verdict"] == "duplicate"
+
+
+def test_all_labels_masked_stops(launched):
+    version, _, results = launched
+    if version != 2:
+        pytest.skip("run in the FSDP2 launch only")
+    for found in results.values():
+        error = found["no_labels"]["error"]
+        assert error.startswith("NoLabelsError") and "-100" in error and "max_length" in error, error
+        assert len(found["no_labels"]["losses"]) == 1  # stopped after the first step

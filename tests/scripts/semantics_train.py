@@ -57,8 +57,37 @@ def run_eval(path, out, version, repack):
         trainer.train()
         found[f"{name}_losses"] = trainer.losses
         found[f"{name}_engaged"] = trainer.fsdp_callback.engagement
+        if name == "plain":
+            found["mismatch"] = mismatch_errors(trainer.model, path, out)
         ts.reset_accelerate()
     return found
+
+
+def mismatch_errors(model, path, out):
+    """What load_adapter_into says on this FSDP-wrapped model for a rank-8 adapter and one with an extra tensor."""
+    from peft import get_peft_model
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp_qlora.checkpoint import load_adapter_into, save_adapter
+
+    rank_dir = out / f"mismatch_rank{dist.get_rank()}"
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    get_peft_model(base, ts.lora_config(r=8)).save_pretrained(rank_dir / "r8")
+    save_adapter(model, out / "r4")  # collective; rank 0 writes
+    dist.barrier()
+    tensors = load_file(str(out / "r4" / "adapter_model.safetensors"))
+    tensors["base_model.model.model.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    (rank_dir / "extra").mkdir(parents=True)
+    save_file(tensors, str(rank_dir / "extra" / "adapter_model.safetensors"))
+    errors = {}
+    for kind in ("r8", "extra"):
+        try:
+            load_adapter_into(model, rank_dir / kind)
+            errors[kind] = None
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            errors[kind] = f"{type(err).__name__}: {err}"
+    return errors
 
 
 def tokens_model(path):
@@ -107,6 +136,52 @@ def run_tokens(path, out, version):
     return {"tokens_A_losses": weights["A_losses"], "tokens_B_losses": weights["B_losses"]}
 
 
+class SameRows(ts.TokenDataset):
+    """An overfit-one-example set: every row identical, correctly split across ranks by Trainer."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids[:] = self.ids[0]
+
+
+class NoLabels(ts.TokenDataset):
+    """Every label -100, as tokenize_completion_only leaves it when max_length cut the completion away."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        item["labels"][:] = -100
+        return item
+
+
+def run_hygiene(path, out, version):
+    from hf_fsdp_qlora import DistinctBatchesCallback
+    from hf_fsdp_qlora.hygiene import LabelsCheckCallback
+
+    class NoSampler(ts.LossRecorder):
+        def get_train_dataloader(self):
+            return torch.utils.data.DataLoader(self.train_dataset, batch_size=ts.BATCH)
+
+    found = {}
+    cases = (("same_rows", ts.LossRecorder, SameRows, []), ("no_sampler", NoSampler, ts.TokenDataset, []),
+             ("no_labels", ts.LossRecorder, NoLabels, [LabelsCheckCallback()]))  # fmt: skip
+    for name, cls, data, callbacks in cases:
+        torch.manual_seed(0)
+        model = load_qlora_model(path, lora_config=ts.lora_config(), gradient_checkpointing=False)
+        args = ts.training_args(out / name, version, "llama", steps=2, seed=7)
+        trainer = cls(model=model, args=args, train_dataset=data(), callbacks=callbacks)
+        trainer.losses = []
+        try:
+            trainer.train()
+            result = {"error": None}
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            result = {"error": f"{type(err).__name__}: {err}"}
+        check = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DistinctBatchesCallback))
+        result.update(losses=trainer.losses, verdict=check.verdict)
+        found[name] = result
+        ts.reset_accelerate()
+    return found
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", required=True)
@@ -123,6 +198,7 @@ def main():
         try:
             found.update(run_eval(path, out, version, args.allow_repack) if scenario == "eval" else {})
             found.update(run_tokens(path, out, version) if scenario == "tokens" else {})
+            found.update(run_hygiene(path, out, version) if scenario == "hygiene" else {})
         except Exception as err:  # noqa: BLE001 - reported to the test, which prints it
             import traceback
 
