@@ -26,6 +26,8 @@ __all__ = [
     "gather_trainable_state_dict",
     "save_adapter",
     "load_adapter_into",
+    "adapter_selection",
+    "AdapterMismatchError",
     "directory_size",
     "gather_optimizer_state",
     "load_optimizer_state",
@@ -104,29 +106,121 @@ def clean_name(name: str) -> str:
     return name
 
 
-def _adapter_tensors(peft_model, state_dict: dict, adapter_name: str) -> dict[str, torch.Tensor]:
+def _adapter_name(peft_model) -> str:
+    name = peft_model.active_adapter
+    return name[0] if isinstance(name, (list, tuple)) else name
+
+
+def adapter_selection(peft_model, adapter_name: str | None = None) -> dict[str, str]:
+    """What peft's own ``save_pretrained`` would write for this model: {key in the file: parameter name}.
+
+    peft decides by name: the LoRA tensors, ``modules_to_save`` copies, trainable-token deltas, and - with
+    ``save_embedding_layers="auto"`` - the whole (frozen) input and output embeddings when the vocabulary
+    was resized (peft's ChatML recipe) or the embeddings are targeted. Its selection is replayed here on
+    the parameter objects themselves, without reading them, and each selected entry is traced back to its
+    parameter by identity; the tensors are then gathered from the ranks (:func:`save_adapter`). Inside
+    FSDP1 peft sees ``_fsdp_wrapped_module.`` segments in module names, so it is handed the names it sees
+    and the answer is cleaned.
+    """
     from peft import get_peft_model_state_dict
 
-    # peft selects adapter keys by the module names it sees. Inside FSDP1 those carry
-    # `_fsdp_wrapped_module.` segments while the gathered state dict does not, and peft then selects
-    # nothing (an EMPTY adapter on disk). So hand peft the names it sees, and clean its answer.
-    seen_names = {clean_name(n): n for n, p in peft_model.named_parameters() if p.requires_grad}
-    trainable = {seen_names[k]: v for k, v in state_dict.items() if k in seen_names}
-    tensors = get_peft_model_state_dict(peft_model, state_dict=trainable, adapter_name=adapter_name)
-    # Inside FSDP1, peft also leaves the adapter name in the keys ("lora_A.default.weight"); write the
-    # canonical form so the file matches what peft writes for an unsharded model.
-    tensors = {_checkpoint_key(clean_name(k), adapter_name): v for k, v in tensors.items()}
+    adapter_name = adapter_name or _adapter_name(peft_model)
+    seen = dict(peft_model.named_parameters(remove_duplicate=False))
+    by_id = {id(p): clean_name(n) for n, p in seen.items()}
+    # Both spellings: LoRA keys are matched against the wrapped module names, while modules_to_save and
+    # trainable-token wrappers look their tensors up under clean names (FSDP1 wraps each trainable leaf in
+    # its own unit, so "modules_to_save.default.weight" is seen as "...default._fsdp_wrapped_module.weight").
+    names = {**seen, **{clean_name(n): p for n, p in seen.items()}}
+    selected = get_peft_model_state_dict(peft_model, state_dict=names, adapter_name=adapter_name)
+    selection = {}
+    for key, value in selected.items():
+        if id(value) not in by_id:
+            raise RuntimeError(f"hf_fsdp_qlora: peft selected {key!r}, which is not a parameter of the model.")
+        # Inside FSDP1 peft also leaves the adapter name in LoRA keys ("lora_A.default.weight"); write the
+        # canonical form so the file matches what peft writes for an unsharded model.
+        selection[_checkpoint_key(clean_name(key), adapter_name)] = by_id[id(value)]
+    return selection
+
+
+def _selection_of(model, peft_model, adapter_name: str) -> dict[str, str]:
+    """Collective under FSDP1: :func:`adapter_selection` for a possibly FSDP1-wrapped `model`.
+
+    peft lists a modules_to_save copy's keys with its ``state_dict()``; under FSDP1 that copy is a nested
+    unit, and a nested unit's state_dict before the root ran once (resuming, before the first forward)
+    takes itself for the root and breaks the wrapping ("Non-root FSDP instance's `_is_root` should not
+    have been set yet"). Summoning the root alone (its own small parameters) initialises it properly first.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model, recurse=False, writeback=False):
+            pass
+    return adapter_selection(peft_model, adapter_name)
+
+
+def _gather_named(model, names: set[str]) -> dict[str, torch.Tensor]:
+    """Collective: full CPU copies of the (frozen) parameters `names` (clean names), gathering only what holds them.
+
+    Used for the embeddings peft saves after a resize: a full state-dict gather would move the whole 4-bit
+    base. FSDP2: each parameter is a DTensor, gathered alone. FSDP1: only the units that own one of them are
+    summoned, one at a time, without recursing into nested units.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    found = {}
+    if not names:
+        return found
+    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDP)]
+    if not units or unsharded_fsdp1(model):
+        for name, param in model.named_parameters():
+            if clean_name(name) in names:
+                value = param.full_tensor() if hasattr(param, "full_tensor") else param
+                found[clean_name(name)] = value.detach().to("cpu").clone()
+        return found
+    unit_names = [n for n, _ in units]
+
+    def owner(param_name):  # the innermost FSDP1 unit whose subtree holds the parameter
+        best = ""
+        for unit in unit_names:
+            if unit and param_name.startswith(unit + ".") and len(unit) > len(best):
+                best = unit
+        return best
+
+    # Keyed by clean name: inside summon_full_params FSDP1's named_parameters drops the wrapper segments.
+    wanted = {clean_name(n): owner(n) for n, _ in model.named_parameters() if clean_name(n) in names}
+    for unit_name, unit in units:
+        if unit_name not in set(wanted.values()):
+            continue
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+            for name, param in model.named_parameters():
+                if wanted.get(clean_name(name)) == unit_name:
+                    found[clean_name(name)] = param.detach().to("cpu").clone()
+    return found
+
+
+def _adapter_tensors(selection: dict[str, str], gathered: dict, adapter_name: str) -> dict[str, torch.Tensor]:
+    tensors = {key: gathered[name] for key, name in selection.items() if name in gathered}
     # peft selects by name; an empty or meta result would save an adapter that silently does nothing.
     if not tensors:
         raise RuntimeError(
             "hf_fsdp_qlora: gathered no adapter weights to save (0 LoRA tensors among "
-            f"{len(state_dict)} trainable parameters). Check that the model is a peft model whose adapter "
+            f"{len(gathered)} gathered parameters). Check that the model is a peft model whose adapter "
             f"{adapter_name!r} is trainable."
         )
+    lost = sorted(key for key, name in selection.items() if name not in gathered)
+    if lost:
+        raise RuntimeError(f"hf_fsdp_qlora: {len(lost)} adapter tensors could not be gathered: {lost[:5]}")
     bad = [name for name, t in tensors.items() if t.device.type == "meta" or t.numel() == 0]
     if bad:
         raise RuntimeError(f"hf_fsdp_qlora: adapter tensors are empty or on the meta device: {bad[:5]}")
-    return {name: t.contiguous() for name, t in tensors.items()}
+    # peft selects a modules_to_save copy twice ("lm_head.weight" and, when the vocabulary was resized,
+    # "lm_head.modules_to_save.weight"); safetensors refuses aliased tensors, so later ones are copies, as in
+    # peft's own save.
+    seen_ids, result = set(), {}
+    for name, t in tensors.items():
+        result[name] = t.contiguous() if id(t) not in seen_ids else t.clone().contiguous()
+        seen_ids.add(id(t))
+    return result
 
 
 def save_adapter(model, output_dir: str | os.PathLike, *, is_main_process: bool | None = None) -> Path | None:
@@ -148,13 +242,17 @@ def save_adapter(model, output_dir: str | os.PathLike, *, is_main_process: bool 
     peft_model = unwrap_peft_model(model)
     if peft_model is None:
         raise TypeError("save_adapter needs a peft model (PeftModel, possibly FSDP-wrapped).")
+    adapter_name = _adapter_name(peft_model)
+    selection = _selection_of(model, peft_model, adapter_name)
     state_dict = gather_trainable_state_dict(model)
+    # Frozen tensors peft saves too (the embeddings of a resized vocabulary); every rank takes part.
+    state_dict.update(_gather_named(model, {n for n in selection.values() if n not in state_dict}))
     if is_main_process is None:
         is_main_process = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     error = None
     if is_main_process:
         try:
-            _write_adapter(peft_model, state_dict, Path(output_dir))
+            _write_adapter(peft_model, _adapter_tensors(selection, state_dict, adapter_name), Path(output_dir))
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
             error = err
     # A failed write on the main process must not leave the other ranks waiting in the next collective.
@@ -162,13 +260,10 @@ def save_adapter(model, output_dir: str | os.PathLike, *, is_main_process: bool 
     return Path(output_dir) if is_main_process else None
 
 
-def _write_adapter(peft_model, state_dict: dict, output_dir: Path) -> None:
+def _write_adapter(peft_model, tensors: dict, output_dir: Path) -> None:
     from safetensors.torch import save_file
 
-    adapter_name = peft_model.active_adapter
-    if isinstance(adapter_name, (list, tuple)):
-        adapter_name = adapter_name[0]
-    tensors = _adapter_tensors(peft_model, state_dict, adapter_name)
+    adapter_name = _adapter_name(peft_model)
 
     output_dir.mkdir(parents=True, exist_ok=True)
     tmp = output_dir / f".{ADAPTER_WEIGHTS}.tmp"
@@ -193,58 +288,112 @@ def _checkpoint_key(name: str, adapter_name: str) -> str:
     return key
 
 
+class AdapterMismatchError(ValueError):
+    """The adapter on disk was trained with a different configuration than the model it is loaded into."""
+
+
+def _lora_hint(adapter_dir: Path, peft_model, adapter_name: str) -> str:
+    import json
+
+    try:
+        saved = json.loads((adapter_dir / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    config = peft_model.peft_config[adapter_name]
+    diffs = []
+    for field in ("r", "lora_alpha", "target_modules", "modules_to_save", "trainable_token_indices", "use_dora"):
+        mine, theirs = getattr(config, field, None), saved.get(field)
+        if isinstance(mine, (set, tuple)):
+            mine = sorted(mine)
+        if isinstance(theirs, list) and isinstance(mine, list):
+            theirs, mine = sorted(theirs), sorted(mine)
+        if field in saved and mine != theirs:
+            diffs.append(f"{field}={theirs!r} in the checkpoint, {mine!r} in this model")
+    return (" (" + "; ".join(diffs) + ")") if diffs else ""
+
+
 def load_adapter_into(model, adapter_dir: str | os.PathLike) -> int:
     """Collective: load ``adapter_model.safetensors`` from `adapter_dir` into a (possibly FSDP-wrapped) peft model.
 
     Every rank reads the file and hands full tensors to torch's distributed state-dict API, which keeps
     only each rank's shard. Used to resume from our adapter-only checkpoints, where upstream's resume
-    path would look for a full FSDP model state that was never written.
+    path would look for a full FSDP model state that was never written. Everything :func:`save_adapter`
+    writes comes back: LoRA tensors, ``modules_to_save``, trainable tokens and resized embeddings.
 
     Returns:
         The number of tensors loaded.
 
     Raises:
         FileNotFoundError: no adapter weights in `adapter_dir`.
-        KeyError: a trainable parameter of the model has no tensor in the file (a different adapter).
+        AdapterMismatchError: the file lacks tensors the model saves, holds tensors the model has no place
+            for, or holds tensors of other shapes (another LoRA rank): one line naming the difference.
     """
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    adapter_dir = Path(adapter_dir)
+    path = adapter_dir / ADAPTER_WEIGHTS
     if not path.is_file():
         raise FileNotFoundError(f"No {ADAPTER_WEIGHTS} in {adapter_dir}: not an adapter checkpoint.")
     peft_model = unwrap_peft_model(model)
-    adapter_name = peft_model.active_adapter
-    if isinstance(adapter_name, (list, tuple)):
-        adapter_name = adapter_name[0]
+    if peft_model is None:
+        raise TypeError("load_adapter_into needs a peft model (PeftModel, possibly FSDP-wrapped).")
+    adapter_name = _adapter_name(peft_model)
+    selection = _selection_of(model, peft_model, adapter_name)
     saved = load_file(str(path))
-    state_dict, missing = {}, []
-    for name, param in peft_model.named_parameters():
-        if not param.requires_grad:
-            continue
-        clean = clean_name(name)
-        key = _checkpoint_key(clean, adapter_name)
-        if key not in saved:
-            missing.append(key)
-            continue
-        state_dict[clean] = saved[key].to(param.dtype)
-    if missing:
-        raise KeyError(
-            f"The adapter in {adapter_dir} lacks {len(missing)} trainable tensors of this model (e.g. {missing[0]}); "
-            "resume with the same LoraConfig (r, target_modules) the checkpoint was trained with."
+    missing = sorted(k for k in selection if k not in saved)
+    unexpected = sorted(k for k in saved if k not in selection)
+    if missing or unexpected:
+        what = []
+        if missing:
+            what.append(f"lacks {len(missing)} tensors this model trains or saves (e.g. {missing[0]})")
+        if unexpected:
+            what.append(f"holds {len(unexpected)} tensors this model has no place for (e.g. {unexpected[0]})")
+        raise AdapterMismatchError(
+            f"hf_fsdp_qlora: the adapter in {adapter_dir} {' and '.join(what)}"
+            f"{_lora_hint(adapter_dir, peft_model, adapter_name)}: it was saved from a differently configured "
+            "model. Resume with the LoraConfig (r, target_modules, modules_to_save, trainable_token_indices) and "
+            "the vocabulary size it was trained with, or start a new run (a new output_dir)."
         )
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    state_dict = {name: saved[key] for key, name in selection.items()}
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    if any(isinstance(m, FSDP) for m in model.modules()):
+    fsdp1 = any(isinstance(m, FSDP) for m in model.modules())
+
+    def check_shapes(shape_of):
+        wrong = [(k, tuple(saved[k].shape), shape_of(n)) for k, n in selection.items()
+                 if tuple(saved[k].shape) != shape_of(n)]  # fmt: skip
+        if wrong:
+            key, theirs, mine = wrong[0]
+            return AdapterMismatchError(
+                f"hf_fsdp_qlora: the adapter in {adapter_dir} does not fit this model: {len(wrong)} tensors differ "
+                f"in shape, e.g. {key} is {list(theirs)} in the checkpoint and {list(mine)} in the model"
+                f"{_lora_hint(adapter_dir, peft_model, adapter_name)}. Resume with the LoraConfig the checkpoint "
+                "was trained with (same r and target_modules), or start a new run (a new output_dir)."
+            )
+        return None
+
+    if fsdp1:
         # FSDP1 (use_orig_params=True): set_model_state_dict swaps the parameters' storage, which then no
         # longer views the FlatParameter the optimizer steps - the resumed run silently diverges after
-        # one step. Writing into the gathered parameters with writeback keeps every view intact.
+        # one step. Writing into the gathered parameters with writeback keeps every view intact. Shapes are
+        # only visible while gathered; every rank reads the same file, so all raise alike.
         with FSDP.summon_full_params(model, writeback=True), torch.no_grad():
-            for name, param in model.named_parameters():
-                value = state_dict.get(clean_name(name))
-                if value is not None:
-                    param.copy_(value.to(param.device))
+            full = {clean_name(n): p for n, p in model.named_parameters()}
+            error = check_shapes(lambda n: tuple(full[n].shape))
+            if error is None:
+                for name, param in full.items():
+                    value = state_dict.get(name)
+                    if value is not None:
+                        param.copy_(value.to(device=param.device, dtype=param.dtype))
+        if error is not None:
+            raise error
     else:
+        error = check_shapes(lambda n: tuple(params[n].shape))  # DTensors report the global shape
+        if error is not None:
+            raise error
+        state_dict = {n: v.to(params[n].dtype) for n, v in state_dict.items()}
         on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
         options = StateDictOptions(full_state_dict=True, strict=False, cpu_offload=on_accelerator)
         set_model_state_dict(model, state_dict, options=options)

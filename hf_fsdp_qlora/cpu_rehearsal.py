@@ -104,6 +104,9 @@ def enable_cpu_fsdp() -> None:
     global _ENABLED
     if _ENABLED:
         return
+    from ._bnb_cpu import prevent_cpu_weight_repack
+
+    prevent_cpu_weight_repack()  # an evaluate() would otherwise repack 4-bit weights in place (see _bnb_cpu)
     from accelerate.state import AcceleratorState, PartialState
 
     original_partial_init = PartialState.__init__

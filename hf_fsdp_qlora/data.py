@@ -14,6 +14,8 @@ classification data, packing for long, varied instruction data.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 __all__ = [
@@ -32,6 +34,9 @@ def tokenize_completion_only(prompt: str, completion: str, tokenizer, max_length
 
     Returns:
         ``{"input_ids": [...], "labels": [...]}`` (lists), truncated to `max_length` from the right.
+
+    Warns (``UserWarning``) when no token keeps a label - `max_length` truncated the completion away, or
+    the completion is empty - since such examples train on nothing.
     """
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
@@ -42,6 +47,15 @@ def tokenize_completion_only(prompt: str, completion: str, tokenizer, max_length
     labels = [IGNORE_INDEX] * (len(bos) + len(prompt_ids)) + completion_ids
     if max_length is not None:
         input_ids, labels = input_ids[:max_length], labels[:max_length]
+    if all(label == IGNORE_INDEX for label in labels):
+        # Every label -100: this example trains on nothing, and a data set of them trains at loss 0 in silence.
+        cause = (
+            f"max_length={max_length} cut the whole completion away (the prompt alone is "
+            f"{len(bos) + len(prompt_ids)} tokens); raise max_length or shorten the prompt"
+            if completion_ids and max_length is not None
+            else "the completion is empty; pass the text the model should learn to produce"
+        )
+        warnings.warn(f"tokenize_completion_only: no token of this example has a label: {cause}.", stacklevel=2)
     return {"input_ids": input_ids, "labels": labels}
 
 

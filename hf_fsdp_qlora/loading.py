@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from ._bnb_cpu import disable_cpu_repack_in_model
 from .cpu_rehearsal import enable_cpu_fsdp
 from .dtypes import harmonize_dtypes, resolve_dtype
 from .errors import UnsupportedSetupError
@@ -173,6 +174,7 @@ def load_qlora_model(
             trust_remote_code=trust_remote_code,
             **from_pretrained_kwargs,
         )
+    disable_cpu_repack_in_model(model)
     _freeze_for_kbit_training(model, gradient_checkpointing)
     model = _apply_lora(model, lora_config if lora_config is not None else default_lora_config())
     harmonize_dtypes(model, dtype)

@@ -52,3 +52,16 @@ def test_padding_waste():
     examples = [{"input_ids": [0] * n} for n in (2, 8, 4, 4)]
     assert padding_waste(examples, 2) == pytest.approx(1 - 18 / 24)
     assert padding_waste(examples, 1) == 0.0
+
+
+def test_completion_truncated_away_warns(tokenizer):
+    with pytest.warns(UserWarning, match=r"max_length=3 cut the whole completion away \(the prompt alone is 3 tokens\)"):
+        cut = tokenize_completion_only("t3 t4 t5", "t6 t7", tokenizer, max_length=3)
+    assert cut["labels"] == [IGNORE_INDEX] * 3
+    with pytest.warns(UserWarning, match="the completion is empty"):
+        tokenize_completion_only("t3 t4", "", tokenizer, add_eos=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tokenize_completion_only("t3 t4 t5", "t6 t7", tokenizer, max_length=4)  # one label left: no warning
