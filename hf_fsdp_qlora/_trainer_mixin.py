@@ -146,6 +146,14 @@ class FSDPSaveMixin:
             _set_trainer_checkpointing(self.args, wants_checkpointing)
         resolve_activation_checkpointing(self)
 
+    def evaluation_loop(self, *args, **kwargs):
+        # evaluate()/predict() before train(): wrap the model as train() would (upstream FSDP2 raises, FSDP1's next
+        # train() fails). Collective; does nothing once the model is wrapped.
+        from .generation import prepare_for_evaluation
+
+        prepare_for_evaluation(self)
+        return super().evaluation_loop(*args, **kwargs)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         if not getattr(self, "is_fsdp_enabled", False):
             return super().save_model(output_dir, _internal_call=_internal_call)

@@ -309,8 +309,8 @@ class MemoryThroughputCallback(TrainerCallback):
             record[f"peak_memory_gb_rank{rank}"] = float(e[1]) / 2**30
         self.history.append(record)
         logs.update({k: round(v, 4) for k, v in record.items() if k != "step"})
-        if state.is_world_process_zero:
-            logger.info("hf_fsdp_qlora: %s", record)
+        if state.is_world_process_zero:  # the figures are in the Trainer's own log line already
+            logger.debug("hf_fsdp_qlora: %s", record)
         self._tokens, self._since = 0, time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -122,7 +122,7 @@ def test_live_model_and_plugin(tiny):
         model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))  # fp32 adapters (peft default)
         found = {f.id: f.severity for f in diagnose(model, fsdp_plugin=plugin(1)).findings}
         if storage == torch.uint8:
-            assert found["fsdp1-integer-storage"] == "error"
+            assert found["fsdp1-integer-storage"] == "info"  # our trainer views the bytes as bf16
         else:
             assert found == {"fsdp1-fp32-adapters": "info"}, found
 

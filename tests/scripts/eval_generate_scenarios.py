@@ -38,7 +38,6 @@ from hf_fsdp_qlora import FSDPQLoRACallback, FSDPQLoRATrainer, load_qlora_model
 from hf_fsdp_qlora.generation import (
     SampleGenerationsCallback,
     generate_under_fsdp,
-    prepare_for_evaluation,
 )
 
 # Per-rank prompts of equal length; rank 1 asks for more tokens than rank 0, so under FSDP rank 0 must keep
@@ -55,13 +54,7 @@ def rank() -> int:
     return dist.get_rank()
 
 
-class Evaluating(FSDPQLoRATrainer):
-    """Our trainer with the one call its evaluation_loop needs (see hf_fsdp_qlora.generation.prepare_for_evaluation)."""
-
-    def evaluation_loop(self, *args, **kwargs):
-        prepare_for_evaluation(self)
-        return super().evaluation_loop(*args, **kwargs)
-
+Evaluating = FSDPQLoRATrainer  # its evaluation_loop calls hf_fsdp_qlora.generation.prepare_for_evaluation
 
 class Recorder(TrainerCallback):
     """Per-step local losses come from log_history; this records what the callbacks left behind at each step end:

@@ -35,9 +35,7 @@ COMMON = dict(
     eval_strategy="steps", eval_steps=SAVE_EVERY, save_strategy="steps", save_steps=SAVE_EVERY,
     report_to="none", learning_rate=1e-3, seed=11,
 )  # fmt: skip
-import os
-if os.environ.get("NOEVAL"):
-    COMMON["eval_strategy"] = "no"
+
 
 
 class CountForwards(TrainerCallback):
@@ -188,15 +186,6 @@ def run_route(route, path, data, out, version, found):
 
 
 def main():
-    import bitsandbytes as bnb  # TEMP until the rehearsal fix lands
-
-    _orig = bnb.nn.Linear4bit.__init__
-
-    def _init(self, *a, **k):
-        _orig(self, *a, **k)
-        self.support_avx512bf16_for_cpu = False
-
-    bnb.nn.Linear4bit.__init__ = _init
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", required=True)
     parser.add_argument("--out", required=True)
