@@ -15,6 +15,7 @@ __all__ = [
     "fsdp_engagement",
     "assert_fsdp_engaged",
     "guard_sharded_merge",
+    "match_amp_forward",
 ]
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,48 @@ def _mixed_precision_policy(version: int, dtype: torch.dtype):
 
     # No output_dtype: casting the model's outputs would round the fp32 loss transformers computes to bf16.
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+
+
+def match_amp_forward(model, mixed_precision: str | None = None) -> bool:
+    """Under FSDP2, wrap `model`'s forward as accelerate does for DDP and FSDP1 when mixed precision is on.
+
+    With ``bf16=True`` / ``fp16=True`` (trl's DPO/ORPO/CPO configs default to bf16), accelerate's
+    ``prepare_model`` runs the DDP and FSDP1 model's forward under autocast and converts its floating outputs
+    to fp32 (``convert_outputs_to_fp32``); its FSDP2 path skips both. A trainer then sees bf16 logits under
+    FSDP2 and fp32 logits elsewhere, and losses computed from them differ (CPO's step-1 margin -0.039
+    under FSDP2 against -0.028 under DDP and FSDP1). FSDP2's ``MixedPrecisionPolicy(output_dtype=...)`` is no
+    substitute: the policy applies to every wrapped layer, not only the model's outputs, and a bf16
+    output dtype would round the fp32 loss transformers computes. So the same wrap accelerate uses elsewhere
+    is applied here, before wrapping (FSDP2 keeps the module object and calls its forward between its hooks).
+    Upcasting bf16 logits to fp32 is exact; an fp32 loss passes unchanged.
+
+    Args:
+        model: the model about to be wrapped by FSDP2.
+        mixed_precision: accelerate's setting ("no", "bf16", "fp16"); default: the current AcceleratorState's.
+
+    Returns:
+        True when the forward was wrapped.
+    """
+    from types import MethodType
+
+    from accelerate.utils import convert_outputs_to_fp32
+    from accelerate.utils.modeling import get_mixed_precision_context_manager
+
+    if mixed_precision is None:
+        from accelerate.state import AcceleratorState
+
+        mixed_precision = getattr(AcceleratorState(), "mixed_precision", "no")
+    if mixed_precision not in ("bf16", "fp16") or getattr(model, "_original_forward", None) is not None:
+        return False
+    # As accelerate's Accelerator.prepare_model, so unwrap_model(keep_fp32_wrapper=False) restores it too.
+    model._original_forward = model.forward
+    autocast = get_mixed_precision_context_manager(True)
+    if not hasattr(model.forward, "__func__"):
+        model.forward = convert_outputs_to_fp32(autocast(model.forward))
+    else:
+        model.forward = MethodType(autocast(model.forward.__func__), model)
+        model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+    return True
 
 
 def configure_plugin(plugin, model, dtype: torch.dtype) -> list[str]:
@@ -66,6 +109,8 @@ def configure_plugin(plugin, model, dtype: torch.dtype) -> list[str]:
     # An instance attribute, not a patch of the class: only this run's plugin follows our rule.
     plugin.set_mixed_precision = set_mixed_precision
 
+    if version == 2 and match_amp_forward(model):
+        notes.append("FSDP2 forward under autocast with fp32 outputs, as accelerate does for DDP and FSDP1")
     if version == 1:
         requires_grad = {p.requires_grad for p in model.parameters()}
         if len(requires_grad) > 1 and not plugin.use_orig_params:
