@@ -7,7 +7,7 @@ import logging
 
 from transformers import TrainerCallback
 
-from .consistency import make_fsdp_consistent
+from .consistency import keep_trainable_in_training_dtype, make_fsdp_consistent
 from .cpu_rehearsal import enable_cpu_fsdp, fsdp_requested_by_launch
 from .errors import FSDPNotEngagedError
 from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge
@@ -120,6 +120,8 @@ class FSDPQLoRACallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self._version is None or model is None:
             return
+        if self._version == 1 and self.report is not None:
+            keep_trainable_in_training_dtype(model, self.report.dtype)
         self.engagement = assert_fsdp_engaged(model, self._version)
         verify_partial_rows(model)
         guard_sharded_merge(model)

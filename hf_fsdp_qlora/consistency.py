@@ -87,3 +87,40 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
     report.plugin_changes = configure_plugin(plugin, model, dtype)
     report.broadcast_parameters = broadcast_trainable_parameters(model)
     return report
+
+
+@torch.no_grad()
+def keep_trainable_in_training_dtype(model, dtype: torch.dtype) -> int:
+    """Undo accelerate's fp32 upcast of FSDP1's trainable FlatParameters, so every tensor keeps the one training dtype.
+
+    With mixed precision on (``bf16=True``, trl's default), accelerate (<= 1.15) upcasts each FSDP1 FlatParameter
+    that requires grad to float32 right after wrapping. FSDP2 keeps them as they are. Under FSDP1 the LoRA weights
+    then run in float32 when non-reentrant activation checkpointing recomputes a layer, while the forward saved
+    bfloat16 - the backward fails with "CheckpointError: ... Recomputed values ... have different metadata". Cast
+    back before FSDP's lazy initialisation (the first forward), the same way accelerate cast up; the optimizer holds
+    the original parameters, whose views FSDP rebuilds over the re-typed FlatParameter.
+
+    Returns:
+        How many FlatParameters were cast back.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    count = 0
+    for module in FSDP.fsdp_modules(model):
+        flat = getattr(module, "_flat_param", None)
+        handle = getattr(module, "_handle", None)
+        if flat is None or handle is None or not flat.requires_grad or flat.dtype == dtype:
+            continue
+        if flat.dtype != torch.float32 or getattr(handle, "_orig_param_dtype", None) != torch.float32:
+            continue
+        flat.data = flat.data.to(dtype)
+        handle._orig_param_dtype = dtype
+        count += 1
+    if count:
+        logger.info(
+            "hf_fsdp_qlora: kept %d trainable FSDP1 FlatParameters in %s (accelerate had upcast them to float32 "
+            "under mixed precision)",
+            count,
+            dtype,
+        )
+    return count

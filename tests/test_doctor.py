@@ -64,6 +64,8 @@ CHECKS = [
     ("8bit-under-fsdp", "error", F2Q, {"quantization": "8bit"}, F2Q, Q4),
     ("storage-vs-param-dtype", "error", _cfg("fsdp2_qlora", mixed_precision="fp16"), STOCK,
      _cfg("fsdp2_qlora", mixed_precision="fp16"), Q4),
+    # Ours fixes FSDP's param dtype, but fp16 autocast and a grad scaler over bf16 weights remain: refused.
+    ("mixed-precision-vs-storage", "error", _cfg("fsdp2_qlora", mixed_precision="fp16"), Q4, F2Q, Q4),
     ("storage-vs-compute-dtype", "warning", F2Q, dict(STOCK, compute_dtype="float32"), F2Q, STOCK),
     ("fsdp1-fp32-adapters", "error", F1Q, dict(Q4, trainer="transformers"), F2Q, dict(Q4, trainer="transformers")),
     ("fsdp1-fp32-norms", "error", F1Q, dict(PLAIN, norm_dtype="float32"), F1Q, PLAIN),
@@ -71,7 +73,7 @@ CHECKS = [
      _cfg("fsdp1_qlora", fsdp_use_orig_params=False), STOCK),
     ("device-map-under-fsdp", "error", _yaml("fsdp2_qlora_offload"), dict(Q4, device_map="auto"),
      _yaml("fsdp2_qlora_offload"), Q4),
-    ("activation-checkpointing-twice", "error", F2Q, dict(Q4, gradient_checkpointing=True), F2Q, Q4),
+    ("activation-checkpointing-twice", "error", F2Q, dict(STOCK, gradient_checkpointing=True), F2Q, STOCK),
     ("cpu-ram-efficient-loading-without-sync", "error", _cfg("fsdp1_qlora", fsdp_sync_module_states=False), Q4,
      F1Q, Q4),
     ("cpu-rehearsal-needs-gpu", "error", _cfg("cpu_fsdp1_rehearsal", fsdp_sync_module_states=True), Q4,
@@ -303,7 +305,7 @@ def test_check_setup_is_public():
     import hf_fsdp_qlora
 
     findings = hf_fsdp_qlora.check_setup(LLAMA3_70B, accelerate_config="fsdp1_qlora", quantization="4bit",
-                                         quant_storage="uint8")  # fmt: skip
+                                         quant_storage="uint8", trainer="transformers")  # fmt: skip
     assert findings[0].severity == "error" and findings[0].id == "fsdp1-integer-storage"
     assert "bnb_4bit_quant_storage" in findings[0].message and "torch.bfloat16" in findings[0].message
     with pytest.raises(TypeError, match="unknown settings"):
@@ -336,8 +338,9 @@ SCENARIOS = {
                         "storage-vs-param-dtype", None),  # trains, on corrupted weights: the logits show it
     "f2_devmap_stock": (F2, dict(BF16, device_map="multi-device"), "transformers", {}, "device-map-under-fsdp",
                         "loaded with `device_map='auto'` in any distributed mode"),
-    "f2_ac_twice_ours": (F2, BF16, "hf_fsdp_qlora", {"activation_checkpointing": True},
-                         "activation-checkpointing-twice", "can't both be set to True"),
+    "f2_ac_twice_stock": (F2, BF16, "transformers", {"activation_checkpointing": True},
+                          "activation-checkpointing-twice", "can't both be set to True"),
+    "f2_ac_twice_ours": (F2, BF16, "hf_fsdp_qlora", {"activation_checkpointing": True}, None, None),
     "f2_wrapclass_stock": (_rehearsal("fsdp2", fsdp_transformer_layer_cls_to_wrap="GPT2Block"), BF16, "transformers",
                            {}, "wrap-class-missing", "Could not find the transformer layer class GPT2Block"),
     "f2_nowrap_ac_stock": (_rehearsal("fsdp2", fsdp_auto_wrap_policy="NO_WRAP"), BF16, "transformers", {},

@@ -49,7 +49,7 @@ a removal or a change of meaning bumps ``schema_version``::
     }
 
 Finding ids: ``8bit-under-fsdp``, ``fsdp1-integer-storage``, ``fsdp2-integer-storage``,
-``storage-vs-param-dtype``, ``storage-vs-compute-dtype``, ``fsdp{1,2}-fp32-adapters``, ``fsdp{1,2}-fp32-norms``,
+``storage-vs-param-dtype``, ``mixed-precision-vs-storage``, ``storage-vs-compute-dtype``, ``fsdp{1,2}-fp32-adapters``, ``fsdp{1,2}-fp32-norms``,
 ``fsdp1-use-orig-params``, ``device-map-under-fsdp``, ``cpu-ram-efficient-loading-without-sync``,
 ``cpu-rehearsal-needs-gpu``, ``not-fsdp``, ``wrap-class-missing``, ``no-auto-wrap``,
 ``activation-checkpointing-twice``, ``activation-checkpointing-off``, ``load-does-not-fit``, ``memory-plan``,

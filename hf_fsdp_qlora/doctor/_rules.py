@@ -103,7 +103,21 @@ def dtype_rules(ctx: Context):
         # under FSDP2, and a plain accelerate loop never does.
         synced = ours or (s.trainer == "transformers" and version == 1)
         if param is not None and param != s.storage:
-            if synced:
+            if synced and _SIZE.get(param) == _SIZE.get(s.storage) == 2:
+                # FSDP's param dtype can be fixed, but accelerate still autocasts every op to the other 16-bit type
+                # (and runs a gradient scaler for fp16) over the stored weights: refuse rather than say "handled".
+                yield _finding(
+                    "mixed-precision-vs-storage", "error",
+                    f"mixed_precision={mp} over weights stored as {s.storage}: FSDP's param dtype is kept at "
+                    f"{s.storage}, but accelerate still runs {param} autocast"
+                    + (" and a gradient scaler" if mp == "fp16" else "")
+                    + f" over {s.storage} weights, so every matmul rounds to {param} "
+                    + ("(bfloat16 values beyond float16's range overflow to inf)." if mp == "fp16" else "."),
+                    "mixed_precision", f"{_MP.get(s.storage, 'no')} (TrainingArguments "
+                    f"{'bf16=True, fp16=False' if s.storage == 'bfloat16' else 'fp16=True, bf16=False'}), or load "
+                    f"the model with dtype=torch.{param}",
+                )  # fmt: skip
+            elif synced:
                 who = "hf_fsdp_qlora" if ours else "transformers (FSDP1 only)"
                 yield _finding(
                     "storage-vs-param-dtype", "info",
@@ -267,6 +281,15 @@ def wrap_rules(ctx: Context):
 def checkpointing_rules(ctx: Context):
     s, plan = ctx.setup, ctx.plan
     if s.fsdp.version is not None and s.fsdp.activation_checkpointing and s.gradient_checkpointing:
+        if s.trainer == "hf_fsdp_qlora":
+            yield _finding(
+                "activation-checkpointing-twice", "info",
+                "FSDP activation checkpointing and TrainingArguments.gradient_checkpointing (trl's default) are both "
+                "on: hf_fsdp_qlora keeps FSDP's and turns the Trainer's (and the model's) off, so each layer is "
+                "recomputed once.",
+                "TrainingArguments.activation_checkpointing", "False (keep fsdp_activation_checkpointing: true)",
+            )  # fmt: skip
+            return
         yield _finding(
             "activation-checkpointing-twice", "error",
             "FSDP activation checkpointing and TrainingArguments.activation_checkpointing (formerly "

@@ -81,8 +81,11 @@ def build(route, path, data, out):
     if route == "ours":
         from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
 
-        model = load_qlora_model(path, lora_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        args = FSDPQLoRATrainingArguments(output_dir=str(out), **COMMON)
+        # bf16=True with LoRA dropout and the model's non-reentrant checkpointing: under FSDP1 accelerate's fp32
+        # upcast of the adapters made the recomputation differ from the forward (CheckpointError).
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear")
+        model = load_qlora_model(path, lora_config=lora)
+        args = FSDPQLoRATrainingArguments(output_dir=str(out), bf16=True, **COMMON)
         trainer = FSDPQLoRATrainer(
             model=model, args=args, train_dataset=ts.TokenDataset(vocab=64), eval_dataset=ts.TokenDataset(vocab=64),
             callbacks=[counter],
@@ -163,6 +166,7 @@ def run_route(route, path, data, out, version, found):
         "eval_losses": losses(a, "eval_loss"),
         "model_checkpointing": bool(getattr(a.model, "is_gradient_checkpointing", False)),
         "args_checkpointing": bool(a.args.activation_checkpointing),
+        "trainable_dtypes": sorted({str(p.dtype) for p in a.model.parameters() if p.requires_grad}),
     }
     gathered_a = ts.full_trainable(a.model, version)
     a.save_model(str(out / "A" / "final"))
