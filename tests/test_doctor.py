@@ -336,6 +336,8 @@ SCENARIOS = {
                            "fsdp1-use-orig-params", "Must flatten tensors with uniform `requires_grad`"),
     "f2_fp16mp_stock": (_rehearsal("fsdp2", mixed_precision="fp16"), BF16, "transformers", {},
                         "storage-vs-param-dtype", None),  # trains, on corrupted weights: the logits show it
+    "f2_fp16mp_ours": (_rehearsal("fsdp2", mixed_precision="fp16"), BF16, "hf_fsdp_qlora", {},
+                       "mixed-precision-vs-storage", "[mixed-precision-vs-storage]"),
     "f2_devmap_stock": (F2, dict(BF16, device_map="multi-device"), "transformers", {}, "device-map-under-fsdp",
                         "loaded with `device_map='auto'` in any distributed mode"),
     "f2_ac_twice_stock": (F2, BF16, "transformers", {"activation_checkpointing": True},

@@ -24,7 +24,7 @@ def test_single_process_checkpoints_and_resume(tmp_path):
     out = tmp_path / "out"
     assert (out / "checkpoint-1" / "adapter_model.safetensors").is_file()
     assert (out / "checkpoint-2" / "optimizer.pt").is_file()  # upstream's own format outside FSDP
-    assert not list((out / ".incomplete-checkpoints").iterdir())
+    assert not (out / ".incomplete-checkpoints").exists()  # nothing staged is left behind, not even the folder
     second = trainer(3)
     second.train(resume_from_checkpoint=True)
     assert second.state.global_step == 3 and (out / "checkpoint-3").is_dir()
