@@ -10,6 +10,7 @@ import shutil
 import torch
 
 from .callbacks import FSDPQLoRACallback
+from .consistency import keep_trainable_in_training_dtype
 from .hygiene import DistinctBatchesCallback, MemoryThroughputCallback
 from .checkpoint import (
     ADAPTER_WEIGHTS,
@@ -145,6 +146,25 @@ class FSDPSaveMixin:
             self.args.save_only_model = save_only_model
             _set_trainer_checkpointing(self.args, wants_checkpointing)
         resolve_activation_checkpointing(self)
+        self._follow_wrapping()
+
+    def _follow_wrapping(self) -> None:
+        """Run our after-wrap fix-ups the moment accelerate wraps the model - before a resume loads weights into it
+        or an evaluation runs it (either would start FSDP's lazy initialisation with the wrong dtypes)."""
+        if not getattr(self, "is_fsdp_enabled", False):
+            return
+        accelerator, prepare_model = self.accelerator, self.accelerator.prepare_model
+
+        def prepare_model_then_fix(model, *args, **kwargs):
+            wrapped = prepare_model(model, *args, **kwargs)
+            callback = self.fsdp_callback
+            report = getattr(callback, "report", None)
+            if report is not None and report.fsdp_version == 1:
+                keep_trainable_in_training_dtype(wrapped, report.dtype)
+            return wrapped
+
+        # An instance attribute: only this trainer's accelerator is affected.
+        accelerator.prepare_model = prepare_model_then_fix
 
     def evaluation_loop(self, *args, **kwargs):
         # evaluate()/predict() before train(): wrap the model as train() would (upstream FSDP2 raises, FSDP1's next

@@ -120,7 +120,7 @@ class FSDPQLoRACallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self._version is None or model is None:
             return
-        if self._version == 1 and self.report is not None:
+        if self._version == 1 and self.report is not None:  # our trainers did this at wrapping already (no-op then)
             keep_trainable_in_training_dtype(model, self.report.dtype)
         self.engagement = assert_fsdp_engaged(model, self._version)
         verify_partial_rows(model)

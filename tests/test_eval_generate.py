@@ -15,7 +15,7 @@ from tiny_models import build_tiny_model
 sys.path.insert(0, str(SCRIPTS))
 import eval_generate_scenarios as worker
 
-SCENARIOS = "fresh,stock_fresh,during,plain"
+SCENARIOS = "fresh,stock_fresh,callback_fresh,during,plain"
 UPSTREAM_FSDP2_ERROR = "When using FSDP2, a model and optimizer must be passed together to `Accelerator.prepare()`"
 
 
@@ -134,6 +134,8 @@ def test_stock_trainer_evaluate_before_training_is_the_upstream_bug(run):
             assert UPSTREAM_FSDP2_ERROR in res["error"]
         else:  # FSDP1 wraps the model alone; the train() after it is what breaks upstream
             assert "eval_loss" in res["evaluate"]
+        # The callback alone gives a stock Trainer our evaluation_loop (hf_fsdp_qlora.trainer_hook).
+        assert "eval_loss" in results[rank]["callback_fresh"]["evaluate"], results[rank]["callback_fresh"]
 
 
 def test_evaluate_and_sample_generations_during_training(run, oracle):

@@ -4,7 +4,8 @@ Launched with `accelerate launch --config_file accelerate_configs/cpu_fsdp{1,2}_
 
 * ``fresh``  - our trainer before any training: evaluate(), predict(), generate_under_fsdp() (each rank its own
   prompt and max_new_tokens), then 2 training steps;
-* ``stock_fresh`` - stock transformers.Trainer + FSDPQLoRACallback, evaluate() before training (upstream bug);
+* ``stock_fresh`` - stock transformers.Trainer without our callback, evaluate() before training (upstream bug);
+* ``callback_fresh`` - stock transformers.Trainer + FSDPQLoRACallback, evaluate() before training (works);
 * ``during`` - 3 steps with eval_strategy="steps", eval_steps=1 and SampleGenerationsCallback every step, then
   evaluate(), predict(), generate; the adapter is gathered and saved after every step;
 * ``plain`` - the same 3 steps without evaluation or sample generations (the loss oracle for ``during``).
@@ -127,9 +128,10 @@ def run(name, path, out, version):
     torch.manual_seed(0)  # the same LoRA A initialisation in every scenario
     model = build(path)
     data = TokenDataset()
-    if name == "stock_fresh":  # upstream transformers.Trainer + our callback, evaluate() before training
+    if name in ("stock_fresh", "callback_fresh"):  # upstream transformers.Trainer, evaluate() before training
         args = training_args(here, version, "llama", steps=2, **COMMON)
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[FSDPQLoRACallback()])
+        callbacks = [FSDPQLoRACallback()] if name == "callback_fresh" else None
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
         try:
             result["evaluate"] = trainer.evaluate(data)
         except Exception as err:  # noqa: BLE001  (recorded: the test asserts the upstream error)
@@ -167,7 +169,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--models", required=True)
     parser.add_argument("--fsdp-version", type=int, required=True)
-    parser.add_argument("--scenarios", required=True, help="comma-separated names (fresh, stock_fresh, during, plain)")
+    parser.add_argument("--scenarios", required=True, help="comma-separated names (fresh, stock_fresh, callback_fresh, during, plain)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
