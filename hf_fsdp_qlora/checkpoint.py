@@ -152,7 +152,8 @@ def _selection_of(model, peft_model, adapter_name: str) -> dict[str, str]:
     """
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    if isinstance(model, FSDP):
+    # `_is_root` stays None until FSDP1's lazy init (torch 2.13); once the root ran, nothing to do.
+    if isinstance(model, FSDP) and getattr(model, "_is_root", None) is None:
         with FSDP.summon_full_params(model, recurse=False, writeback=False):
             pass
     return adapter_selection(peft_model, adapter_name)
