@@ -176,7 +176,7 @@ def run_hygiene(path, out, version):
         except Exception as err:  # noqa: BLE001 - reported to the test
             result = {"error": f"{type(err).__name__}: {err}"}
         check = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, DistinctBatchesCallback))
-        result.update(losses=trainer.losses, verdict=check.verdict)
+        result.update(losses=trainer.losses, verdict=getattr(check, "verdict", None))
         found[name] = result
         ts.reset_accelerate()
     return found
