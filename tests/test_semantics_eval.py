@@ -46,7 +46,11 @@ def test_gradients_reach_4bit_adapters_after_evaluate(llama, tmp_path):
     data = [{k: v[i] for k, v in batch.items()} for i in range(2)]
     args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to=[], use_cpu=True)
     trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
-    before = {n: p.detach().view(torch.uint8).clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+    before = {
+        n: p.detach().view(torch.uint8).clone()
+        for n, p in model.named_parameters()
+        if type(p).__name__ == "Params4bit"
+    }
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] > 0
     assert _repacked(model) == 0

@@ -45,7 +45,8 @@ class TrainLosses(ts.LossRecorder):
 
 def run_eval(path, out, version, repack):
     found = {}
-    for name, kw in (("plain", {}), ("eval", dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2))):
+    with_eval = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 2}
+    for name, kw in (("plain", {}), ("eval", with_eval)):
         torch.manual_seed(0)  # the same LoRA initialisation in both runs
         model = load_qlora_model(path, lora_config=ts.lora_config(), gradient_checkpointing=False)
         if repack:
