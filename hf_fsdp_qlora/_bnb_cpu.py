@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["prevent_cpu_weight_repack", "disable_cpu_repack_in_model"]
+__all__ = ["disable_cpu_repack_in_model", "prevent_cpu_weight_repack"]
 
 _PATCHED = False
 

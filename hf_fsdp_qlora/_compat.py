@@ -8,8 +8,13 @@ Each entry names the module that holds the workaround and the test that fails wh
 * ``fsdp.configure_plugin``: transformers (<= 5.23) syncs FSDP mixed precision to the 4-bit storage
   dtype under FSDP1 only, and casts buffers too. Keep while transformers' ``update_fsdp_plugin_peft``
   does so (``tests/test_trainer_fsdp.py`` compares logits with the unsharded model exactly).
-* ``checkpoint._adapter_tensors``: peft (<= 0.21) selects adapter keys by the module names it sees, which
+* ``_adapter_select.adapter_selection``: peft (<= 0.21) selects adapter keys by the module names it sees, which
   inside FSDP1 carry ``_fsdp_wrapped_module.``; an unsharded state dict then yields an EMPTY adapter.
+* ``_bnb_cpu``: bitsandbytes (<= 0.50) repacks 4-bit weights in place at a no-grad CPU forward on
+  AVX512-BF16 CPUs, corrupting training after an ``evaluate()``; remove when it no longer does
+  (``tests/test_semantics_eval.py::test_upstream_bitsandbytes_still_repacks`` fails then).
+* ``fsdp.match_amp_forward``: accelerate (<= 1.15) wraps the forward in autocast with fp32 outputs for DDP
+  and FSDP1 but not FSDP2; remove when its FSDP2 path does the same (``tests/test_semantics_pref.py``).
 * ``fsdp.fsdp_engagement``: FSDP1's FlatParameter is tagged ``_is_flat_param`` (torch 2.13); checked by
   every distributed test that asserts engagement.
 * ``_trainer_mixin`` / ``checkpoint.gather_optimizer_state``: accelerate's (<= 1.15) FSDP1 optimizer load

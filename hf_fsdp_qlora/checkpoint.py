@@ -18,6 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ._adapter_select import (
+    adapter_name_of,
+    adapter_selection,
+    clean_name,
+    gather_named,
+    selection_of,
+    unsharded_fsdp1,
+)
 from .rank_sync import agree_on_failure
 
 __all__ = [
@@ -54,21 +62,6 @@ def unwrap_peft_model(model):
     return None
 
 
-def unsharded_fsdp1(model) -> bool:
-    """True when `model` is wrapped by FSDP1 and every unit is ``NO_SHARD`` (what FSDP1 makes of one rank).
-
-    With ``use_orig_params=True`` such a unit's forward leaves the frozen parameters as plain tensor
-    attributes, not in the module's ``_parameters``, and FSDP's own state-dict hook then fails ("FSDP
-    assumes ...base_layer.weight is in the state_dict but the state_dict only has ...": on one GPU no
-    adapter could be saved). Nothing is sharded there, so the trainable parameters are read directly.
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
-
-    units = [m for m in model.modules() if isinstance(m, FSDP)]
-    return bool(units) and all(m.sharding_strategy == ShardingStrategy.NO_SHARD for m in units)
-
-
 def _trainable_by_name(model) -> dict[str, torch.nn.Parameter]:
     return {clean_name(n): p for n, p in model.named_parameters() if p.requires_grad}
 
@@ -94,108 +87,6 @@ def gather_trainable_state_dict(model) -> dict[str, torch.Tensor]:
             tensor = tensor.full_tensor()
         gathered[name] = tensor.detach().to("cpu").clone()
     return gathered
-
-
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter name without FSDP1 / activation-checkpoint / compile wrapper segments."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def _adapter_name(peft_model) -> str:
-    name = peft_model.active_adapter
-    return name[0] if isinstance(name, (list, tuple)) else name
-
-
-def adapter_selection(peft_model, adapter_name: str | None = None) -> dict[str, str]:
-    """What peft's own ``save_pretrained`` would write for this model: {key in the file: parameter name}.
-
-    peft decides by name: the LoRA tensors, ``modules_to_save`` copies, trainable-token deltas, and - with
-    ``save_embedding_layers="auto"`` - the whole (frozen) input and output embeddings when the vocabulary
-    was resized (peft's ChatML recipe) or the embeddings are targeted. Its selection is replayed here on
-    the parameter objects themselves, without reading them, and each selected entry is traced back to its
-    parameter by identity; the tensors are then gathered from the ranks (:func:`save_adapter`). Inside
-    FSDP1 peft sees ``_fsdp_wrapped_module.`` segments in module names, so it is handed the names it sees
-    and the answer is cleaned.
-    """
-    from peft import get_peft_model_state_dict
-
-    adapter_name = adapter_name or _adapter_name(peft_model)
-    seen = dict(peft_model.named_parameters(remove_duplicate=False))
-    by_id = {id(p): clean_name(n) for n, p in seen.items()}
-    # Both spellings: LoRA keys are matched against the wrapped module names, while modules_to_save and
-    # trainable-token wrappers look their tensors up under clean names (FSDP1 wraps each trainable leaf in
-    # its own unit, so "modules_to_save.default.weight" is seen as "...default._fsdp_wrapped_module.weight").
-    names = {**seen, **{clean_name(n): p for n, p in seen.items()}}
-    selected = get_peft_model_state_dict(peft_model, state_dict=names, adapter_name=adapter_name)
-    selection = {}
-    for key, value in selected.items():
-        if id(value) not in by_id:
-            raise RuntimeError(f"hf_fsdp_qlora: peft selected {key!r}, which is not a parameter of the model.")
-        # Inside FSDP1 peft also leaves the adapter name in LoRA keys ("lora_A.default.weight"); write the
-        # canonical form so the file matches what peft writes for an unsharded model.
-        selection[_checkpoint_key(clean_name(key), adapter_name)] = by_id[id(value)]
-    return selection
-
-
-def _selection_of(model, peft_model, adapter_name: str) -> dict[str, str]:
-    """Collective under FSDP1: :func:`adapter_selection` for a possibly FSDP1-wrapped `model`.
-
-    peft lists a modules_to_save copy's keys with its ``state_dict()``; under FSDP1 that copy is a nested
-    unit, and a nested unit's state_dict before the root ran once (resuming, before the first forward)
-    takes itself for the root and breaks the wrapping ("Non-root FSDP instance's `_is_root` should not
-    have been set yet"). Summoning the root alone (its own small parameters) initialises it properly first.
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    if isinstance(model, FSDP):
-        with FSDP.summon_full_params(model, recurse=False, writeback=False):
-            pass
-    return adapter_selection(peft_model, adapter_name)
-
-
-def _gather_named(model, names: set[str]) -> dict[str, torch.Tensor]:
-    """Collective: full CPU copies of the (frozen) parameters `names` (clean names), gathering only what holds them.
-
-    Used for the embeddings peft saves after a resize: a full state-dict gather would move the whole 4-bit
-    base. FSDP2: each parameter is a DTensor, gathered alone. FSDP1: only the units that own one of them are
-    summoned, one at a time, without recursing into nested units.
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    found = {}
-    if not names:
-        return found
-    units = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDP)]
-    if not units or unsharded_fsdp1(model):
-        for name, param in model.named_parameters():
-            if clean_name(name) in names:
-                value = param.full_tensor() if hasattr(param, "full_tensor") else param
-                found[clean_name(name)] = value.detach().to("cpu").clone()
-        return found
-    unit_names = [n for n, _ in units]
-
-    def owner(param_name):  # the innermost FSDP1 unit whose subtree holds the parameter
-        best = ""
-        for unit in unit_names:
-            if unit and param_name.startswith(unit + ".") and len(unit) > len(best):
-                best = unit
-        return best
-
-    # Keyed by clean name: inside summon_full_params FSDP1's named_parameters drops the wrapper segments.
-    wanted = {clean_name(n): owner(n) for n, _ in model.named_parameters() if clean_name(n) in names}
-    for unit_name, unit in units:
-        if unit_name not in set(wanted.values()):
-            continue
-        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
-            for name, param in model.named_parameters():
-                if wanted.get(clean_name(name)) == unit_name:
-                    found[clean_name(name)] = param.detach().to("cpu").clone()
-    return found
 
 
 def _adapter_tensors(selection: dict[str, str], gathered: dict, adapter_name: str) -> dict[str, torch.Tensor]:
@@ -242,11 +133,11 @@ def save_adapter(model, output_dir: str | os.PathLike, *, is_main_process: bool 
     peft_model = unwrap_peft_model(model)
     if peft_model is None:
         raise TypeError("save_adapter needs a peft model (PeftModel, possibly FSDP-wrapped).")
-    adapter_name = _adapter_name(peft_model)
-    selection = _selection_of(model, peft_model, adapter_name)
+    adapter_name = adapter_name_of(peft_model)
+    selection = selection_of(model, peft_model, adapter_name)
     state_dict = gather_trainable_state_dict(model)
     # Frozen tensors peft saves too (the embeddings of a resized vocabulary); every rank takes part.
-    state_dict.update(_gather_named(model, {n for n in selection.values() if n not in state_dict}))
+    state_dict.update(gather_named(model, {n for n in selection.values() if n not in state_dict}))
     if is_main_process is None:
         is_main_process = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     error = None
@@ -263,7 +154,7 @@ def save_adapter(model, output_dir: str | os.PathLike, *, is_main_process: bool 
 def _write_adapter(peft_model, tensors: dict, output_dir: Path) -> None:
     from safetensors.torch import save_file
 
-    adapter_name = _adapter_name(peft_model)
+    adapter_name = adapter_name_of(peft_model)
 
     output_dir.mkdir(parents=True, exist_ok=True)
     tmp = output_dir / f".{ADAPTER_WEIGHTS}.tmp"
@@ -274,18 +165,6 @@ def _write_adapter(peft_model, tensors: dict, output_dir: Path) -> None:
         config.base_model_name_or_path = getattr(peft_model.base_model.model, "name_or_path", None)
     config.save_pretrained(str(output_dir))
     os.replace(tmp, output_dir / ADAPTER_WEIGHTS)
-
-
-def _checkpoint_key(name: str, adapter_name: str) -> str:
-    # The inverse of what peft's save does to a parameter name: drop the adapter-name segment
-    # ("...lora_A.default.weight" -> "...lora_A.weight"; DoRA's "...lora_magnitude_vector.default.weight"
-    # -> "...lora_magnitude_vector").
-    key = name.replace(f".{adapter_name}.", ".")
-    if key.endswith(f".{adapter_name}"):
-        key = key[: -len(adapter_name) - 1]
-    if key.endswith("lora_magnitude_vector.weight"):
-        key = key[: -len(".weight")]
-    return key
 
 
 class AdapterMismatchError(ValueError):
@@ -338,8 +217,8 @@ def load_adapter_into(model, adapter_dir: str | os.PathLike) -> int:
     peft_model = unwrap_peft_model(model)
     if peft_model is None:
         raise TypeError("load_adapter_into needs a peft model (PeftModel, possibly FSDP-wrapped).")
-    adapter_name = _adapter_name(peft_model)
-    selection = _selection_of(model, peft_model, adapter_name)
+    adapter_name = adapter_name_of(peft_model)
+    selection = selection_of(model, peft_model, adapter_name)
     saved = load_file(str(path))
     missing = sorted(k for k in selection if k not in saved)
     unexpected = sorted(k for k in saved if k not in selection)

@@ -55,7 +55,9 @@ def test_padding_waste():
 
 
 def test_completion_truncated_away_warns(tokenizer):
-    with pytest.warns(UserWarning, match=r"max_length=3 cut the whole completion away \(the prompt alone is 3 tokens\)"):
+    with pytest.warns(
+        UserWarning, match=r"max_length=3 cut the whole completion away \(the prompt alone is 3 tokens\)"
+    ):
         cut = tokenize_completion_only("t3 t4 t5", "t6 t7", tokenizer, max_length=3)
     assert cut["labels"] == [IGNORE_INDEX] * 3
     with pytest.warns(UserWarning, match="the completion is empty"):

@@ -36,29 +36,46 @@ def _repacked(model) -> int:
     )
 
 
+def _lora_grads(model, batch):
+    model.train()
+    model(**batch).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
 def test_gradients_reach_4bit_adapters_after_evaluate(llama, tmp_path):
+    """After trainer.evaluate(), every adapter's gradient equals that of a model that never evaluated."""
     from transformers import TrainingArguments
 
     from hf_fsdp_qlora import FSDPQLoRATrainer, load_qlora_model
+    from hf_fsdp_qlora.loading import default_lora_config
 
-    model = load_qlora_model(str(llama), gradient_checkpointing=False)
     batch = _batch()
+    config = default_lora_config(lora_dropout=0.0)  # no randomness: gradients compare bit for bit
+    torch.manual_seed(0)
+    untouched = load_qlora_model(str(llama), gradient_checkpointing=False, lora_config=config)
+    torch.manual_seed(0)
+    model = load_qlora_model(str(llama), gradient_checkpointing=False, lora_config=config)
     data = [{k: v[i] for k, v in batch.items()} for i in range(2)]
     args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=2, report_to=[], use_cpu=True)
     trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=data, eval_dataset=data)
-    before = {n: p.detach().view(torch.uint8).clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+    packed = {
+        n: p.detach().view(torch.uint8).clone()
+        for n, p in model.named_parameters()
+        if type(p).__name__ == "Params4bit"
+    }
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] > 0
     assert _repacked(model) == 0
     for name, param in model.named_parameters():  # the packed bytes are untouched
-        if name in before:
-            assert torch.equal(param.detach().view(torch.uint8), before[name]), name
-    model.train()
-    model(**batch).loss.backward()
-    lora_b = {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}
-    assert lora_b and all(g is not None and g.abs().sum() > 0 for g in lora_b.values()), [
-        n for n, g in lora_b.items() if g is None or g.abs().sum() == 0
-    ]
+        if name in packed:
+            assert torch.equal(param.detach().view(torch.uint8), packed[name]), name
+    expected, got = _lora_grads(untouched, batch), _lora_grads(model, batch)
+    assert set(got) == set(expected) and len(got) == 28  # lora_A and lora_B of the 14 4-bit layers
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), (name, (got[name] - grad).abs().max())
+    # lora_B starts at zero, so lora_A's first gradient is zero; every lora_B gradient is not (with the
+    # repack, 10 of the 14 were zero too).
+    assert all(g.abs().sum() > 0 for n, g in got.items() if "lora_B" in n)
 
 
 def test_model_repacked_before_loading_is_restored(llama):

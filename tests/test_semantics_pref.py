@@ -43,7 +43,7 @@ def runs(tmp_path_factory):
 def test_preference_metrics_equal_across_ddp_fsdp1_fsdp2(runs):
     for mode, results in runs.items():
         assert set(results) == {0, 1}, mode
-        for rank, found in results.items():
+        for found in results.values():
             for kind in TRAINERS:
                 assert "error" not in found[kind], (mode, kind, found[kind].get("error"))
                 expected_type = "MULTI_CPU" if mode == "ddp" else "FSDP"

@@ -41,18 +41,20 @@ def trainer_for(kind, path, out, version):
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     if kind == "dpo":
-        from trl import DPOConfig as Config, DPOTrainer as Trainer
+        from trl import DPOConfig as Config
+        from trl import DPOTrainer as Trainer
     elif kind == "orpo":
-        from trl.experimental.orpo import ORPOConfig as Config, ORPOTrainer as Trainer
+        from trl.experimental.orpo import ORPOConfig as Config
+        from trl.experimental.orpo import ORPOTrainer as Trainer
     else:
-        from trl.experimental.cpo import CPOConfig as Config, CPOTrainer as Trainer
-    extra = {}
+        from trl.experimental.cpo import CPOConfig as Config
+        from trl.experimental.cpo import CPOTrainer as Trainer
     if not ts.LAUNCHED_BY_ACCELERATE and version:
         raise SystemExit("FSDP runs are launched with accelerate's rehearsal configs")
     args = Config(
         output_dir=str(out / kind), per_device_train_batch_size=2, max_steps=1, logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=True, gradient_checkpointing=False, seed=7, learning_rate=1e-3,
-        max_length=32, dataloader_drop_last=True, **extra,
+        max_length=32, dataloader_drop_last=True,
     )  # fmt: skip
     torch.manual_seed(0)
     model = load_qlora_model(path, lora_config=ts.lora_config(), gradient_checkpointing=False)
@@ -85,7 +87,7 @@ def main():
 
             found[kind] = {"error": "".join(traceback.format_exception(err))[-3000:]}
         ts.reset_accelerate()
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     (out / f"rank{rank}.json").write_text(json.dumps(found))
     if dist.is_initialized():
         dist.barrier()
