@@ -11,7 +11,7 @@ import torch
 
 from .callbacks import FSDPQLoRACallback
 from .consistency import keep_trainable_in_training_dtype
-from .hygiene import DistinctBatchesCallback, MemoryThroughputCallback
+from .hygiene import DistinctBatchesCallback, LabelsCheckCallback, MemoryThroughputCallback
 from .checkpoint import (
     ADAPTER_WEIGHTS,
     OPTIMIZER_STATE,
@@ -36,8 +36,8 @@ STAGING_DIR = ".incomplete-checkpoints"
 def with_fsdp_callback(callbacks, args=None):
     """Our callbacks first, then the user's (skipping kinds the user already added).
 
-    The FSDP consistency callback always; the distinct-batches check and the memory/throughput log
-    unless `args` (FSDPQLoRATrainingArguments) turns them off.
+    The FSDP consistency callback and the all-labels-masked check always; the distinct-batches check and the
+    memory/throughput log unless `args` (FSDPQLoRATrainingArguments) turns them off.
     """
     callbacks = list(callbacks or [])
 
@@ -50,6 +50,8 @@ def with_fsdp_callback(callbacks, args=None):
         ours.append(DistinctBatchesCallback(check_steps=steps))
     if getattr(args, "log_memory_throughput", True) and not has(MemoryThroughputCallback):
         ours.append(MemoryThroughputCallback())
+    if not has(LabelsCheckCallback):
+        ours.append(LabelsCheckCallback())
     return ours + callbacks
 
 

@@ -7,6 +7,7 @@ import logging
 
 from transformers import TrainerCallback
 
+from ._bnb_cpu import disable_cpu_repack_in_model
 from .consistency import keep_trainable_in_training_dtype, make_fsdp_consistent
 from .cpu_rehearsal import enable_cpu_fsdp, fsdp_requested_by_launch
 from .errors import FSDPNotEngagedError
@@ -103,6 +104,8 @@ class FSDPQLoRACallback(TrainerCallback):
         self._version = None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:  # a model loaded before hf_fsdp_qlora was imported may repack at evaluation
+            disable_cpu_repack_in_model(model)
         plugin = _active_fsdp_plugin()
         if plugin is None:
             if _fsdp_requested(args):
