@@ -129,7 +129,25 @@ def enable_cpu_fsdp() -> None:
     PartialState.__init__ = partial_init
     AcceleratorState.__init__ = __init__
     _honour_use_cpu_in_training_arguments()
+    if _rehearsing_on_cpu():
+        import atexit
+
+        atexit.register(_destroy_process_group_at_exit)
     _ENABLED = True
+
+
+def _destroy_process_group_at_exit() -> None:
+    # A gloo job whose script returns without destroy_process_group() aborts at interpreter teardown about one run
+    # in four ("terminate called without an active exception"), and `accelerate launch` reports a failure after a
+    # successful run. No barrier here: a rank that failed would leave the others waiting.
+    # (`python -m hf_fsdp_qlora.run` goes further and skips the teardown altogether.)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def _rehearsing_on_cpu() -> bool:
