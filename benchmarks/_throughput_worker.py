@@ -10,6 +10,8 @@ Contestants:
     ours         load_qlora_model + FSDPQLoRATrainer (FSDP2; activation checkpointing from the config).
     stock        the single-GPU recipe: BitsAndBytesConfig + prepare_model_for_kbit_training + get_peft_model +
                  transformers.Trainer (gradient checkpointing, no FSDP; DDP when launched on several ranks).
+    ours_ddp     ours (load_qlora_model + FSDPQLoRATrainer) launched like the stock recipe, without FSDP (DDP): the
+                 same engine as `stock`, so the ratio between them is the cost of our loader, callbacks and checks.
     accel_fsdp2  the same stock Trainer under accelerate's FSDP2 plugin, loaded as peft's FSDP-QLoRA guide says
                  (bnb_4bit_quant_storage = bf16). On CPU accelerate only runs FSDP with our rehearsal hook
                  (hf_fsdp_qlora.enable_cpu_fsdp); nothing else of ours is used.
@@ -28,7 +30,7 @@ import resource
 import time
 from pathlib import Path
 
-CONTESTANTS = ("ours", "stock", "accel_fsdp2")
+CONTESTANTS = ("ours", "stock", "accel_fsdp2", "ours_ddp")
 
 
 def parse(argv=None):
@@ -43,6 +45,7 @@ def parse(argv=None):
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--packed", action="store_true", help="variable-length examples packed with position_ids")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--no-bf16", action="store_true", help="TrainingArguments(bf16=False): no autocast")
     return p.parse_args(argv)
 
 
@@ -88,10 +91,11 @@ def _load(args, torch):
 
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear",
                       task_type="CAUSAL_LM")  # fmt: skip
-    if args.contestant == "ours":
+    if args.contestant in ("ours", "ours_ddp"):
         from hf_fsdp_qlora import load_qlora_model
 
-        # The config's FSDP activation checkpointing is the one applied (our trainer turns the others off).
+        # Under FSDP the config's activation checkpointing is the one applied (our trainer turns the model's off);
+        # under DDP the model's own (use_reentrant=False), as for the stock recipe.
         return load_qlora_model(args.model, dtype=torch.bfloat16, lora_config=lora)
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -123,7 +127,7 @@ def main(argv=None):
     args = parse(argv)
     import torch
 
-    if args.contestant != "stock" and args.device == "cpu":
+    if args.contestant in ("ours", "accel_fsdp2") and args.device == "cpu":
         import hf_fsdp_qlora
 
         hf_fsdp_qlora.enable_cpu_fsdp()  # accelerate runs FSDP on CPU only with this (see cpu_rehearsal.py)
@@ -170,12 +174,14 @@ def main(argv=None):
 
     common = dict(output_dir=str(Path(args.out) / f"trainer-{args.contestant}"), max_steps=args.steps,
                   per_device_train_batch_size=args.batch, learning_rate=1e-4, logging_steps=5, report_to=[],
-                  save_strategy="no", seed=0, bf16=True, use_cpu=not cuda, disable_tqdm=True,
+                  save_strategy="no", seed=0, bf16=not args.no_bf16, use_cpu=not cuda, disable_tqdm=True,
                   dataloader_drop_last=True, remove_unused_columns=False)  # fmt: skip
-    if args.contestant == "ours":
+    if args.contestant in ("ours", "ours_ddp"):
         from hf_fsdp_qlora import FSDPQLoRATrainer as trainer_cls
     else:
         trainer_cls = Trainer
+    if args.contestant == "ours_ddp":
+        common.update(ddp_find_unused_parameters=False)
     if args.contestant == "stock":
         common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
                       ddp_find_unused_parameters=False)  # fmt: skip
