@@ -185,7 +185,13 @@ def main(argv=None):
     if args.contestant == "stock":
         common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
                       ddp_find_unused_parameters=False)  # fmt: skip
-    trainer = trainer_cls(model=model, args=TrainingArguments(**common), train_dataset=data, callbacks=[Clock()])
+    collator = None
+    if args.packed:  # stacks position_ids, no attention_mask, use_cache=False: examples stay apart
+        from hf_fsdp_qlora.data import PackedCollator
+
+        collator = PackedCollator()
+    trainer = trainer_cls(model=model, args=TrainingArguments(**common), train_dataset=data, data_collator=collator,
+                          callbacks=[Clock()])  # fmt: skip
     found["distributed_type"] = str(trainer.accelerator.state.distributed_type)
     trainer.train()
     steady = args.steps - args.warmup
