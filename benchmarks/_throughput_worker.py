@@ -50,9 +50,10 @@ def parse(argv=None):
 
 
 def _vm_kib(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
     return 0
 
 
@@ -100,8 +101,8 @@ def _load(args, torch):
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    q = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-             bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    q = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+             "bnb_4bit_compute_dtype": torch.bfloat16}  # fmt: skip
     if args.contestant == "accel_fsdp2":
         q["bnb_4bit_quant_storage"] = torch.bfloat16  # peft's FSDP-QLoRA guide: FSDP shards floating storage
     model = AutoModelForCausalLM.from_pretrained(args.model, quantization_config=BitsAndBytesConfig(**q),
@@ -134,10 +135,10 @@ def main(argv=None):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     cuda = args.device == "cuda"
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     started = time.perf_counter()
     model = _load(args, torch)
     layers4 = _same_kernel_path(model)
@@ -172,10 +173,10 @@ def main(argv=None):
                 if cuda:
                     found["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
 
-    common = dict(output_dir=str(Path(args.out) / f"trainer-{args.contestant}"), max_steps=args.steps,
-                  per_device_train_batch_size=args.batch, learning_rate=1e-4, logging_steps=5, report_to=[],
-                  save_strategy="no", seed=0, bf16=not args.no_bf16, use_cpu=not cuda, disable_tqdm=True,
-                  dataloader_drop_last=True, remove_unused_columns=False)  # fmt: skip
+    common = {"output_dir": str(Path(args.out) / f"trainer-{args.contestant}"), "max_steps": args.steps,
+                  "per_device_train_batch_size": args.batch, "learning_rate": 1e-4, "logging_steps": 5, "report_to": [],
+                  "save_strategy": "no", "seed": 0, "bf16": not args.no_bf16, "use_cpu": not cuda, "disable_tqdm": True,
+                  "dataloader_drop_last": True, "remove_unused_columns": False}  # fmt: skip
     if args.contestant in ("ours", "ours_ddp"):
         from hf_fsdp_qlora import FSDPQLoRATrainer as trainer_cls
     else:

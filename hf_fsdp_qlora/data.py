@@ -24,11 +24,11 @@ import torch
 
 __all__ = [
     "IGNORE_INDEX",
-    "tokenize_completion_only",
     "CompletionOnlyCollator",
-    "pack_examples",
     "PackedCollator",
+    "pack_examples",
     "padding_waste",
+    "tokenize_completion_only",
 ]
 
 IGNORE_INDEX = -100
