@@ -9,9 +9,9 @@ accelerator in a launch that asked for FSDP.
 from __future__ import annotations
 
 import importlib
-import os
 
 from . import _logging
+from . import distributed as _distributed
 
 __version__ = "0.1.0.dev0"
 
@@ -60,7 +60,7 @@ _logging.configure()
 # A script launched for FSDP (`accelerate launch` with an FSDP config exports ACCELERATE_USE_FSDP) that only does
 # `import hf_fsdp_qlora` gets the CPU rehearsal hook too: without it accelerate silently trains plain DDP on CPU
 # ranks. Outside such a launch nothing heavy is imported here (the CLI starts without torch).
-if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1"):
+if _distributed.fsdp_requested_by_launch():
     from .cpu_rehearsal import enable_cpu_fsdp as _enable_cpu_fsdp
 
     _enable_cpu_fsdp()

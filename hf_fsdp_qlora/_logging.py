@@ -10,7 +10,6 @@ lines are printed by the main process only (rank 0); warnings and errors by ever
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 __all__ = ["configure"]
@@ -19,21 +18,11 @@ _LIBRARY = "hf_fsdp_qlora"
 _configured = False
 
 
-def _is_main_process() -> bool:
-    # torch.distributed may not be initialised yet when a record is emitted (loading); the launcher's RANK is.
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank() == 0
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 class _MainProcessInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or _is_main_process()
+        from .distributed import is_main_process
+
+        return record.levelno >= logging.WARNING or is_main_process()
 
 
 def _configure() -> None:

@@ -9,7 +9,8 @@ from transformers import TrainerCallback
 
 from ._bnb_cpu import disable_cpu_repack_in_model
 from .consistency import keep_trainable_in_training_dtype, make_fsdp_consistent
-from .cpu_rehearsal import enable_cpu_fsdp, fsdp_requested_by_launch
+from .cpu_rehearsal import enable_cpu_fsdp
+from .distributed import fsdp_requested_by_launch
 from .errors import FSDPNotEngagedError
 from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge
 from .low_ram import verify_partial_rows

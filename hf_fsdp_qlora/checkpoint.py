@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ._adapter_select import (
     adapter_name_of,
@@ -26,6 +25,7 @@ from ._adapter_select import (
     selection_of,
     unsharded_fsdp1,
 )
+from .distributed import is_main_process as main_process
 from .rank_sync import agree_on_failure
 
 __all__ = [
@@ -139,7 +139,7 @@ def save_adapter(model, output_dir: str | os.PathLike, *, is_main_process: bool 
     # Frozen tensors peft saves too (the embeddings of a resized vocabulary); every rank takes part.
     state_dict.update(gather_named(model, {n for n in selection.values() if n not in state_dict}))
     if is_main_process is None:
-        is_main_process = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        is_main_process = main_process()
     error = None
     if is_main_process:
         try:
@@ -348,7 +348,7 @@ def save_full_model(model, output_dir: str | os.PathLike, *, is_main_process: bo
 
     state_dict = get_model_state_dict(model, options=_options(model))
     if is_main_process is None:
-        is_main_process = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        is_main_process = main_process()
     error = None
     if is_main_process:
         try:

@@ -24,9 +24,10 @@ release that runs FSDP on CPU by itself makes this module unnecessary; see ``_co
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from .distributed import fsdp_requested_by_launch, started_by_launcher
 
 __all__ = ["enable_cpu_fsdp", "is_cpu_fsdp_enabled", "fsdp_requested_by_launch", "CPU_FSDP_UNSUPPORTED_OPTIONS"]
 
@@ -38,13 +39,6 @@ CPU_FSDP_UNSUPPORTED_OPTIONS = ("sync_module_states", "cpu_ram_efficient_loading
 _ENABLED = False
 
 
-def fsdp_requested_by_launch() -> bool:
-    """Whether this process was launched for FSDP.
-
-    ACCELERATE_USE_FSDP is accelerate's own launch contract (set by `accelerate launch` from the YAML's
-    `distributed_type: FSDP`, or by Trainer when `fsdp` is on), not a setting of ours.
-    """
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
 
 
 def _fsdp_requested(fsdp_plugin=None) -> bool:
@@ -56,10 +50,6 @@ def _no_accelerator() -> bool:
     if accelerator is not None and hasattr(accelerator, "is_available"):
         return not accelerator.is_available()
     return not torch.cuda.is_available()
-
-
-def _launched_distributed() -> bool:
-    return int(os.environ.get("LOCAL_RANK", -1)) != -1 or int(os.environ.get("WORLD_SIZE", 1)) > 1
 
 
 def _promote_to_fsdp(state, fsdp_plugin) -> None:
@@ -113,7 +103,7 @@ def enable_cpu_fsdp() -> None:
 
     @functools.wraps(original_partial_init)
     def partial_init(self, cpu: bool = False, **kwargs):
-        if not PartialState._shared_state and _fsdp_requested() and _no_accelerator() and _launched_distributed():
+        if not PartialState._shared_state and _fsdp_requested() and _no_accelerator() and started_by_launcher():
             cpu = True
         original_partial_init(self, cpu, **kwargs)
 
@@ -151,7 +141,7 @@ def _destroy_process_group_at_exit() -> None:
 
 
 def _rehearsing_on_cpu() -> bool:
-    return _fsdp_requested() and _no_accelerator() and _launched_distributed()
+    return _fsdp_requested() and _no_accelerator() and started_by_launcher()
 
 
 def _honour_use_cpu_in_training_arguments() -> None:

@@ -26,13 +26,19 @@ Use it through ``load_qlora_model(path, low_cpu_ram=True)``.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
 from .dtypes import _is_params4bit
-from .rank_sync import _collective_device, agree_on_failure
+from .distributed import (
+    collective_device,
+    fsdp_requested_by_launch,
+    launch_fsdp_version,
+    multi_process_launch,
+    parallelism_config_requested,
+)
+from .rank_sync import agree_on_failure
 
 __all__ = ["load_base_low_ram", "materialize_from_rank0", "verify_partial_rows"]
 
@@ -40,10 +46,6 @@ _ROWS_ATTR = "_hf_fsdp_qlora_received_bytes"  # on a module: {param name: (first
 _FLAG_ATTR = "_hf_fsdp_qlora_partial_rows"  # on the base model, every rank: partial rows were sent
 
 logger = logging.getLogger(__name__)
-
-
-def _launched_distributed() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def _ensure_process_group() -> bool:
@@ -55,7 +57,7 @@ def _ensure_process_group() -> bool:
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
-    if not _launched_distributed():
+    if not multi_process_launch():
         return False
     from accelerate.state import PartialState
 
@@ -116,10 +118,7 @@ def fsdp2_shard_world() -> int | None:
     Read from what ``accelerate launch`` exports, the same on every rank. HSDP and other parallelism
     configs (device meshes with more than one dimension) are excluded: their shard groups are not the world.
     """
-    env = os.environ
-    if env.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true") or env.get("FSDP_VERSION") != "2":
-        return None
-    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "").lower() in ("1", "true"):
+    if not fsdp_requested_by_launch() or launch_fsdp_version() != 2 or parallelism_config_requested():
         return None
     return dist.get_world_size()
 
@@ -228,7 +227,7 @@ def materialize_from_rank0(model, src: int = 0, *, shard_world: int | None = Non
             f"(first differing tensors: {missing}). Every rank must load the same model with the same settings."
         )
     agree_on_failure(error)  # rank `src` must not go on broadcasting to a rank that gave up
-    device = _collective_device()
+    device = collective_device()
     made = {}
     sent = 0
     for (name, module, local, is_param), entry in zip(slots, manifest):

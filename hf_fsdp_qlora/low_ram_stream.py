@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .dtypes import _is_params4bit
-from .rank_sync import _collective_device, agree_on_failure
+from .distributed import collective_device
+from .rank_sync import agree_on_failure
 
 __all__ = ["stream_plan", "stream_to_ranks"]
 
@@ -146,7 +147,7 @@ def stream_to_ranks(model, entries: dict | None, shard_world: int, dtype: torch.
     )
 
     is_src = dist.get_rank() == src
-    device = _collective_device()
+    device = collective_device()
     made, first_name, handles, count = {}, {}, {}, 0
     try:
         for name, module, local, is_param in list(_slots(model)):

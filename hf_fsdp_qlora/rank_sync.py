@@ -10,18 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "broadcast_trainable_parameters", "agree_on_failure"]
+from .distributed import collective_device, is_distributed
 
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _collective_device() -> torch.device:
-    # NCCL only moves accelerator tensors; gloo moves CPU tensors.
-    if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+__all__ = ["broadcast_trainable_parameters", "agree_on_failure"]
 
 
 @torch.no_grad()
@@ -42,7 +33,7 @@ def broadcast_trainable_parameters(model, src: int = 0) -> int:
     params = [p for p in model.parameters() if p.requires_grad and p.device.type != "meta"]
     if not params:
         return 0
-    device = _collective_device()
+    device = collective_device()
     sums = torch.stack([torch.stack([p.double().sum(), p.double().abs().sum()]) for p in params]).to(device)
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, sums)
@@ -76,7 +67,7 @@ def agree_on_failure(error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64, device=_collective_device())
+    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64, device=collective_device())
     failed = [torch.zeros_like(flag) for _ in range(dist.get_world_size())]
     dist.all_gather(failed, flag)
     if error is not None:
