@@ -133,7 +133,7 @@ def compare(models: Path, results: dict) -> bool:
 
 
 def published() -> None:
-    from hf_fsdp_qlora.doctor import diagnose, parse_size
+    from hf_fsdp_qlora.doctor import diagnose, parse_gpu_memory
 
     print("\nPublished: Llama-2-70B, FSDP1 + QLoRA on 2x 24GB (peft docs, 'Fully Sharded Data Parallel' guide):")
     print("  settings as in peft's example: trl SFTTrainer, bf16, batch 2 x 2048 tokens (packed), LoRA r=8 on all")
@@ -145,7 +145,7 @@ def published() -> None:
         d = diagnose(DATA / "llama2_70b_config.json", accelerate_config=cfg, quantization="4bit", trainer="transformers",
                      adapter_dtype="bfloat16", lora_r=8, lora_dropout=0.1, batch_size=2, seq_len=2048,
                      gradient_checkpointing=True, attn_implementation="flash_attention_2",
-                     gpu_memory=parse_size("24GB"))  # fmt: skip
+                     gpu_memory=parse_gpu_memory("24GB"))  # fmt: skip
         total = d.plan.total / GIB
         print(
             f"  offload={offload!s:<5}  ours {total:6.1f} GiB per GPU   published {reported:5.1f} GB   "
@@ -162,15 +162,15 @@ def published() -> None:
 
     print("\nShipped targets:")
     d = diagnose(DATA / "llama3_70b_config.json", accelerate_config="llama3_70b_2xa100_80gb", quantization="4bit",
-                 seq_len=4096, gpu_memory=parse_size("80GB"))  # fmt: skip
+                 seq_len=4096, gpu_memory=parse_gpu_memory("80GB"))  # fmt: skip
     print(f"  Llama 3 70B QLoRA, 2x A100 80GB (llama3_70b_2xa100_80gb.yaml, 4096 tokens): {d.plan.total / GIB:.1f} GiB "
           f"per GPU -> {d.plan.verdict}; without activation checkpointing "
           f"{d.plan.total_if(False) / GIB:.0f} GiB")  # fmt: skip
     d = diagnose(DATA / "llamaguard3_1b_config.json", accelerate_config="llamaguard3_1b_1x24gb", full_finetune=True,
-                 seq_len=4096, gpu_memory=parse_size("24GB"))  # fmt: skip
+                 seq_len=4096, gpu_memory=parse_gpu_memory("24GB"))  # fmt: skip
     cfg = _config("llamaguard3_1b_1x24gb", fsdp_offload_params=False)
     no = diagnose(DATA / "llamaguard3_1b_config.json", accelerate_config=cfg, full_finetune=True, seq_len=4096,
-                  gpu_memory=parse_size("24GB"))  # fmt: skip
+                  gpu_memory=parse_gpu_memory("24GB"))  # fmt: skip
     print(f"  Llama Guard 3 1B full fine-tune, 1x 24GB (llamaguard3_1b_1x24gb.yaml, 4096 tokens): "
           f"{d.plan.total / GIB:.1f} GiB on the GPU, {d.plan.host['offloaded'] / GIB:.1f} GiB offloaded -> "
           f"{d.plan.verdict}; without offload {no.plan.total / GIB:.1f} GiB -> {no.plan.verdict}")  # fmt: skip

@@ -31,15 +31,6 @@ from pathlib import Path
 CONTENDERS = ("copy", "peft", "ours")
 
 
-def _parse_size(text: str) -> int:
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
-    text = text.strip().upper()
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
-
-
 def _config_for(size: int):
     """A Llama config of about `size` bytes in bf16 (untied embeddings, GQA 4:1)."""
     from transformers import LlamaConfig
@@ -152,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--_shard", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._child == "build":
-        build(Path(args._base), Path(args._adapter), _parse_size(args.size), args.shards)
+        from hf_fsdp_qlora._safetensors_io import parse_shard_size
+
+        build(Path(args._base), Path(args._adapter), parse_shard_size(args.size), args.shards)
         return 0
     if args._child:
         child(args._child, Path(args._base), Path(args._adapter), Path(args._output), args._shard, args.device)

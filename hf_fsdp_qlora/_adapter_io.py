@@ -20,7 +20,7 @@ import torch
 
 from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 
-__all__ = ["LoadedAdapter", "find_distcp_dir", "load_adapter", "read_distcp", "save_adapter"]
+__all__ = ["LoadedAdapter", "find_distcp_dir", "load_adapter", "read_distcp", "write_adapter_files"]
 
 CONFIG_NAME = "adapter_config.json"
 _WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -266,7 +266,7 @@ def load_adapter(path: str | Path, config_path: str | Path | None = None, *, fsd
     )
 
 
-def save_adapter(adapter: LoadedAdapter, output: Path) -> None:
+def write_adapter_files(adapter: LoadedAdapter, output: Path) -> None:
     """Write `adapter` as a plain peft adapter folder (`adapter_model.safetensors` + `adapter_config.json`)."""
     from safetensors.torch import save_file
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["configure"]
+__all__ = ["configure", "human_size"]
 
 _LIBRARY = "hf_fsdp_qlora"
 _configured = False
@@ -39,6 +39,15 @@ def _configure() -> None:
             root.setLevel(logging.INFO)
         root.propagate = False
     _configured = True
+
+
+def human_size(nbytes: float) -> str:
+    """Bytes for a log line, in binary units: ``1536`` -> ``"1.5 KB"``."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GB"
 
 
 def configure() -> None:

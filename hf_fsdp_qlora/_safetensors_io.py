@@ -28,7 +28,7 @@ __all__ = [
     "OrderedWorker",
     "ShardWriter",
     "TensorEntry",
-    "parse_size",
+    "parse_shard_size",
     "plan_shards",
     "read_header",
     "read_tensor",
@@ -319,7 +319,7 @@ class OrderedWorker:
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def parse_size(size: int | str) -> int:
+def parse_shard_size(size: int | str) -> int:
     """`"5GB"` -> 5_000_000_000 (decimal units like transformers; `GiB` etc. binary), ints pass through."""
     if isinstance(size, int):
         value = size

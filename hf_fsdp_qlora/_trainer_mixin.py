@@ -9,9 +9,8 @@ import shutil
 
 import torch
 
+from ._logging import human_size
 from .callbacks import FSDPQLoRACallback
-from .consistency import keep_trainable_in_training_dtype
-from .hygiene import DistinctBatchesCallback, LabelsCheckCallback, MemoryThroughputCallback
 from .checkpoint import (
     ADAPTER_WEIGHTS,
     OPTIMIZER_STATE,
@@ -23,6 +22,8 @@ from .checkpoint import (
     save_full_model,
     unwrap_peft_model,
 )
+from .consistency import keep_trainable_in_training_dtype
+from .hygiene import DistinctBatchesCallback, LabelsCheckCallback, MemoryThroughputCallback
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +106,6 @@ def resolve_activation_checkpointing(trainer) -> str:
 def _barrier():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def _human(nbytes: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if nbytes < 1024 or unit == "GB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GB"
 
 
 class FSDPSaveMixin:
@@ -273,13 +266,13 @@ class FSDPSaveMixin:
             model_bytes = total - sum(directory_size(os.path.join(path, f)) if os.path.isdir(os.path.join(path, f))
                                       else os.path.getsize(os.path.join(path, f)) for f in other)  # fmt: skip
         kind = "adapter" if os.path.isfile(adapter_file) else "model"
-        rest = "off (save_only_model=True)" if self.args.save_only_model else _human(total - model_bytes)
+        rest = "off (save_only_model=True)" if self.args.save_only_model else human_size(total - model_bytes)
         logger.warning(
             "hf_fsdp_qlora: checkpoint %s written: %s in all - %s %s, optimizer/scheduler/RNG/state %s",
             path,
-            _human(total),
+            human_size(total),
             kind,
-            _human(model_bytes),
+            human_size(model_bytes),
             rest,
         )
 

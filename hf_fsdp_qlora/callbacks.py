@@ -8,6 +8,7 @@ import logging
 from transformers import TrainerCallback
 
 from ._bnb_cpu import disable_cpu_repack_in_model
+from ._logging import human_size
 from .consistency import keep_trainable_in_training_dtype, make_fsdp_consistent
 from .cpu_rehearsal import enable_cpu_fsdp
 from .distributed import fsdp_requested_by_launch
@@ -24,14 +25,6 @@ logger = logging.getLogger(__name__)
 # before the user's Trainer is built (see trainer_hook: a Trainer built with this callback gets our behaviour).
 enable_cpu_fsdp()
 install_trainer_hook()
-
-
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if nbytes < 1024 or unit == "GB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f} GB"
 
 
 def engagement_summary(model, version: int, found: dict) -> str:
@@ -61,8 +54,8 @@ def engagement_summary(model, version: int, found: dict) -> str:
             total += param.numel() * size
             local += (param.to_local().numel() if hasattr(param, "to_local") else param.numel()) * size
     return (
-        f"FSDP{version} engaged on {world} rank(s): {units or 'no'} units; this rank holds {_human(local)} of "
-        f"{_human(total)} of parameters ({found.get('dtensor_params', 0)} DTensor parameters, "
+        f"FSDP{version} engaged on {world} rank(s): {units or 'no'} units; this rank holds {human_size(local)} of "
+        f"{human_size(total)} of parameters ({found.get('dtensor_params', 0)} DTensor parameters, "
         f"{found.get('flat_params', 0)} FlatParameters)"
     )
 

@@ -30,7 +30,6 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .dtypes import _is_params4bit
 from .distributed import (
     collective_device,
     fsdp_requested_by_launch,
@@ -38,6 +37,7 @@ from .distributed import (
     multi_process_launch,
     parallelism_config_requested,
 )
+from .dtypes import _is_params4bit
 from .rank_sync import agree_on_failure
 
 __all__ = ["load_base_low_ram", "materialize_from_rank0", "verify_partial_rows"]

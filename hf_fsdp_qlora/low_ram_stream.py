@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .dtypes import _is_params4bit
 from .distributed import collective_device
+from .dtypes import _is_params4bit
 from .rank_sync import agree_on_failure
 
 __all__ = ["stream_plan", "stream_to_ranks"]

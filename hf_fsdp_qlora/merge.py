@@ -39,7 +39,7 @@ from hf_fsdp_qlora._output_dir import AtomicOutputDir, check_output
 from hf_fsdp_qlora._safetensors_io import (
     OrderedWorker,
     ShardWriter,
-    parse_size,
+    parse_shard_size,
     plan_shards,
     read_tensor,
 )
@@ -86,7 +86,7 @@ def _check_usage(base, adapter, output, force, dtype, device, dequantize, max_sh
             f"--dequantize {dequantize} is not supported: use nf4 or fp4 (the bnb_4bit_quant_type of training)"
         )
     try:
-        max_bytes = parse_size(max_shard_size)
+        max_bytes = parse_shard_size(max_shard_size)
     except ValueError as err:
         raise MergeUsageError(f"--max-shard-size: {err}") from None
     try:

@@ -18,7 +18,7 @@ from dist_utils import BIN, CONFIGS, check, read_results, torchrun
 from tiny_models import build_tiny_model
 
 from hf_fsdp_qlora.cli.main import main as cli_main
-from hf_fsdp_qlora.doctor import diagnose, parse_size
+from hf_fsdp_qlora.doctor import diagnose, parse_gpu_memory
 
 DATA = Path(__file__).resolve().parent / "data"
 LLAMA3_70B = DATA / "llama3_70b_config.json"
@@ -173,7 +173,7 @@ def test_llama3_70b_qlora_2xa100_verdict_matches_shipped_config():
     started = time.perf_counter()
     for seq in (2048, 4096):
         d = diagnose(LLAMA3_70B, accelerate_config="llama3_70b_2xa100_80gb", quantization="4bit", seq_len=seq,
-                     gpu_memory=parse_size("80GB"))  # fmt: skip
+                     gpu_memory=parse_gpu_memory("80GB"))  # fmt: skip
         assert d.plan.verdict == "fits" and not d.errors, [f.message for f in d.errors]
         # 70B in NF4 + double quant, bf16 embeddings and head: about 40 GB, about 20 GB per GPU (the config's text).
         base = d.plan.parts["base_quantized"] + d.plan.parts["base_other"] + d.plan.parts["base_quant_state"]

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     """Convert the checkpoint named in parsed `args`; returns the exit status."""
     from pathlib import Path
 
-    from hf_fsdp_qlora._adapter_io import find_distcp_dir, load_adapter, save_adapter
+    from hf_fsdp_qlora._adapter_io import find_distcp_dir, load_adapter, write_adapter_files
     from hf_fsdp_qlora._output_dir import AtomicOutputDir, check_output
     from hf_fsdp_qlora.errors import MergeError
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         output = check_output(args.output, inputs, args.force)
         adapter = load_adapter(checkpoint, config_path=args.adapter_config, fsdp_only=True)
         with AtomicOutputDir(output, "convert") as tmp:
-            save_adapter(adapter, tmp)
+            write_adapter_files(adapter, tmp)
     except MergeError as err:
         print(f"hf-fsdp-qlora convert: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -53,10 +53,10 @@ def _positive(value: str) -> int:
 
 
 def _size(value: str) -> int:
-    from hf_fsdp_qlora.doctor.memory import parse_size
+    from hf_fsdp_qlora.doctor.memory import parse_gpu_memory
 
     try:
-        return parse_size(value)
+        return parse_gpu_memory(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a memory size (e.g. 80GB, 24GiB, 40960MiB)") from None
 

@@ -60,7 +60,7 @@ Finding ids: ``8bit-under-fsdp``, ``fsdp1-integer-storage``, ``fsdp2-integer-sto
 from __future__ import annotations
 
 from .checks import Diagnosis, Finding, check_setup, diagnose, raise_for_errors
-from .memory import MemoryPlan, parse_size, plan_memory
+from .memory import MemoryPlan, parse_gpu_memory, plan_memory
 from .report import SCHEMA_VERSION, render, to_json
 from .setup import FsdpSettings, RunSetup, SetupInputError, read_accelerate_config
 from .shapes import ModelShape, model_shape
@@ -77,7 +77,7 @@ __all__ = [
     "check_setup",
     "diagnose",
     "model_shape",
-    "parse_size",
+    "parse_gpu_memory",
     "plan_memory",
     "raise_for_errors",
     "read_accelerate_config",

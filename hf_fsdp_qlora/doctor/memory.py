@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from .setup import RunSetup
 from .shapes import ModelShape
 
-__all__ = ["GIB", "MemoryPlan", "dtype_bytes", "format_size", "parse_size", "plan_memory"]
+__all__ = ["GIB", "MemoryPlan", "dtype_bytes", "format_size", "parse_gpu_memory", "plan_memory"]
 
 GIB = 1024**3
 RUNTIME_OVERHEAD = 1 * GIB
@@ -65,7 +65,7 @@ def dtype_bytes(name: str) -> int:
     return _BYTES[str(name).removeprefix("torch.")]
 
 
-def parse_size(text) -> int:
+def parse_gpu_memory(text) -> int:
     """``"80GB"``, ``"80GiB"``, ``"81920MiB"``, ``"24"`` (GiB) -> bytes.
 
     GPU memory is sold in binary units whatever the label says (an "80GB" A100 has 81920 MiB), so GB and GiB
