@@ -9,8 +9,9 @@ Two promises, kept by construction:
 - A kill at any instant leaves the old output or the new one complete at `output`. The new folder is
   written beside it under a hidden name and swapped in with one `renameat2(RENAME_EXCHANGE)`; where the
   filesystem lacks that (NFS, some FUSE), two renames are used and the next run restores the old folder
-  if a kill fell between them. A run holds a `lockf` lock on a file in its hidden folder for as long as
-  it writes: another run (on any host sharing the filesystem) removes a leftover only when it can take
+  if a kill fell between them. A run holds a `flock` lock on a file in its hidden folder for as long as
+  it writes (per open file, so even a second run in the same process sees it; Linux NFS maps it to a POSIX
+  lock the server sees): another run (on any host sharing the filesystem) removes a leftover only when it can take
   that lock, so it never deletes work in progress. A PID alone is ambiguous across hosts.
 """
 
@@ -151,7 +152,7 @@ def _owner_alive(folder: Path) -> tuple[bool, str]:
     try:
         who = os.pread(fd, 200, 0).decode(errors="replace").strip()
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             if err.errno in (errno.EACCES, errno.EAGAIN):
                 return True, who
@@ -226,7 +227,7 @@ class AtomicOutputDir:
         try:
             fd = os.open(init / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
             with contextlib.suppress(OSError):  # no locks on this filesystem: the pid in the file is the fallback
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
             self._lock_fd = fd
             os.rename(init, self.tmp)

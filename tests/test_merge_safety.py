@@ -201,7 +201,7 @@ def test_live_run_elsewhere_is_never_deleted(world, tmp_path):
     live.mkdir()
     fd = os.open(live / ".hf-fsdp-qlora-writing.lock", os.O_RDWR | os.O_CREAT)
     os.write(fd, b"otherhost pid 1\n")
-    # The lock must be held by another process (lockf locks are per process): a child holds it.
+    # Another process holds the lock, as a run on another host would.
     import subprocess
     import sys
 
@@ -211,7 +211,7 @@ def test_live_run_elsewhere_is_never_deleted(world, tmp_path):
             "-c",
             (
                 "import fcntl,os,sys,time; fd=os.open(sys.argv[1], os.O_RDWR); "
-                "fcntl.lockf(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"
+                "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"
             ),
             str(live / ".hf-fsdp-qlora-writing.lock"),
         ],
@@ -389,3 +389,17 @@ def test_convert_of_a_checkpoint_without_adapter_does_not_say_run_convert(world,
     print(err)
     assert "holds no adapter tensors" in err and "hf-fsdp-qlora convert CHECKPOINT" not in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "conv").exists()
+
+
+def test_two_runs_in_one_process_never_delete_each_other(tmp_path):
+    """The lock is per open file: a second run for the same output, even in this process, sees the first."""
+    from hf_fsdp_qlora._output_dir import AtomicOutputDir
+    from hf_fsdp_qlora.errors import MergeError
+
+    with AtomicOutputDir(tmp_path / "out", "merge-adapters") as tmp:
+        (tmp / "model.safetensors").write_text("first run's work")
+        with pytest.raises(MergeError, match="another run is writing"):
+            AtomicOutputDir(tmp_path / "out", "merge-adapters")
+        assert (tmp / "model.safetensors").read_text() == "first run's work"
+    assert (tmp_path / "out" / "model.safetensors").read_text() == "first run's work"
+    assert json.loads((tmp_path / "out" / ".hf-fsdp-qlora-output.json").read_text())["files"] == ["model.safetensors"]
