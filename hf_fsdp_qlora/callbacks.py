@@ -9,7 +9,7 @@ from transformers import TrainerCallback
 
 from ._bnb_cpu import disable_cpu_repack_in_model
 from ._logging import human_size
-from .consistency import keep_trainable_in_training_dtype, make_fsdp_consistent
+from .consistency import make_fsdp_consistent
 from .cpu_rehearsal import enable_cpu_fsdp
 from .distributed import fsdp_requested_by_launch
 from .errors import FSDPNotEngagedError
@@ -117,8 +117,6 @@ class FSDPQLoRACallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self._version is None or model is None:
             return
-        if self._version == 1 and self.report is not None:  # our trainers did this at wrapping already (no-op then)
-            keep_trainable_in_training_dtype(model, self.report.dtype)
         self.engagement = assert_fsdp_engaged(model, self._version)
         verify_partial_rows(model)
         guard_sharded_merge(model)

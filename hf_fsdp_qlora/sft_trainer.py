@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trl import SFTTrainer
 
-from ._trainer_mixin import FSDPSaveMixin, with_fsdp_callback
+from ._trainer_mixin import FSDPSaveMixin
 
 __all__ = ["FSDPQLoRASFTTrainer"]
 
@@ -15,6 +15,3 @@ class FSDPQLoRASFTTrainer(FSDPSaveMixin, SFTTrainer):
     A base model plus ``peft_config`` works too: trl builds the peft model inside ``__init__``, and our
     callback runs after that, before wrapping.
     """
-
-    def __init__(self, model=None, args=None, *more, callbacks=None, **kwargs):
-        super().__init__(model, args, *more, callbacks=with_fsdp_callback(callbacks, args), **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from ._trainer_mixin import FSDPSaveMixin, with_fsdp_callback
+from ._trainer_mixin import FSDPSaveMixin
 
 __all__ = ["FSDPQLoRATrainer"]
 
@@ -16,8 +16,6 @@ class FSDPQLoRATrainer(FSDPSaveMixin, Trainer):
     yourself. Before accelerate wraps it, :class:`~hf_fsdp_qlora.FSDPQLoRACallback` (installed
     automatically) makes every FSDP unit dtype-consistent, refuses setups that cannot work with an error
     naming the setting and value to use, and after wrapping checks that FSDP engaged. ``save_model``
-    gathers the adapter from every rank and writes a plain peft adapter.
+    gathers the adapter from every rank and writes a plain peft adapter. (Our callbacks are added by the
+    ``Trainer.__init__`` hook of :mod:`hf_fsdp_qlora.trainer_hook`, the same code every route uses.)
     """
-
-    def __init__(self, model=None, args=None, *more, callbacks=None, **kwargs):
-        super().__init__(model, args, *more, callbacks=with_fsdp_callback(callbacks, args), **kwargs)
