@@ -99,7 +99,7 @@ def child(which: str, base: Path, adapter: Path, output: Path, shard: str, devic
         merged.save_pretrained(output, max_shard_size=shard)
         _fsync_tree(output)
     else:
-        from hf_fsdp_qlora.merge import merge_adapters
+        from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
         imported = time.perf_counter()
         merge_adapters(base, adapter, output, max_shard_size=shard, progress=False, device=device)
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--_shard", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args._child == "build":
-        from hf_fsdp_qlora._safetensors_io import parse_shard_size
+        from hf_fsdp_qlora.safetensors_io import parse_shard_size
 
         build(Path(args._base), Path(args._adapter), parse_shard_size(args.size), args.shards)
         return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from . import _logging
+from . import _logging, _moved
 from . import distributed as _distributed
 
 __version__ = "0.1.0.dev0"
@@ -18,22 +18,25 @@ __version__ = "0.1.0.dev0"
 # public name -> module that defines it
 _EXPORTS = {
     "enable_cpu_fsdp": "cpu_rehearsal",
-    "load_qlora_model": "loading",
-    "FSDPQLoRATrainer": "trainer",
-    "FSDPQLoRASFTTrainer": "sft_trainer",
-    "FSDPQLoRACallback": "callbacks",
-    "SampleGenerationsCallback": "generation",
-    "FSDPQLoRATrainingArguments": "training_args",
-    "DistinctBatchesCallback": "hygiene",
-    "DuplicateBatchesError": "hygiene",
-    "MemoryThroughputCallback": "hygiene",
-    "LabelsCheckCallback": "hygiene",
-    "NoLabelsError": "hygiene",
-    "AdapterMismatchError": "checkpoint",
+    "load_qlora_model": "loading.qlora",
+    "FSDPQLoRATrainer": "train.trainer",
+    "FSDPQLoRASFTTrainer": "train.sft_trainer",
+    "FSDPQLoRACallback": "train.callbacks",
+    "FSDPQLoRATrainingArguments": "train.training_args",
+    "SampleGenerationsCallback": "train.generation",
+    "generate_under_fsdp": "train.generation",
+    "prepare_for_evaluation": "train.generation",
+    "save_adapter": "train.checkpoint",
+    "DistinctBatchesCallback": "train.hygiene",
+    "DuplicateBatchesError": "train.hygiene",
+    "MemoryThroughputCallback": "train.hygiene",
+    "LabelsCheckCallback": "train.hygiene",
+    "NoLabelsError": "train.hygiene",
+    "AdapterMismatchError": "train.checkpoint",
     "FSDPNotEngagedError": "errors",
     "UnsupportedSetupError": "errors",
     "MergeError": "errors",
-    "merge_adapters": "merge",
+    "merge_adapters": "merge.pipeline",
     "config_path": "configs",
     "list_configs": "configs",
     "check_setup": "doctor.checks",
@@ -56,6 +59,7 @@ def __dir__():
 
 
 _logging.configure()
+_moved.install()  # old module paths (hf_fsdp_qlora.checkpoint, ...) keep working
 
 # A script launched for FSDP (`accelerate launch` with an FSDP config exports ACCELERATE_USE_FSDP) that only does
 # `import hf_fsdp_qlora` gets the CPU rehearsal hook too: without it accelerate silently trains plain DDP on CPU

@@ -140,7 +140,7 @@ def packed_digests(model, rank: int = 0, world: int | None = None) -> dict:
 
     import torch
 
-    from hf_fsdp_qlora.low_ram import _row_bytes
+    from hf_fsdp_qlora.loading.low_ram import _row_bytes
 
     found = {}
     for name, param in model.named_parameters():

@@ -24,7 +24,7 @@ from test_merge import (
 )
 from tiny_models import tiny_config
 
-from hf_fsdp_qlora.merge import merge_adapters
+from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
 pytestmark = [
     pytest.mark.cuda,

@@ -134,7 +134,7 @@ def test_stock_trainer_evaluate_before_training_is_the_upstream_bug(run):
             assert UPSTREAM_FSDP2_ERROR in res["error"]
         else:  # FSDP1 wraps the model alone; the train() after it is what breaks upstream
             assert "eval_loss" in res["evaluate"]
-        # The callback alone gives a stock Trainer our evaluation_loop (hf_fsdp_qlora.trainer_hook).
+        # The callback alone gives a stock Trainer our evaluation_loop (hf_fsdp_qlora.train.trainer_hook).
         assert "eval_loss" in results[rank]["callback_fresh"]["evaluate"], results[rank]["callback_fresh"]
 
 

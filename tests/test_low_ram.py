@@ -106,7 +106,7 @@ def test_single_process_falls_back_to_normal_load(tmp_path, caplog):
     from hf_fsdp_qlora import load_qlora_model
 
     path = build_tiny_model(tmp_path / "m", "llama")
-    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora.low_ram"):
+    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora.loading.low_ram"):
         model = load_qlora_model(str(path), gradient_checkpointing=False, low_cpu_ram=True)
     assert any("single process" in r.message for r in caplog.records)
     assert sum(type(p).__name__ == "Params4bit" for p in model.parameters()) > 0

@@ -19,10 +19,11 @@ import torch
 from safetensors import safe_open
 from tiny_models import build_tiny_model, tiny_config
 
-from hf_fsdp_qlora import _lora_math, _safetensors_io
-from hf_fsdp_qlora._lora_math import LoraFactors, TensorUpdate, apply_update, apply_update_into, collect_updates
+from hf_fsdp_qlora import safetensors_io as _safetensors_io
+from hf_fsdp_qlora.merge import _lora_math
+from hf_fsdp_qlora.merge._lora_math import LoraFactors, TensorUpdate, apply_update, apply_update_into, collect_updates
 from hf_fsdp_qlora.errors import MergeError
-from hf_fsdp_qlora.merge import MergeUsageError, merge_adapters
+from hf_fsdp_qlora.merge.pipeline import MergeUsageError, merge_adapters
 
 warnings.filterwarnings(
     "ignore", message=".*(gemm_4bit|save_embedding_layers|tie_word_embeddings|ensure_weight_tying|fan_in_fan_out).*"

@@ -77,7 +77,7 @@ def test_cli_usage_errors(setup, tmp_path, capsys, extra, code, message):
 
 
 def test_cli_interrupt_leaves_nothing(setup, tmp_path, monkeypatch, capsys):
-    import hf_fsdp_qlora._safetensors_io as io
+    import hf_fsdp_qlora.safetensors_io as io
 
     def interrupted(self, *args):
         raise KeyboardInterrupt

@@ -20,7 +20,7 @@ from tiny_models import build_tiny_model
 
 from hf_fsdp_qlora.cli import convert as convert_cli
 from hf_fsdp_qlora.cli import merge as merge_cli
-from hf_fsdp_qlora.merge import merge_adapters
+from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -177,7 +177,7 @@ def test_force_replaces_only_an_earlier_output_that_holds_nothing_else(world, tm
 
 def test_leftovers_cleaned_before_the_free_space_check(world, tmp_path, monkeypatch):
     """A killed run's leftover is removed before free space is measured, so it cannot block the re-run."""
-    import hf_fsdp_qlora.merge as merge_mod
+    import hf_fsdp_qlora.merge.pipeline as merge_mod
 
     stale = tmp_path / ".out.partial-otherhost-99-dead"
     stale.mkdir()
@@ -393,7 +393,7 @@ def test_convert_of_a_checkpoint_without_adapter_does_not_say_run_convert(world,
 
 def test_two_runs_in_one_process_never_delete_each_other(tmp_path):
     """The lock is per open file: a second run for the same output, even in this process, sees the first."""
-    from hf_fsdp_qlora._output_dir import AtomicOutputDir
+    from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir
     from hf_fsdp_qlora.errors import MergeError
 
     with AtomicOutputDir(tmp_path / "out", "merge-adapters") as tmp:

@@ -12,7 +12,7 @@ import torch
 from test_merge import read_output
 from tiny_models import build_tiny_model, build_tokenizer
 
-from hf_fsdp_qlora.merge import merge_adapters
+from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 256, 257]])  # the last two are the added tokens
 

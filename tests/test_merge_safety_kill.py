@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_fsdp_qlora.merge import merge_adapters
+from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
 HIDDEN, INTER, LAYERS, VOCAB = 1024, 2816, 9, 16384  # ~147M bf16 parameters: about 295 MB
 R = 8
@@ -101,8 +101,8 @@ def big(tmp_path_factory):
 
 _DRIVER = r"""
 import os, signal, sys
-import hf_fsdp_qlora._output_dir as od
-import hf_fsdp_qlora._safetensors_io as io
+import hf_fsdp_qlora.merge.output_dir as od
+import hf_fsdp_qlora.safetensors_io as io
 from hf_fsdp_qlora.cli import merge as merge_cli
 
 point = sys.argv[1]
@@ -162,7 +162,7 @@ def test_kill_leaves_old_or_new_complete_and_rerun_is_clean(big, point, tmp_path
         assert not out.exists()
         (aside,) = [tmp_path / name for name in leftovers if ".old-" in name]
         assert digest(aside) == old
-        from hf_fsdp_qlora._output_dir import AtomicOutputDir
+        from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir
 
         AtomicOutputDir(out, "merge-adapters")  # what every run does first
         assert digest(out) == old

@@ -47,7 +47,7 @@ def test_gradients_reach_4bit_adapters_after_evaluate(llama, tmp_path):
     from transformers import TrainingArguments
 
     from hf_fsdp_qlora import FSDPQLoRATrainer, load_qlora_model
-    from hf_fsdp_qlora.loading import default_lora_config
+    from hf_fsdp_qlora.loading.qlora import default_lora_config
 
     batch = _batch()
     config = default_lora_config(lora_dropout=0.0)  # no randomness: gradients compare bit for bit

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hf_fsdp_qlora.hygiene import NoLabelsError, check_labels, sample_indices
+from hf_fsdp_qlora.train.hygiene import NoLabelsError, check_labels, sample_indices
 
 
 def test_check_labels():

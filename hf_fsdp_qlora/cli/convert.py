@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
     """Convert the checkpoint named in parsed `args`; returns the exit status."""
     from pathlib import Path
 
-    from hf_fsdp_qlora._adapter_io import find_distcp_dir, load_adapter, write_adapter_files
-    from hf_fsdp_qlora._output_dir import AtomicOutputDir, check_output
+    from hf_fsdp_qlora.merge.adapter_io import find_distcp_dir, load_adapter, write_adapter_files
+    from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir, check_output
     from hf_fsdp_qlora.errors import MergeError
 
     checkpoint = Path(args.checkpoint)

@@ -1,6 +1,6 @@
 """`merge-adapters` / `hf-fsdp-qlora merge`: merge a LoRA adapter into its 16-bit base, streamed.
 
-The work is :func:`hf_fsdp_qlora.merge.merge_adapters`; this module only parses options and turns its
+The work is :func:`hf_fsdp_qlora.merge.pipeline.merge_adapters`; this module only parses options and turns its
 errors into a message and an exit status (1: the merge failed, 2: usage). torch is imported in `run`,
 so `--help` is instant.
 """
@@ -126,7 +126,7 @@ def _terminate(signum, frame):
 def run(args: argparse.Namespace) -> int:
     """Run the merge described by parsed `args`; returns the exit status."""
     from hf_fsdp_qlora.errors import MergeError
-    from hf_fsdp_qlora.merge import merge_adapters
+    from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
     try:
         previous = signal.signal(signal.SIGTERM, _terminate)

@@ -2,7 +2,7 @@
 
 One implementation serves three callers: ``hf-fsdp-qlora doctor`` (settings from an accelerate YAML and a
 config.json), :func:`check_setup` in Python, and our trainers, which run the same checks on the live model and
-FSDP plugin before wrapping and raise on errors (:func:`hf_fsdp_qlora.consistency.make_fsdp_consistent`).
+FSDP plugin before wrapping and raise on errors (:func:`hf_fsdp_qlora.train.consistency.make_fsdp_consistent`).
 
 Each :class:`Finding` says what is wrong, the setting to change and the value to use. Severity depends on the
 trainer: ``hf_fsdp_qlora`` fixes dtype and ``use_orig_params`` problems itself (``info``), a stock

@@ -24,7 +24,7 @@ import yaml
 
 import hf_fsdp_qlora  # noqa: F401  (installs the CPU rehearsal hook)
 from hf_fsdp_qlora import FSDPQLoRATrainer
-from hf_fsdp_qlora.fsdp import fsdp_engagement
+from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 
 SEQ = 16
 BATCH = 2

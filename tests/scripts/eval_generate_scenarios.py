@@ -36,7 +36,7 @@ from transformers import Trainer, TrainerCallback
 
 import hf_fsdp_qlora  # noqa: F401  (installs the CPU rehearsal hook before TrainingArguments)
 from hf_fsdp_qlora import FSDPQLoRACallback, FSDPQLoRATrainer, load_qlora_model
-from hf_fsdp_qlora.generation import (
+from hf_fsdp_qlora.train.generation import (
     SampleGenerationsCallback,
     generate_under_fsdp,
 )
@@ -55,7 +55,7 @@ def rank() -> int:
     return dist.get_rank()
 
 
-Evaluating = FSDPQLoRATrainer  # its evaluation_loop calls hf_fsdp_qlora.generation.prepare_for_evaluation
+Evaluating = FSDPQLoRATrainer  # its evaluation_loop calls hf_fsdp_qlora.train.generation.prepare_for_evaluation
 
 class Recorder(TrainerCallback):
     """Per-step local losses come from log_history; this records what the callbacks left behind at each step end:

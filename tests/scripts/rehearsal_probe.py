@@ -23,7 +23,7 @@ def main():
 
     # 2. With the hook.
     from hf_fsdp_qlora import enable_cpu_fsdp
-    from hf_fsdp_qlora.fsdp import fsdp_engagement
+    from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 
     enable_cpu_fsdp()
     acc = Accelerator()

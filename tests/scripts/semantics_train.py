@@ -70,7 +70,7 @@ def mismatch_errors(model, path, out):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from hf_fsdp_qlora.checkpoint import load_adapter_into, save_adapter
+    from hf_fsdp_qlora.train.checkpoint import load_adapter_into, save_adapter
 
     rank_dir = out / f"mismatch_rank{dist.get_rank()}"
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
@@ -156,7 +156,7 @@ class NoLabels(ts.TokenDataset):
 
 def run_hygiene(path, out, version):
     from hf_fsdp_qlora import DistinctBatchesCallback
-    from hf_fsdp_qlora.hygiene import LabelsCheckCallback
+    from hf_fsdp_qlora.train.hygiene import LabelsCheckCallback
 
     class NoSampler(ts.LossRecorder):
         def get_train_dataloader(self):

@@ -153,7 +153,7 @@ def reset_accelerate():
 
 
 def trainable_snapshot(model):
-    from hf_fsdp_qlora.checkpoint import unwrap_peft_model
+    from hf_fsdp_qlora.train.checkpoint import unwrap_peft_model
 
     inner = unwrap_peft_model(model) or model
     return {n: p.detach().float().clone() for n, p in inner.named_parameters() if p.requires_grad}
@@ -164,7 +164,7 @@ def checksum(state):
 
 
 def full_trainable(model, version):
-    """Oracle gather, independent of hf_fsdp_qlora.checkpoint: FSDP2 DTensor.full_tensor / FSDP1 summon."""
+    """Oracle gather, independent of hf_fsdp_qlora.train.checkpoint: FSDP2 DTensor.full_tensor / FSDP1 summon."""
     from torch.distributed.tensor import DTensor
 
     if version == 2:
@@ -319,7 +319,7 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
     trained = full_trainable(trainer.model, version)
     adapter_dir = out / name / "adapter"
     if not hasattr(trainer, "fsdp_callback"):  # a stock Trainer: save with our function
-        from hf_fsdp_qlora.checkpoint import save_adapter
+        from hf_fsdp_qlora.train.checkpoint import save_adapter
 
         save_adapter(trainer.model, adapter_dir)
     else:

@@ -17,5 +17,5 @@ class FSDPQLoRATrainer(FSDPSaveMixin, Trainer):
     automatically) makes every FSDP unit dtype-consistent, refuses setups that cannot work with an error
     naming the setting and value to use, and after wrapping checks that FSDP engaged. ``save_model``
     gathers the adapter from every rank and writes a plain peft adapter. (Our callbacks are added by the
-    ``Trainer.__init__`` hook of :mod:`hf_fsdp_qlora.trainer_hook`, the same code every route uses.)
+    ``Trainer.__init__`` hook of :mod:`hf_fsdp_qlora.train.trainer_hook`, the same code every route uses.)
     """

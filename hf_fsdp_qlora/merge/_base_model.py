@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hf_fsdp_qlora._safetensors_io import TensorEntry, read_header
+from hf_fsdp_qlora.safetensors_io import TensorEntry, read_header
 from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 
 __all__ = ["INDEX_NAME", "base_entries", "check_base_name", "quantized_keys", "tied_map"]

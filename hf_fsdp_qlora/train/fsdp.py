@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from .errors import FSDPNotEngagedError, UnsupportedSetupError
+from ..errors import FSDPNotEngagedError, UnsupportedSetupError
 
 __all__ = [
     "fsdp_version",

@@ -9,7 +9,7 @@ import shutil
 
 import torch
 
-from ._logging import human_size
+from .._logging import human_size
 from .callbacks import FSDPQLoRACallback
 from .checkpoint import (
     ADAPTER_WEIGHTS,

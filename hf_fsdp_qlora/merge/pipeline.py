@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from hf_fsdp_qlora._adapter_io import load_adapter
-from hf_fsdp_qlora._base_model import (
+from hf_fsdp_qlora.merge.adapter_io import load_adapter
+from hf_fsdp_qlora.merge._base_model import (
     INDEX_NAME,
     base_entries,
     check_base_name,
@@ -29,14 +29,14 @@ from hf_fsdp_qlora._base_model import (
     task_model,
     tied_map,
 )
-from hf_fsdp_qlora._lora_math import (
+from hf_fsdp_qlora.merge._lora_math import (
     apply_update_into,
     collect_updates,
     quantize_roundtrip,
 )
-from hf_fsdp_qlora._merge_plan import Item, plan, torch_dtype
-from hf_fsdp_qlora._output_dir import AtomicOutputDir, check_output
-from hf_fsdp_qlora._safetensors_io import (
+from hf_fsdp_qlora.merge._plan import Item, plan, torch_dtype
+from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir, check_output
+from hf_fsdp_qlora.safetensors_io import (
     OrderedWorker,
     ShardWriter,
     parse_shard_size,

@@ -25,8 +25,8 @@ from ._adapter_select import (
     selection_of,
     unsharded_fsdp1,
 )
-from .distributed import is_main_process as main_process
-from .rank_sync import agree_on_failure
+from ..distributed import is_main_process as main_process
+from ..rank_sync import agree_on_failure
 
 __all__ = [
     "unwrap_peft_model",

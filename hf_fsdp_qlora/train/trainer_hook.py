@@ -1,6 +1,6 @@
 """Give any `transformers.Trainer` (trl's SFT/DPO/GRPO/reward trainers, your own subclass) our FSDP behaviour.
 
-There is one implementation of that behaviour: :class:`~hf_fsdp_qlora._trainer_mixin.FSDPSaveMixin` (resolving
+There is one implementation of that behaviour: :class:`~hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin` (resolving
 activation checkpointing before accelerate is created, gathered adapter saves, crash-safe checkpoints, exact
 resume) plus the callbacks it installs (:class:`~hf_fsdp_qlora.FSDPQLoRACallback` and the hygiene callbacks).
 Our trainer classes inherit it; every other route gets it here, by giving the trainer object a subclass of its own

@@ -10,7 +10,7 @@ shard plus one tensor, and FSDP2 copies each rank's rows into its shard.
 Streaming needs a checkpoint that maps one to one onto the model: local safetensors whose keys are the
 model's parameter names, 4-bit weights stored in the load dtype, no modules kept in float32 and no
 Conv1D layers. Anything else (a Hub id, renamed or pre-quantized keys, ...) falls back to
-:func:`hf_fsdp_qlora.low_ram.materialize_from_rank0`, where rank 0 loads the model whole.
+:func:`hf_fsdp_qlora.loading.low_ram.materialize_from_rank0`, where rank 0 loads the model whole.
 """
 
 from __future__ import annotations
@@ -22,9 +22,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .distributed import collective_device
-from .dtypes import _is_params4bit
-from .rank_sync import agree_on_failure
+from ..distributed import collective_device
+from ..dtypes import _is_params4bit
+from ..rank_sync import agree_on_failure
+from ._transfer import (
+    _FLAG_ATTR,
+    _as_bytes,
+    _empty_untouched,
+    _new_tensor,
+    _receive_rows,
+    _remember_rows,
+    _row_bytes,
+    _send_rows,
+    _slots,
+)
 
 __all__ = ["stream_plan", "stream_to_ranks"]
 
@@ -32,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 
 def _checkpoint_entries(path) -> tuple[dict | None, str]:
-    from ._safetensors_io import read_header
+    from ..safetensors_io import read_header
 
     folder = Path(path)
     if not folder.is_dir():
@@ -71,7 +82,6 @@ def stream_plan(model, path, dtype: torch.dtype, from_pretrained_kwargs: dict) -
     entries, reason = _checkpoint_entries(path)
     if entries is None:
         return {"entries": None, "reason": reason}
-    from .low_ram import _slots
 
     wanted, seen = set(), set()
     for name, module, local, is_param in _slots(model):
@@ -98,7 +108,7 @@ def stream_plan(model, path, dtype: torch.dtype, from_pretrained_kwargs: dict) -
 
 def _produce(name, module, local, is_param, entries, handles, dtype):
     """Rank 0: the tensor `from_pretrained` would have put in this slot, read from the checkpoint now."""
-    from ._safetensors_io import read_tensor
+    from ..safetensors_io import read_tensor
 
     tensor = (module._parameters if is_param else module._buffers)[local]
     entry = entries.get(name)
@@ -134,18 +144,6 @@ def stream_to_ranks(model, entries: dict | None, shard_world: int, dtype: torch.
     Parameters arrive as the rows FSDP2 over `shard_world` ranks keeps on each rank (rank `src` keeps its
     own rows of what it read); buffers arrive whole. Returns the number of tensors filled.
     """
-    from .low_ram import (
-        _FLAG_ATTR,
-        _as_bytes,
-        _empty_untouched,
-        _new_tensor,
-        _receive_rows,
-        _remember_rows,
-        _row_bytes,
-        _send_rows,
-        _slots,
-    )
-
     is_src = dist.get_rank() == src
     device = collective_device()
     made, first_name, handles, count = {}, {}, {}, 0

@@ -7,14 +7,14 @@ import logging
 
 from transformers import TrainerCallback
 
-from ._bnb_cpu import disable_cpu_repack_in_model
-from ._logging import human_size
+from .._bnb_cpu import disable_cpu_repack_in_model
+from .._logging import human_size
 from .consistency import make_fsdp_consistent
-from .cpu_rehearsal import enable_cpu_fsdp
-from .distributed import fsdp_requested_by_launch
-from .errors import FSDPNotEngagedError
+from ..cpu_rehearsal import enable_cpu_fsdp
+from ..distributed import fsdp_requested_by_launch
+from ..errors import FSDPNotEngagedError
 from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge
-from .low_ram import verify_partial_rows
+from ..loading.low_ram import verify_partial_rows
 from .trainer_hook import install_trainer_hook
 
 __all__ = ["FSDPQLoRACallback"]
@@ -88,7 +88,7 @@ class FSDPQLoRACallback(TrainerCallback):
 
         trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[FSDPQLoRACallback()])
 
-    For adapter saving under FSDP2 with a stock trainer, call :func:`hf_fsdp_qlora.checkpoint.save_adapter`
+    For adapter saving under FSDP2 with a stock trainer, call :func:`hf_fsdp_qlora.train.checkpoint.save_adapter`
     (our trainers' ``save_model`` does).
     """
 

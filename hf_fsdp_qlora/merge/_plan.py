@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_fsdp_qlora._base_model import resized_vocab
-from hf_fsdp_qlora._lora_math import TensorUpdate, apply_update, check_shape
-from hf_fsdp_qlora._safetensors_io import DTYPE_NAMES, TensorEntry, read_tensor
+from hf_fsdp_qlora.merge._base_model import resized_vocab
+from hf_fsdp_qlora.merge._lora_math import TensorUpdate, apply_update, check_shape
+from hf_fsdp_qlora.safetensors_io import DTYPE_NAMES, TensorEntry, read_tensor
 from hf_fsdp_qlora.errors import MergeError
 
 __all__ = ["Item", "plan", "torch_dtype"]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from .distributed import is_distributed
+from ..distributed import is_distributed
 
 __all__ = [
     "DistinctBatchesCallback",

@@ -66,7 +66,7 @@ def _read_config(path: Path) -> dict:
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
-        from hf_fsdp_qlora._safetensors_io import read_header, read_tensor
+        from hf_fsdp_qlora.safetensors_io import read_header, read_tensor
 
         entries, _ = read_header(path)
         with open(path, "rb", buffering=0) as fh:

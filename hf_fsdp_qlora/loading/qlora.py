@@ -7,10 +7,10 @@ import os
 
 import torch
 
-from ._bnb_cpu import disable_cpu_repack_in_model
-from .cpu_rehearsal import enable_cpu_fsdp
-from .dtypes import harmonize_dtypes, resolve_dtype
-from .errors import UnsupportedSetupError
+from .._bnb_cpu import disable_cpu_repack_in_model
+from ..cpu_rehearsal import enable_cpu_fsdp
+from ..dtypes import harmonize_dtypes, resolve_dtype
+from ..errors import UnsupportedSetupError
 
 __all__ = ["load_qlora_model", "default_lora_config"]
 
@@ -124,7 +124,7 @@ def load_qlora_model(
             accelerate config enables ``fsdp_activation_checkpointing`` instead).
         trust_remote_code: passed to transformers.
         low_cpu_ram: under a multi-process launch, only rank 0 reads and quantizes the checkpoint; the other
-            ranks receive its tensors and quant states (:mod:`hf_fsdp_qlora.low_ram`). Collective: call on
+            ranks receive its tensors and quant states (:mod:`hf_fsdp_qlora.loading.low_ram`). Collective: call on
             every rank. A single process loads normally.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 

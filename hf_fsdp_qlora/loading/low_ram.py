@@ -30,20 +30,26 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .distributed import (
+from ..distributed import (
     collective_device,
     fsdp_requested_by_launch,
     launch_fsdp_version,
     multi_process_launch,
     parallelism_config_requested,
 )
-from .dtypes import _is_params4bit
-from .rank_sync import agree_on_failure
+from ..dtypes import _is_params4bit
+from ..rank_sync import agree_on_failure
+from ._transfer import (
+    _FLAG_ATTR,
+    _ROWS_ATTR,
+    _new_tensor,
+    _receive_rows,
+    _send_rows,
+    _slots,
+)
 
 __all__ = ["load_base_low_ram", "materialize_from_rank0", "verify_partial_rows"]
 
-_ROWS_ATTR = "_hf_fsdp_qlora_received_bytes"  # on a module: {param name: (first byte, end byte, total bytes)}
-_FLAG_ATTR = "_hf_fsdp_qlora_partial_rows"  # on the base model, every rank: partial rows were sent
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +69,6 @@ def _ensure_process_group() -> bool:
 
     PartialState()
     return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _slots(model):
-    """Every (qualified name, owning module, local name, is_parameter) in a fixed order, tied ones included."""
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{module_name}." if module_name else ""
-        for local, tensor in module._parameters.items():
-            if tensor is not None:
-                yield prefix + local, module, local, True
-        for local, tensor in module._buffers.items():
-            if tensor is not None:
-                yield prefix + local, module, local, False
 
 
 def _manifest(model) -> list[dict]:
@@ -99,19 +93,6 @@ def _manifest(model) -> list[dict]:
     return entries
 
 
-def _new_tensor(entry, module, data):
-    if "params4bit" in entry:
-        from bitsandbytes.nn import Params4bit
-
-        # bitsandbytes restores weight.quant_state from module.quant_state when FSDP2 hands the layer a
-        # plain (all-gathered) tensor; quantizing sets it on rank 0, so set it here too.
-        module.quant_state = entry["params4bit"]["quant_state"]
-        return Params4bit(data, requires_grad=False, module=module, bnb_quantized=True, **entry["params4bit"])
-    if entry["param"]:
-        return torch.nn.Parameter(data, requires_grad=entry["requires_grad"])
-    return data
-
-
 def fsdp2_shard_world() -> int | None:
     """The number of FSDP2 shards when this launch is plain FSDP2 over all ranks (one mesh dimension), else None.
 
@@ -121,79 +102,6 @@ def fsdp2_shard_world() -> int | None:
     if not fsdp_requested_by_launch() or launch_fsdp_version() != 2 or parallelism_config_requested():
         return None
     return dist.get_world_size()
-
-
-def _row_bytes(shape, dtype, rank: int, world: int) -> tuple[int, int, int]:
-    """(first byte, end byte, total bytes) of the dim-0 rows FSDP2 keeps on `rank` (``torch.chunk`` layout)."""
-    rows = shape[0]
-    row_bytes = dtype.itemsize
-    for dim in shape[1:]:
-        row_bytes *= dim
-    per_rank = -(-rows // world)
-    first = min(rows, rank * per_rank)
-    end = min(rows, first + per_rank)
-    return first * row_bytes, end * row_bytes, rows * row_bytes
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _empty_untouched(shape, dtype, device) -> torch.Tensor:
-    # Deterministic mode would fill new memory with NaN, touching (and making resident) every page.
-    from torch.utils import deterministic
-
-    fill, deterministic.fill_uninitialized_memory = deterministic.fill_uninitialized_memory, False
-    try:
-        return torch.empty(shape, dtype=dtype, device=device)
-    finally:
-        deterministic.fill_uninitialized_memory = fill
-
-
-def _guard(module, args):
-    if getattr(module, _ROWS_ATTR, None) is not None:
-        raise RuntimeError(
-            "hf_fsdp_qlora: this rank holds only its FSDP2 shard of the base weights (load_qlora_model("
-            "low_cpu_ram=True) under an FSDP2 launch), and the model has not been checked since FSDP2 wrapped "
-            "it. Train it with FSDPQLoRATrainer / FSDPQLoRASFTTrainer (or add FSDPQLoRACallback to your trainer), "
-            "or load with low_cpu_ram=False to use the model outside FSDP2."
-        )
-
-
-def _send_rows(data: torch.Tensor, device, world: int, src: int) -> None:
-    flat = _as_bytes(data)
-    for rank in range(world):
-        first, end, _ = _row_bytes(tuple(data.shape), data.dtype, rank, world)
-        if rank == src or end == first:
-            continue
-        dist.send(flat[first:end].to(device), dst=rank)
-
-
-def _receive_rows(entry, module, local, device, world: int, src: int) -> torch.Tensor:
-    shape, dtype = entry["shape"], entry["dtype"]
-    first, end, total = _row_bytes(shape, dtype, dist.get_rank(), world)
-    home = torch.device("cpu") if entry["on_cpu"] else device
-    full = _empty_untouched(shape, dtype, home)
-    if end > first:
-        region = _as_bytes(full)[first:end]
-        if region.device == device:
-            dist.recv(region, src=src)
-        else:
-            staged = torch.empty(end - first, dtype=torch.uint8, device=device)
-            dist.recv(staged, src=src)
-            region.copy_(staged)
-    _remember_rows(module, local, first, end, total)
-    return full
-
-
-def _remember_rows(module, local: str, first: int, end: int, total: int) -> None:
-    """Note that `module.<local>` holds only bytes [first, end) of its `total`; guard the module until checked."""
-    rows = getattr(module, _ROWS_ATTR, None)
-    if rows is None:
-        rows = {}
-        object.__setattr__(module, _ROWS_ATTR, rows)
-        module.register_forward_pre_hook(_guard)
-    rows[local] = (first, end, total)
 
 
 @torch.no_grad()
@@ -281,7 +189,7 @@ def verify_partial_rows(model) -> int:
     """
     from torch.distributed.tensor import DTensor, Shard
 
-    from .errors import UnsupportedSetupError
+    from ..errors import UnsupportedSetupError
 
     if not any(getattr(m, _FLAG_ATTR, False) for m in model.modules()):
         return 0
@@ -365,13 +273,13 @@ def load_base_low_ram(model_name_or_path, *, quantization_config, dtype, trust_r
     if not _ensure_process_group():
         logger.info("hf_fsdp_qlora: low_cpu_ram=True but this is a single process: loading normally")
         return load()
-    from .low_ram_stream import stream_plan, stream_to_ranks
+    from ._stream import stream_plan, stream_to_ranks
 
     shard_world = fsdp2_shard_world()
     model, error, plan = None, None, None
     try:
         # Under FSDP2, rank 0 streams the checkpoint tensor by tensor and keeps only its own rows too, when
-        # the checkpoint maps one to one onto the model (see low_ram_stream); otherwise it loads it whole.
+        # the checkpoint maps one to one onto the model (see _stream); otherwise it loads it whole.
         model = _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote_code, kwargs)
         if shard_world and dist.get_rank() == 0:
             plan = stream_plan(model, model_name_or_path, dtype, kwargs)

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .doctor.checks import check_setup, raise_for_errors
-from .dtypes import harmonize_dtypes, training_dtype, view_packed_storage_as
+from ..doctor.checks import check_setup, raise_for_errors
+from ..dtypes import harmonize_dtypes, training_dtype, view_packed_storage_as
 from .fsdp import configure_plugin, fsdp_version
-from .rank_sync import agree_on_failure, broadcast_trainable_parameters
+from ..rank_sync import agree_on_failure, broadcast_trainable_parameters
 
 __all__ = ["ConsistencyReport", "make_fsdp_consistent"]
 

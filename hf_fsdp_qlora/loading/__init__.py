@@ -1,0 +1,13 @@
+"""4-bit loading: :func:`load_qlora_model` (one dtype choice makes every tensor consistent) and low CPU-RAM
+loading, where only rank 0 reads the checkpoint and the other ranks receive their tensors.
+
+The public names are exported from :mod:`hf_fsdp_qlora`; ``hf_fsdp_qlora.loading.load_qlora_model`` works too.
+"""
+
+
+def __getattr__(name: str):
+    if name == "load_qlora_model":
+        from .qlora import load_qlora_model
+
+        return load_qlora_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

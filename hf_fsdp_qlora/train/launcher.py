@@ -1,0 +1,107 @@
+"""Run an unchanged training script with hf_fsdp_qlora's behaviour: ``python -m hf_fsdp_qlora.run SCRIPT.py ARGS``.
+
+For scripts you cannot edit (trl's ``sft.py``/``dpo.py``, a colleague's recipe)::
+
+    accelerate launch --config_file "$(hf-fsdp-qlora config fsdp2_qlora)" -m hf_fsdp_qlora.run sft.py ARGS...
+    accelerate launch --config_file "$(hf-fsdp-qlora config fsdp2_qlora)" -m hf_fsdp_qlora.run -m trl.scripts.sft ARGS...
+
+Before the script runs, this installs the CPU rehearsal hook (FSDP on CPU processes, where accelerate would silently
+fall back to DDP) and gives every ``transformers.Trainer`` the script builds - SFTTrainer, DPOTrainer, your own
+subclass - the behaviour of :class:`~hf_fsdp_qlora.FSDPQLoRATrainer` (see :mod:`hf_fsdp_qlora.train.trainer_hook`).
+The script then runs as ``__main__`` with ``sys.argv`` = ``[SCRIPT, ARGS...]``.
+
+Afterwards the ranks meet at a barrier and the process group is destroyed, and the process exits with the
+script's status without the interpreter's teardown: torch's gloo teardown at exit sometimes aborts ("terminate
+called without an active exception") after a successful run, and ``accelerate launch`` would report a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+
+USAGE = """usage: python -m hf_fsdp_qlora.run SCRIPT.py [SCRIPT_ARGS...]
+       python -m hf_fsdp_qlora.run -m MODULE [SCRIPT_ARGS...]
+
+Run an unchanged training script with hf_fsdp_qlora's FSDP + QLoRA behaviour given to every transformers
+Trainer it builds (trl's SFTTrainer, DPOTrainer, ...), and the CPU rehearsal hook installed. Launch it with
+accelerate, e.g.:
+
+  accelerate launch --config_file "$(hf-fsdp-qlora config fsdp2_qlora)" -m hf_fsdp_qlora.run \\
+      "$(python -c 'import trl.scripts.sft as s; print(s.__file__)')" --model_name_or_path ... --use_peft --load_in_4bit
+"""
+
+
+def _exit_code(status) -> int:
+    if status is None:
+        return 0
+    if isinstance(status, int):
+        return status
+    print(status, file=sys.stderr)  # sys.exit("message") prints the message and exits 1
+    return 1
+
+
+def _finish(code: int) -> None:
+    """Meet the other ranks, tear down the process group, run exit handlers, and exit with `code`."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            if code == 0:  # a failed rank may never reach a barrier; the launcher ends the others
+                dist.barrier()
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the script's own status matters more than the teardown's
+        traceback.print_exc()
+        code = code or 1
+    import atexit
+
+    atexit._run_exitfuncs()  # trackers and loggers flush as at a normal exit; only the interpreter teardown is skipped
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        sys.exit(0 if argv else 2)
+    as_module = argv[0] == "-m"
+    if as_module:
+        if len(argv) < 2:
+            print("hf_fsdp_qlora.run: -m needs a module name, e.g. -m trl.scripts.sft\n\n" + USAGE, file=sys.stderr)
+            sys.exit(2)
+        target, rest = argv[1], argv[2:]
+    else:
+        target, rest = argv[0], argv[1:]
+        if not os.path.isfile(target):
+            print(f"hf_fsdp_qlora.run: no such script: {target!r}\n\n" + USAGE, file=sys.stderr)
+            sys.exit(2)
+
+    from ..cpu_rehearsal import enable_cpu_fsdp
+    from .trainer_hook import install_trainer_hook
+
+    enable_cpu_fsdp()
+    install_trainer_hook(adopt_all=True)
+
+    code = 0
+    try:
+        if as_module:
+            sys.argv = [target, *rest]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *rest]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except BaseException:  # noqa: BLE001 - printed as Python would, then the exit status says it failed
+        traceback.print_exc()
+        code = 1
+    _finish(code)
+
+
+if __name__ == "__main__":
+    main()

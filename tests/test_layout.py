@@ -1,0 +1,122 @@
+"""The package layout: public names resolve, old module paths forward, subsystems import one way, modules stay small."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "hf_fsdp_qlora"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the hf_fsdp_qlora modules `path` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names = [f"{module}.{alias.name}" for alias in node.names]
+            found.update(n for n in [module, *names] if n.startswith("hf_fsdp_qlora"))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("hf_fsdp_qlora"))
+    return found
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_readme_names_resolve():
+    """Every dotted ``hf_fsdp_qlora.X`` the README shows imports (modules) or resolves (attributes)."""
+    names = sorted(set(re.findall(r"\bhf_fsdp_qlora(?:\.\w+)+", (REPO / "README.md").read_text())))
+    assert len(names) >= 5, names
+    script = "\n".join(
+        [
+            "import importlib",
+            "for name in %r:" % names,
+            "    parts = name.split('.')",
+            "    for cut in range(len(parts), 0, -1):",
+            "        try:",
+            "            obj = importlib.import_module('.'.join(parts[:cut]))",
+            "            break",
+            "        except ModuleNotFoundError:",
+            "            continue",
+            "    for attr in parts[cut:]:",
+            "        obj = getattr(obj, attr)",
+            "print('ok', len(%r))" % names,
+        ]
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_every_public_export_resolves():
+    import hf_fsdp_qlora
+
+    for name in hf_fsdp_qlora.__all__:
+        assert getattr(hf_fsdp_qlora, name) is not None, name
+
+
+@pytest.mark.parametrize("old", sorted(__import__("hf_fsdp_qlora._moved", fromlist=["MOVED"]).MOVED))
+def test_old_module_paths_forward(old):
+    from hf_fsdp_qlora._moved import MOVED
+
+    legacy = importlib.import_module(old)
+    new = importlib.import_module(MOVED[old])
+    public = [n for n in getattr(new, "__all__", []) if not n.startswith("_")] or [
+        n for n in vars(new) if not n.startswith("_")
+    ]
+    assert public, old
+    for name in public:
+        assert getattr(legacy, name) is getattr(new, name), (old, name)
+
+
+def test_training_args_pickled_under_the_old_path_load():
+    """``training_args.bin`` written before the move names ``hf_fsdp_qlora.training_args``."""
+    import pickle
+
+    from hf_fsdp_qlora import FSDPQLoRATrainingArguments
+
+    data = pickle.dumps(FSDPQLoRATrainingArguments(output_dir="unused", report_to="none"), protocol=0)
+    assert b"hf_fsdp_qlora.train.training_args" in data
+    old = data.replace(b"hf_fsdp_qlora.train.training_args", b"hf_fsdp_qlora.training_args")
+    assert isinstance(pickle.loads(old), FSDPQLoRATrainingArguments)
+
+
+def test_subsystems_import_one_way():
+    """loading/ and merge/ never import train/; merge/ never imports loading/; nothing reaches into another
+    subpackage's private (underscore) modules."""
+    problems = []
+    for path in SOURCES:
+        me = _module_name(path)
+        sub = me.split(".")[1] if me.count(".") >= 1 and (PACKAGE / me.split(".")[1]).is_dir() else None
+        for target in _imports(path):
+            parts = target.split(".")
+            if sub in ("loading", "merge") and parts[1:2] == ["train"]:
+                problems.append(f"{me} imports {target}")
+            if sub == "merge" and parts[1:2] == ["loading"]:
+                problems.append(f"{me} imports {target}")
+            if len(parts) >= 3 and (PACKAGE / parts[1]).is_dir() and parts[1] != sub and parts[2].startswith("_"):
+                problems.append(f"{me} imports {target}, private to {parts[1]}/")
+    assert not problems, "\n".join(problems)
+
+
+def test_modules_stay_small():
+    long = {_module_name(p): n for p in SOURCES if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, f"split these modules (over 450 lines): {long}"
