@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from .dtype_names import ALIASES, FLOAT_NAMES, canonical_name
+
 __all__ = [
     "FLOAT_DTYPES",
+    "is_int8",
+    "is_params4bit",
     "resolve_dtype",
     "quantization_kind",
     "quant_storage_dtype",
@@ -29,15 +33,9 @@ __all__ = [
     "view_packed_storage_as",
 ]
 
+# every accepted name and alias -> torch dtype (the names live in dtype_names, which needs no torch)
 FLOAT_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
+    name: getattr(torch, canonical_name(name)) for name in (*FLOAT_NAMES, *ALIASES) if canonical_name(name) in FLOAT_NAMES
 }
 
 
@@ -54,20 +52,20 @@ def resolve_dtype(dtype) -> torch.dtype:
     raise ValueError(f"dtype={dtype!r} is not supported: use one of 'bfloat16', 'float16' or 'float32'.")
 
 
-def _is_params4bit(param) -> bool:
+def is_params4bit(param) -> bool:
     return type(param).__name__ == "Params4bit"
 
 
-def _is_int8(param) -> bool:
+def is_int8(param) -> bool:
     return type(param).__name__ == "Int8Params"
 
 
 def quantization_kind(model) -> str | None:
     """``"4bit"``, ``"8bit"`` or ``None``, from the parameters themselves (works on peft-wrapped models)."""
     for param in model.parameters():
-        if _is_params4bit(param):
+        if is_params4bit(param):
             return "4bit"
-        if _is_int8(param):
+        if is_int8(param):
             return "8bit"
     return None
 
@@ -78,7 +76,7 @@ def quant_storage_dtype(model) -> torch.dtype | None:
     Raises:
         ValueError: if the 4-bit weights use more than one storage dtype.
     """
-    dtypes = {param.dtype for param in model.parameters() if _is_params4bit(param)}
+    dtypes = {param.dtype for param in model.parameters() if is_params4bit(param)}
     if not dtypes:
         return None
     if len(dtypes) > 1:
@@ -116,7 +114,7 @@ def training_dtype(model) -> torch.dtype:
     if compute is not None:
         return compute
     for param in model.parameters():
-        if param.is_floating_point() and not _is_params4bit(param):
+        if param.is_floating_point() and not is_params4bit(param):
             return param.dtype
     return torch.float32
 
@@ -141,7 +139,7 @@ def harmonize_dtypes(model, dtype: torch.dtype) -> list[str]:
     """
     changed = []
     for name, param in model.named_parameters():
-        if _is_params4bit(param) or _is_int8(param) or not param.is_floating_point():
+        if is_params4bit(param) or is_int8(param) or not param.is_floating_point():
             continue
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
@@ -172,7 +170,7 @@ def view_packed_storage_as(model, dtype: torch.dtype) -> int:
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not _is_params4bit(weight) or weight.is_floating_point():
+        if not is_params4bit(weight) or weight.is_floating_point():
             continue
         flat = weight.data.reshape(-1)
         if (flat.numel() * flat.element_size()) % width:

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedSetupError", "FSDPNotEngagedError", "MergeError", "MergeUsageError"]
+__all__ = [
+    "AdapterMismatchError",
+    "DuplicateBatchesError",
+    "FSDPNotEngagedError",
+    "MergeError",
+    "MergeUsageError",
+    "NoLabelsError",
+    "SetupInputError",
+    "UnsupportedSetupError",
+]
 
 
 class UnsupportedSetupError(ValueError):
@@ -26,3 +35,19 @@ class MergeUsageError(MergeError):
     """A merge or convert asked for in a way that cannot work (bad option, path or input file); exit status 2."""
 
     exit_code = 2
+
+
+class SetupInputError(ValueError):
+    """The doctor's input is unusable (not an accelerate config, unknown key, no config.json): exit status 2."""
+
+
+class DuplicateBatchesError(RuntimeError):
+    """Every rank draws the same samples: the data is not split across ranks."""
+
+
+class NoLabelsError(ValueError):
+    """Every label of a training batch is -100: the model would train on nothing at loss 0."""
+
+
+class AdapterMismatchError(ValueError):
+    """The adapter on disk was trained with a different configuration than the model it is loaded into."""

@@ -21,10 +21,13 @@ from pathlib import Path
 
 import torch
 
-from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 
 __all__ = [
     "DTYPE_NAMES",
+    "INDEX_NAME",
+    "checkpoint_shards",
+    "TORCH_DTYPES",
     "OrderedWorker",
     "ShardWriter",
     "TensorEntry",
@@ -35,7 +38,7 @@ __all__ = [
 ]
 
 # safetensors dtype names <-> torch dtypes (the ones a transformers checkpoint can hold).
-_TORCH_DTYPES = {
+TORCH_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -49,7 +52,7 @@ _TORCH_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-DTYPE_NAMES = {dtype: name for name, dtype in _TORCH_DTYPES.items()}
+DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
 _COPY_CHUNK = 64 * 1024 * 1024
 
@@ -71,7 +74,7 @@ class TensorEntry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self.dtype]
+        return TORCH_DTYPES[self.dtype]
 
 
 def _corrupted(path: Path, why: str) -> MergeError:
@@ -117,12 +120,12 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict]:
             dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise _corrupted(path, f"entry {name!r} lacks dtype, shape or data_offsets") from None
-        if dtype not in _TORCH_DTYPES:
+        if dtype not in TORCH_DTYPES:
             raise _corrupted(path, f"entry {name!r} has unsupported dtype {dtype!r}")
         numel = 1
         for dim in shape:
             numel *= dim
-        if end - begin != numel * _TORCH_DTYPES[dtype].itemsize or data_start + end > size or begin < 0:
+        if end - begin != numel * TORCH_DTYPES[dtype].itemsize or data_start + end > size or begin < 0:
             raise _corrupted(
                 path,
                 f"entry {name!r} has byte range [{begin}, {end}) that does not match its shape or the file size {size}",
@@ -130,6 +133,43 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict]:
         entries.append(TensorEntry(name, dtype, shape, data_start + begin, data_start + end, path))
     entries.sort(key=lambda e: e.start)  # file order, so a shard is read front to back
     return {e.name: e for e in entries}, metadata
+
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def checkpoint_shards(folder: Path) -> tuple[list[str], dict[str, str] | None] | None:
+    """The shard files of a model saved with ``save_pretrained`` in `folder` and its index's weight map.
+
+    Returns ``(files, weight_map)`` (``weight_map`` is ``None`` for a single ``model.safetensors``), or ``None``
+    when the folder holds no safetensors checkpoint.
+
+    Raises:
+        MergeUsageError: the index is not JSON or has no ``weight_map`` of tensor name -> file.
+        MergeError: the index lists no tensors.
+    """
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise MergeUsageError(
+                f"{index} is corrupted ({type(err).__name__}: {err}); save or download the model again"
+            ) from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise MergeUsageError(
+                f"{index}: weight_map is not an object of tensor name -> shard file "
+                f"(found {type(weight_map).__name__}); save or download the model again"
+            )
+        if not weight_map:
+            raise MergeError(
+                f"{index} lists no tensors (empty weight_map): the model is incomplete; save or download it again"
+            )
+        return sorted(set(weight_map.values())), weight_map
+    if (folder / SINGLE_NAME).is_file():
+        return [SINGLE_NAME], None
+    return None
 
 
 def read_tensor(fh, entry: TensorEntry, buf: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,7 +224,7 @@ class ShardWriter:
             numel = 1
             for dim in shape:
                 numel *= dim
-            nbytes = numel * _TORCH_DTYPES[dtype].itemsize
+            nbytes = numel * TORCH_DTYPES[dtype].itemsize
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._pending.append((name, nbytes))
             offset += nbytes

@@ -11,15 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..dtype_names import BYTES, DTYPE_OF_MIXED_PRECISION, FLOAT_NAMES, MIXED_PRECISION_OF
 from .memory import FIT_FRACTION, MemoryPlan, format_size, verdict
 from .setup import RunSetup
 from .shapes import ModelShape
 
 OURS = "hf_fsdp_qlora"
 _INTEGER = ("uint8", "int8")
-_TORCH = {"bfloat16": "torch.bfloat16", "float16": "torch.float16", "float32": "torch.float32"}
-_MP = {"bfloat16": "bf16", "float16": "fp16"}
-_SIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 _SPREADING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential", "multi-device")
 
 
@@ -61,7 +59,7 @@ def quantization_rules(ctx: Context):
         )  # fmt: skip
     if s.quantization != "4bit" or s.storage not in _INTEGER:
         return
-    dtype = _TORCH[_float_dtype(s)]
+    dtype = f"torch.{_float_dtype(s)}"
     if s.integer_storage_sharded:
         yield _finding(
             f"fsdp{version}-integer-storage", "info",
@@ -98,12 +96,12 @@ def dtype_rules(ctx: Context):
     ours = s.trainer == OURS
     if s.quantization == "4bit" and s.storage not in _INTEGER:
         mp = s.effective_mixed_precision
-        param = {"bf16": "bfloat16", "fp16": "float16"}.get(mp)
+        param = DTYPE_OF_MIXED_PRECISION.get(mp) if mp != "fp8" else None
         # transformers' update_fsdp_plugin_peft syncs FSDP1's mixed precision to the storage dtype; nothing does
         # under FSDP2, and a plain accelerate loop never does.
         synced = ours or (s.trainer == "transformers" and version == 1)
         if param is not None and param != s.storage:
-            if synced and _SIZE.get(param) == _SIZE.get(s.storage) == 2:
+            if synced and BYTES.get(param) == BYTES.get(s.storage) == 2:
                 # FSDP's param dtype can be fixed, but accelerate still autocasts every op to the other 16-bit type
                 # (and runs a gradient scaler for fp16) over the stored weights: refuse rather than say "handled".
                 yield _finding(
@@ -113,7 +111,7 @@ def dtype_rules(ctx: Context):
                     + (" and a gradient scaler" if mp == "fp16" else "")
                     + f" over {s.storage} weights, so every matmul rounds to {param} "
                     + ("(bfloat16 values beyond float16's range overflow to inf)." if mp == "fp16" else "."),
-                    "mixed_precision", f"{_MP.get(s.storage, 'no')} (TrainingArguments "
+                    "mixed_precision", f"{MIXED_PRECISION_OF.get(s.storage, 'no')} (TrainingArguments "
                     f"{'bf16=True, fp16=False' if s.storage == 'bfloat16' else 'fp16=True, bf16=False'}), or load "
                     f"the model with dtype=torch.{param}",
                 )  # fmt: skip
@@ -123,10 +121,10 @@ def dtype_rules(ctx: Context):
                     "storage-vs-param-dtype", "info",
                     f"mixed_precision={mp} would make FSDP cast the 4-bit weights (stored as {s.storage}) to {param}; "
                     f"{who} sets FSDP's param_dtype to {s.storage} instead.",
-                    "mixed_precision", _MP.get(s.storage, "no"),
+                    "mixed_precision", MIXED_PRECISION_OF.get(s.storage, "no"),
                 )  # fmt: skip
             else:
-                same_size = _SIZE.get(param) == _SIZE.get(s.storage)
+                same_size = BYTES.get(param) == BYTES.get(s.storage)
                 effect = (
                     "every base weight is silently corrupted (training runs, on garbage)"
                     if same_size
@@ -137,7 +135,7 @@ def dtype_rules(ctx: Context):
                     f"FSDP{version}'s mixed precision param_dtype ({param}, from mixed_precision={mp}) differs from "
                     f"the 4-bit storage dtype ({s.storage}): FSDP casts the packed 4-bit bytes as if they were "
                     f"numbers, and {effect}.",
-                    "mixed_precision", f"{_MP.get(s.storage, 'no')} (or bnb_4bit_quant_storage=torch.{param}; "
+                    "mixed_precision", f"{MIXED_PRECISION_OF.get(s.storage, 'no')} (or bnb_4bit_quant_storage=torch.{param}; "
                     "hf_fsdp_qlora's trainer keeps them equal)",
                 )  # fmt: skip
         if s.compute != s.storage:
@@ -146,7 +144,7 @@ def dtype_rules(ctx: Context):
                 f"bnb_4bit_compute_dtype ({s.compute}) differs from bnb_4bit_quant_storage ({s.storage}): every "
                 "matmul casts its input to the compute dtype and back, and the non-quantized weights follow the "
                 "storage dtype." + (" hf_fsdp_qlora sets the compute dtype to the storage dtype." if ours else ""),
-                "bnb_4bit_compute_dtype", _TORCH.get(s.storage, s.storage),
+                "bnb_4bit_compute_dtype", f"torch.{s.storage}" if s.storage in FLOAT_NAMES else s.storage,
             )  # fmt: skip
     base = s.storage if (s.quantization == "4bit" and s.storage not in _INTEGER) else s.dtype
     for kind, dtype in (("adapters", s.adapter), ("norms", s.norm_dtype)):

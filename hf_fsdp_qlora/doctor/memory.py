@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..dtype_names import dtype_bytes
 from .setup import RunSetup
 from .shapes import ModelShape
 
@@ -44,7 +45,6 @@ RUNTIME_OVERHEAD = 1 * GIB
 FIT_FRACTION = 0.90
 BLOCKSIZE = 64  # bitsandbytes' 4-bit block size
 NESTED_BLOCKSIZE = 256
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1, "int8": 1, "float64": 8}
 PART_NAMES = (
     "base_quantized",
     "base_quant_state",
@@ -59,10 +59,6 @@ PART_NAMES = (
     "runtime_overhead",
 )
 _OFFLOADED = ("base_quantized", "base_other", "adapter", "gradients", "optimizer")
-
-
-def dtype_bytes(name: str) -> int:
-    return _BYTES[str(name).removeprefix("torch.")]
 
 
 def parse_gpu_memory(text) -> int:

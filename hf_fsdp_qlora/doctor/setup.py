@@ -15,6 +15,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..dtype_names import DTYPE_OF_MIXED_PRECISION
+from ..errors import SetupInputError
+
 __all__ = [
     "TRAINERS",
     "FsdpSettings",
@@ -26,11 +29,6 @@ __all__ = [
 ]
 
 TRAINERS = ("hf_fsdp_qlora", "transformers", "accelerate")
-_MIXED_PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
-
-
-class SetupInputError(ValueError):
-    """The doctor's input is unusable (not an accelerate config, unknown key, no config.json): exit status 2."""
 
 
 @dataclass
@@ -59,7 +57,7 @@ class FsdpSettings:
     @property
     def param_dtype(self) -> str | None:
         """FSDP's mixed-precision param dtype as accelerate sets it from ``mixed_precision`` (None: no cast)."""
-        return _MIXED_PRECISION_DTYPE.get(self.mixed_precision)
+        return DTYPE_OF_MIXED_PRECISION.get(self.mixed_precision)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..causal_lm import causal_lm_problem
 from .setup import SetupInputError
 
 __all__ = ["LinearShape", "ModelShape", "load_model_config", "model_shape"]
@@ -115,26 +116,11 @@ def load_model_config(model, trust_remote_code: bool = False):
 
 
 def _check_causal_lm(config, path) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    causal = set()
-    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        causal.update([names] if isinstance(names, str) else names)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    architectures = getattr(config, "architectures", None) or []
-    # The same rule as hf_fsdp_qlora.load_qlora_model: a saved BertModel has a causal class but no LM head.
-    # An encoder family (it has a masked-LM class: BERT, RoBERTa, ...) is a causal LM only when configured
-    # as a decoder; otherwise its "causal" class (BertLMHeadModel) attends both ways and nothing is ready.
-    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
-    if (
-        encoder
-        or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        or (architectures and not any(a in causal or a.endswith("ForCausalLM") for a in architectures))
-    ):
+    kind = causal_lm_problem(config)
+    if kind is not None:
         raise SetupInputError(
-            f"{path} describes a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'}), "
-            "which has no causal-LM head to fine-tune. Pass a causal language model's config (Llama, Qwen2, ...)."
+            f"{path} describes {kind}, which has no causal-LM head to fine-tune. Pass a causal language model's "
+            "config (Llama, Qwen2, ...)."
         )
 
 

@@ -15,7 +15,6 @@ Conv1D layers. Anything else (a Hub id, renamed or pre-quantized keys, ...) fall
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import collective_device
-from ..dtypes import _is_params4bit
+from ..dtypes import is_params4bit
 from ..rank_sync import agree_on_failure
 from ._transfer import (
     _FLAG_ATTR,
@@ -35,6 +34,7 @@ from ._transfer import (
     _row_bytes,
     _send_rows,
     _slots,
+    params4bit_fields,
 )
 
 __all__ = ["stream_plan", "stream_to_ranks"]
@@ -43,18 +43,19 @@ logger = logging.getLogger(__name__)
 
 
 def _checkpoint_entries(path) -> tuple[dict | None, str]:
-    from ..safetensors_io import read_header
+    from ..errors import MergeError
+    from ..safetensors_io import checkpoint_shards, read_header
 
     folder = Path(path)
     if not folder.is_dir():
         return None, f"{path} is not a local folder"
-    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif single.is_file():
-        files = [single.name]
-    else:
+    try:
+        found = checkpoint_shards(folder)
+    except MergeError as err:  # a broken index: the whole load reports it
+        return None, str(err)
+    if found is None:
         return None, "no safetensors checkpoint"
+    files = found[0]
     entries = {}
     for name in files:
         entries.update(read_header(folder / name)[0])
@@ -97,7 +98,7 @@ def stream_plan(model, path, dtype: torch.dtype, from_pretrained_kwargs: dict) -
             return {"entries": None, "reason": f"the checkpoint has no tensor {name}"}
         if tuple(entry.shape) != tuple(tensor.shape):
             return {"entries": None, "reason": f"{name} is {tuple(entry.shape)} in the checkpoint"}
-        if _is_params4bit(tensor) and (entry.torch_dtype != dtype or _transposed(module)):
+        if is_params4bit(tensor) and (entry.torch_dtype != dtype or _transposed(module)):
             return {"entries": None, "reason": f"{name} needs a conversion before quantizing"}
         wanted.add(name)
     unknown = sorted(set(entries) - wanted)
@@ -117,7 +118,7 @@ def _produce(name, module, local, is_param, entries, handles, dtype):
     if entry.path not in handles:
         handles[entry.path] = open(entry.path, "rb", buffering=0)  # noqa: SIM115 - closed by the caller
     raw = read_tensor(handles[entry.path], entry)
-    if _is_params4bit(tensor):
+    if is_params4bit(tensor):
         from bitsandbytes.nn import Params4bit
 
         # What transformers' bnb quantizer does with each checkpoint tensor (of the load dtype).
@@ -129,11 +130,8 @@ def _describe(tensor, is_param: bool, requires_grad: bool) -> dict:
     entry = {"param": is_param, "shape": tuple(tensor.shape), "dtype": tensor.dtype, "on_cpu": True}
     if is_param:
         entry["requires_grad"] = requires_grad  # as from_pretrained leaves it: the skeleton's
-    if _is_params4bit(tensor):
-        entry["params4bit"] = {
-            key: getattr(tensor, key)
-            for key in ("blocksize", "compress_statistics", "quant_type", "quant_storage", "quant_state")
-        }
+    if is_params4bit(tensor):
+        entry["params4bit"] = params4bit_fields(tensor)
     return entry
 
 

@@ -14,6 +14,15 @@ _ROWS_ATTR = "_hf_fsdp_qlora_received_bytes"  # on a module: {param name: (first
 _FLAG_ATTR = "_hf_fsdp_qlora_partial_rows"  # on the base model, every rank: partial rows were sent
 
 
+def params4bit_fields(tensor) -> dict:
+    """What rebuilds a 4-bit weight exactly on another rank: its Params4bit fields and the quant state object
+    itself (a few small tensors; pickling keeps every field exact)."""
+    return {
+        key: getattr(tensor, key)
+        for key in ("blocksize", "compress_statistics", "quant_type", "quant_storage", "quant_state")
+    }
+
+
 def _slots(model):
     """Every (qualified name, owning module, local name, is_parameter) in a fixed order, tied ones included."""
     for module_name, module in model.named_modules(remove_duplicate=False):

@@ -37,7 +37,7 @@ from ..distributed import (
     multi_process_launch,
     parallelism_config_requested,
 )
-from ..dtypes import _is_params4bit
+from ..dtypes import is_params4bit
 from ..rank_sync import agree_on_failure
 from ._transfer import (
     _FLAG_ATTR,
@@ -46,6 +46,7 @@ from ._transfer import (
     _receive_rows,
     _send_rows,
     _slots,
+    params4bit_fields,
 )
 
 __all__ = ["load_base_low_ram", "materialize_from_rank0", "verify_partial_rows"]
@@ -83,12 +84,8 @@ def _manifest(model) -> list[dict]:
         first_name.setdefault(id(tensor), name)
         if is_param:
             entry["requires_grad"] = tensor.requires_grad
-        if _is_params4bit(tensor):
-            # The quant state object itself (a few small tensors): pickling keeps every field exact.
-            entry["params4bit"] = {
-                key: getattr(tensor, key)
-                for key in ("blocksize", "compress_statistics", "quant_type", "quant_storage", "quant_state")
-            }
+        if is_params4bit(tensor):
+            entry["params4bit"] = params4bit_fields(tensor)
         entries.append(entry)
     return entries
 

@@ -8,6 +8,7 @@ import os
 import torch
 
 from .._bnb_cpu import disable_cpu_repack_in_model
+from ..causal_lm import causal_lm_problem
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype
 from ..errors import UnsupportedSetupError
@@ -52,19 +53,11 @@ def _load_config(model_name_or_path, trust_remote_code: bool):
 
 
 def _check_causal_lm(config) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    causal_classes = set()
-    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        causal_classes.update([names] if isinstance(names, str) else names)
-    architectures = config.architectures or []
-    # A saved BertModel has a model_type with a causal-LM class, but its weights have no LM head.
-    not_causal = architectures and not any(a in causal_classes or a.endswith("ForCausalLM") for a in architectures)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not_causal:
+    kind = causal_lm_problem(config)
+    if kind is not None:
         raise UnsupportedSetupError(
-            f"The model at this path is a {config.model_type!r} model ({', '.join(config.architectures or [])}), "
-            "which has no causal-LM head, so load_qlora_model cannot fine-tune it for text generation. Pass a "
-            "causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint)."
+            f"The model at this path is {kind}, which has no causal-LM head, so load_qlora_model cannot fine-tune "
+            "it for text generation. Pass a causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint)."
         )
 
 

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import torch
 
-from hf_fsdp_qlora.safetensors_io import TensorEntry, read_header
-from hf_fsdp_qlora.errors import MergeError, MergeUsageError
+from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.safetensors_io import INDEX_NAME, TensorEntry, checkpoint_shards, read_header
 
 __all__ = ["INDEX_NAME", "base_entries", "check_base_name", "quantized_keys", "tied_map"]
 
-INDEX_NAME = "model.safetensors.index.json"
 _INDEX = INDEX_NAME  # short local name
 
 
@@ -28,31 +27,13 @@ def base_entries(base: Path) -> dict[str, TensorEntry]:
     Raises:
         MergeError: no safetensors weights, a shard the index lists is missing, or a header is corrupted.
     """
-    if (base / _INDEX).is_file():
-        try:
-            index = json.loads((base / _INDEX).read_text())
-            weight_map = index["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise MergeUsageError(
-                f"{base / _INDEX} is corrupted ({type(err).__name__}: {err}); save or download the base model again"
-            ) from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise MergeUsageError(
-                f"{base / _INDEX}: weight_map is not an object of tensor name -> shard file "
-                f"(found {type(weight_map).__name__}); save or download the base model again"
-            )
-        if not weight_map:
-            raise MergeError(
-                f"{base / _INDEX} lists no tensors (empty weight_map): the base is incomplete; save or download it again"
-            )
-        files = sorted(set(weight_map.values()))
-    elif (base / "model.safetensors").is_file():
-        files, weight_map = ["model.safetensors"], None
-    else:
+    found = checkpoint_shards(base)
+    if found is None:
         raise MergeError(
             f"{base} has no safetensors weights (model.safetensors or {_INDEX}). Re-save the base with "
             "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE) and pass --base NEW_BASE."
         )
+    files, weight_map = found
     entries: dict[str, TensorEntry] = {}
     for name in files:
         if not (base / name).is_file():

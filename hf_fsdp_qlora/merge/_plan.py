@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_fsdp_qlora.errors import MergeError
 from hf_fsdp_qlora.merge._base_model import resized_vocab
 from hf_fsdp_qlora.merge._lora_math import TensorUpdate, apply_update, check_shape
-from hf_fsdp_qlora.safetensors_io import DTYPE_NAMES, TensorEntry, read_tensor
-from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.safetensors_io import DTYPE_NAMES, TORCH_DTYPES, TensorEntry, read_tensor
 
 __all__ = ["Item", "plan", "torch_dtype"]
 
@@ -48,7 +48,8 @@ class Item:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {v: k for k, v in DTYPE_NAMES.items()}[name]
+    """The torch dtype of a safetensors dtype code (``"BF16"`` -> ``torch.bfloat16``)."""
+    return TORCH_DTYPES[name]
 
 
 def _resolve_ties(entries, updates, tied, dtype_of, untie: bool, device) -> tuple[dict, dict]:

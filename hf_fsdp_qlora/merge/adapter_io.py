@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 
 from hf_fsdp_qlora.errors import MergeError, MergeUsageError
+from hf_fsdp_qlora.param_names import clean_name
 
 __all__ = ["LoadedAdapter", "find_distcp_dir", "load_adapter", "read_distcp", "write_adapter_files"]
 
 CONFIG_NAME = "adapter_config.json"
 _WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
-# Prefixes that wrappers add to parameter names and that peft's own save strips.
-_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 _LORA_NAMES = "lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector"
 _LORA_PARAM = re.compile(rf"\.({_LORA_NAMES})\.([^.]+)(\.|$)")
 # bitsandbytes 4-bit quant-state entries and other frozen base pieces a full model state dict carries.
@@ -44,9 +43,7 @@ class LoadedAdapter:
 
 
 def _strip_wrappers(key: str) -> str:
-    for part in _WRAPPER_PARTS:
-        key = key.replace(part, "")
-    return key.removeprefix("module.")  # DDP's wrapper, only ever at the front
+    return clean_name(key).removeprefix("module.")  # DDP's wrapper, only ever at the front
 
 
 def _read_config(path: Path) -> dict:

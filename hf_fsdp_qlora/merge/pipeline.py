@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from hf_fsdp_qlora.merge.adapter_io import load_adapter
+from hf_fsdp_qlora.dtype_names import FLOAT_NAMES
+from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 from hf_fsdp_qlora.merge._base_model import (
     INDEX_NAME,
     base_entries,
@@ -35,6 +36,7 @@ from hf_fsdp_qlora.merge._lora_math import (
     quantize_roundtrip,
 )
 from hf_fsdp_qlora.merge._plan import Item, plan, torch_dtype
+from hf_fsdp_qlora.merge.adapter_io import load_adapter
 from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir, check_output
 from hf_fsdp_qlora.safetensors_io import (
     OrderedWorker,
@@ -43,11 +45,10 @@ from hf_fsdp_qlora.safetensors_io import (
     plan_shards,
     read_tensor,
 )
-from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 
 __all__ = ["DTYPES", "MergeError", "MergeUsageError", "merge_adapters"]
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in FLOAT_NAMES}  # the output dtypes a merge writes
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|distcp)$|.*\.index\.json$")
 _TOKENIZER_FILE = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|chat_template\..*"

@@ -8,17 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ..param_names import clean_name
+
 __all__ = ["adapter_selection", "clean_name", "unsharded_fsdp1"]
-
-
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter name without FSDP1 / activation-checkpoint / compile wrapper segments."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def unsharded_fsdp1(model) -> bool:

@@ -17,16 +17,17 @@ from pathlib import Path
 
 import torch
 
+from ..distributed import is_main_process as main_process
+from ..errors import AdapterMismatchError
+from ..param_names import clean_name
+from ..rank_sync import agree_on_failure
 from ._adapter_select import (
     adapter_name_of,
     adapter_selection,
-    clean_name,
     gather_named,
     selection_of,
     unsharded_fsdp1,
 )
-from ..distributed import is_main_process as main_process
-from ..rank_sync import agree_on_failure
 
 __all__ = [
     "unwrap_peft_model",
@@ -165,10 +166,6 @@ def _write_adapter(peft_model, tensors: dict, output_dir: Path) -> None:
         config.base_model_name_or_path = getattr(peft_model.base_model.model, "name_or_path", None)
     config.save_pretrained(str(output_dir))
     os.replace(tmp, output_dir / ADAPTER_WEIGHTS)
-
-
-class AdapterMismatchError(ValueError):
-    """The adapter on disk was trained with a different configuration than the model it is loaded into."""
 
 
 def _lora_hint(adapter_dir: Path, peft_model, adapter_name: str) -> str:

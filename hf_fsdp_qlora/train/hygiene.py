@@ -22,6 +22,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from ..distributed import is_distributed
+from ..errors import DuplicateBatchesError, NoLabelsError
 
 __all__ = [
     "DistinctBatchesCallback",
@@ -35,14 +36,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class DuplicateBatchesError(RuntimeError):
-    """Every rank draws the same samples: the data is not split across ranks."""
-
-
-class NoLabelsError(ValueError):
-    """Every label of a training batch is -100: the model would train on nothing at loss 0."""
 
 
 def _input_ids(args, kwargs):

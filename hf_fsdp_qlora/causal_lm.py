@@ -1,0 +1,32 @@
+"""Is a transformers config a causal language model we can fine-tune? One rule for the loader and the doctor."""
+
+from __future__ import annotations
+
+__all__ = ["causal_lm_problem"]
+
+
+def causal_lm_problem(config) -> str | None:
+    """``None`` when `config` describes a causal LM with an LM head; otherwise what it is instead, for a message.
+
+    A saved ``BertModel`` has a model type with a causal-LM class but its weights have no LM head, so the saved
+    ``architectures`` must name a causal-LM class when they are given. An encoder family (one with a masked-LM
+    class: BERT, RoBERTa, ...) is a causal LM only when configured as a decoder; otherwise its "causal" class
+    (``BertLMHeadModel``) attends both ways.
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    causal = set()
+    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        causal.update([names] if isinstance(names, str) else names)
+    architectures = getattr(config, "architectures", None) or []
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if (
+        encoder
+        or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or (architectures and not any(a in causal or a.endswith("ForCausalLM") for a in architectures))
+    ):
+        return f"a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'})"
+    return None
