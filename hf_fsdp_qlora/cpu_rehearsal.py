@@ -29,16 +29,10 @@ import torch
 
 from .distributed import fsdp_requested_by_launch, started_by_launcher
 
-__all__ = ["enable_cpu_fsdp", "is_cpu_fsdp_enabled", "fsdp_requested_by_launch", "CPU_FSDP_UNSUPPORTED_OPTIONS"]
+__all__ = ["enable_cpu_fsdp", "fsdp_requested_by_launch"]
 
-# FullyShardedDataParallelPlugin.__post_init__ looks for an accelerator device when either is on and
-# raises "There are currently no available devices found". On CPU every rank loads the full model
-# and our trainer broadcasts what was freshly initialised, so neither is needed.
-CPU_FSDP_UNSUPPORTED_OPTIONS = ("sync_module_states", "cpu_ram_efficient_loading")
 
 _ENABLED = False
-
-
 
 
 def _fsdp_requested(fsdp_plugin=None) -> bool:
@@ -163,8 +157,3 @@ def _honour_use_cpu_in_training_arguments() -> None:
         original(self, *args, **kwargs)
 
     TrainingArguments.__post_init__ = __post_init__
-
-
-def is_cpu_fsdp_enabled() -> bool:
-    """Whether :func:`enable_cpu_fsdp` has been applied in this process."""
-    return _ENABLED

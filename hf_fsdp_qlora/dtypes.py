@@ -28,7 +28,6 @@ __all__ = [
     "quantization_kind",
     "quant_storage_dtype",
     "training_dtype",
-    "param_dtypes",
     "harmonize_dtypes",
     "view_packed_storage_as",
 ]
@@ -117,14 +116,6 @@ def training_dtype(model) -> torch.dtype:
         if param.is_floating_point() and not is_params4bit(param):
             return param.dtype
     return torch.float32
-
-
-def param_dtypes(model) -> dict[torch.dtype, int]:
-    """Count parameters by dtype (the packed 4-bit ones included, by their storage dtype)."""
-    counts: dict[torch.dtype, int] = {}
-    for param in model.parameters():
-        counts[param.dtype] = counts.get(param.dtype, 0) + 1
-    return counts
 
 
 def harmonize_dtypes(model, dtype: torch.dtype) -> list[str]:

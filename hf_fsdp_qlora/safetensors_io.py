@@ -198,8 +198,8 @@ _FLUSH_EVERY = 64 << 20
 
 
 def _write_all(fd: int, data) -> None:
-    # Page-sized-ish chunks (like cp): on the machine measured (ext4 in a VM), single writes of tens of MB were up to
-    # several times slower than the same bytes in 128 KiB writes.
+    # Page-sized-ish chunks, as cp writes: single writes of tens of MB can be several times slower than the same
+    # bytes in 128 KiB writes (benchmarks/merge.py measures the write path).
     view = memoryview(data).cast("B")
     while view:
         n = os.write(fd, view[:_WRITE_CHUNK])
@@ -238,9 +238,9 @@ class ShardWriter:
 
     def _wrote(self, nbytes: int) -> None:
         # Start writing back every _FLUSH_EVERY bytes instead of letting dirty pages pile up until the kernel
-        # throttles this writer and the final fsync: a 6 GB merge took 9 s without this and 5.5 s with it
-        # (2 cores, ext4 in a VM). DONTNEED also keeps the output from evicting the base shards from the page
-        # cache. Durability still comes from the fsync in close().
+        # throttles this writer and stalls the final fsync (benchmarks/merge.py shows the difference). DONTNEED
+        # also keeps the output from evicting the base shards from the page cache. Durability still comes from the
+        # fsync in close().
         self._end += nbytes
         if self._end - self._flushed >= _FLUSH_EVERY and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, self._flushed, self._end - self._flushed, os.POSIX_FADV_DONTNEED)

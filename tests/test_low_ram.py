@@ -96,7 +96,7 @@ def test_logits_equal_normal_load_bit_for_bit(run, name):
     dtype = training_dtype(model)
     view_packed_storage_as(model, dtype)
     harmonize_dtypes(model, dtype)
-    model.train()  # an eval-mode no_grad forward would repack the weights for the CPU kernel (FACTS)
+    model.train()  # an eval-mode no_grad forward would repack the weights for the CPU kernel (see hf_fsdp_qlora/_bnb_cpu.py)
     assert_first_logits_equal(model, out, name, results[0][name]["first_batch"], worker.BATCH)
 
 

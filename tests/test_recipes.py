@@ -213,7 +213,7 @@ def test_bare_import_rehearses_fsdp(tmp_path):
         "open(sys.argv[1] + f'/rank{acc.process_index}.json', 'w').write(json.dumps(found))\n"
         "acc.wait_for_everyone()\n"
         "acc.end_training()\n"
-        "import os; os._exit(0)  # skip gloo's teardown at exit, which sometimes aborts (FACTS)\n"
+        "import os; os._exit(0)  # skip gloo's teardown at exit, which sometimes aborts\n"
     )
     cmd = [
         str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "cpu_fsdp2_rehearsal.yaml"),

@@ -43,7 +43,7 @@ def _unsharded(models, arch, kind):
     dtype = training_dtype(model)
     view_packed_storage_as(model, dtype)  # the same bytes, re-typed: values cannot change
     harmonize_dtypes(model, dtype)
-    model.train()  # an eval-mode no_grad forward would repack the weights for the CPU kernel (FACTS)
+    model.train()  # an eval-mode no_grad forward would repack the weights for the CPU kernel (see hf_fsdp_qlora/_bnb_cpu.py)
     return model
 
 

@@ -176,7 +176,7 @@ def test_adapters_identical_without_a_seed(fsdp1_run, fsdp2_run):
         assert r0["init_checksum"] == r1["init_checksum"] == r0["checksum_before_trainer"]
 
 
-# The classic failures (exact upstream text from ../shared/FACTS.md), stock vs ours.
+# The classic failures (exact upstream error text, reproduced by the stock runs here), stock vs ours.
 @pytest.mark.parametrize(
     "stock,ours,upstream_text,our_error",
     [

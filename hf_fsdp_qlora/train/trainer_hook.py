@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-__all__ = ["install_trainer_hook", "adopted_class", "is_adopting_all"]
+__all__ = ["install_trainer_hook", "adopted_class"]
 
 _INSTALLED = False
 _ADOPT_ALL = False
@@ -47,11 +47,6 @@ def _has_our_callback(callbacks) -> bool:
     from .callbacks import FSDPQLoRACallback
 
     return any(isinstance(cb, FSDPQLoRACallback) or cb is FSDPQLoRACallback for cb in callbacks or ())
-
-
-def is_adopting_all() -> bool:
-    """Whether every Trainer built in this process gets our behaviour (``python -m hf_fsdp_qlora.run``)."""
-    return _ADOPT_ALL
 
 
 def install_trainer_hook(adopt_all: bool = False) -> None:
