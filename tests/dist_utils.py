@@ -131,6 +131,21 @@ def exit_worker(code: int = 0) -> None:
     os._exit(code)
 
 
+def finish_worker(out: Path, results: dict) -> None:
+    """End a 2-rank worker: this rank's `results` to ``out/rank{N}.json``, a barrier, the process group torn
+    down, and the process ended by :func:`exit_worker` (works for single-process torchrun-less runs too)."""
+    import json
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    exit_worker()
+
+
 def packed_digests(model, rank: int = 0, world: int | None = None) -> dict:
     """sha1 of each 4-bit weight's packed bytes and of every tensor/field of its quant state.
 
@@ -140,7 +155,7 @@ def packed_digests(model, rank: int = 0, world: int | None = None) -> dict:
 
     import torch
 
-    from hf_fsdp_qlora.loading.low_ram import _row_bytes
+    from hf_fsdp_qlora.loading._transfer import _row_bytes
 
     found = {}
     for name, param in model.named_parameters():

@@ -39,6 +39,22 @@ def test_not_a_causal_lm(not_causal):
         load_qlora_model(str(not_causal))
 
 
+def test_encoder_lm_head_is_not_a_causal_lm(tmp_path):
+    """A BERT saved with its "causal" head class but not configured as a decoder attends both ways: the loader
+    refuses it with the same rule as the doctor (hf_fsdp_qlora.causal_lm)."""
+    from transformers import BertConfig
+
+    from hf_fsdp_qlora.doctor.shapes import SetupInputError, load_model_config
+
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    cfg.architectures = ["BertLMHeadModel"]
+    cfg.save_pretrained(tmp_path / "bert_lm_head")
+    with pytest.raises(UnsupportedSetupError, match="'bert' model \\(BertLMHeadModel\\), which has no causal-LM head"):
+        load_qlora_model(str(tmp_path / "bert_lm_head"))
+    with pytest.raises(SetupInputError, match="no causal-LM head"):
+        load_model_config(tmp_path / "bert_lm_head")
+
+
 def test_lora_targets_match_nothing(llama):
     from peft import LoraConfig
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
+from dist_utils import finish_worker
 
 import hf_fsdp_qlora  # noqa: F401  (installs the CPU rehearsal hook)
 from hf_fsdp_qlora import FSDPQLoRATrainer
@@ -250,13 +251,8 @@ def main():
                              "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
         reset_accelerate()
         dist.barrier()
-    (out / f"rank{rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(out, results)  # results on disk, barrier, teardown, exit
 
 
 if __name__ == "__main__":
     main()
-    from dist_utils import exit_worker
-
-    exit_worker()

@@ -17,13 +17,13 @@ unsharded model to compute the expected losses, logits and tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import traceback
 from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
 import torch.distributed as dist
+from dist_utils import finish_worker
 
 # On CPUs with AVX512-BF16, bitsandbytes repacks every 4-bit weight in place at the first no-grad forward (an
 # evaluate() or generate()), after which the weights differ from the unsharded oracle's. Another change turns this
@@ -184,13 +184,8 @@ def main():
             print(f"[rank{rank()}] scenario {name} failed:\n{traceback.format_exc()}", flush=True)
         dist.barrier()
         reset_accelerate()
-    (out / f"rank{rank()}.json").write_text(json.dumps(results, indent=1, default=str))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(out, results)  # results on disk, barrier, teardown, exit
 
 
 if __name__ == "__main__":
     main()
-    from dist_utils import exit_worker
-
-    exit_worker()

@@ -26,7 +26,8 @@ def _build_model(path, kind):
     # (the fallback to streaming); the other ranks still receive only their rows.
     extra = {"device_map": {"": "cpu"}} if kind == "lowram_whole" else {}
     from hf_fsdp_qlora.errors import UnsupportedSetupError
-    from hf_fsdp_qlora.loading.low_ram import _FLAG_ATTR, _ROWS_ATTR, verify_partial_rows
+    from hf_fsdp_qlora.loading._transfer import _FLAG_ATTR, _ROWS_ATTR
+    from hf_fsdp_qlora.loading.low_ram import verify_partial_rows
 
     model = load_qlora_model(
         path, lora_config=base.lora_config(), gradient_checkpointing=False, low_cpu_ram=True, **extra

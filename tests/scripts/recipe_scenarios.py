@@ -16,13 +16,13 @@ Rank 0 writes what it found; the pytest side asserts.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import train_scenarios as ts
+from dist_utils import finish_worker
 from recipe_fixtures import build_chat_dataset, build_preference_dataset
 from transformers import TrainerCallback
 
@@ -211,13 +211,8 @@ def main():
     found = {"ln2": math.log(2)}
     for route in args.routes.split(","):
         run_route(route, path, data, out / route, args.fsdp_version, found)
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(found, default=str))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(out, found)  # results on disk, barrier, teardown, exit
 
 
 if __name__ == "__main__":
     main()
-    from dist_utils import exit_worker
-
-    exit_worker()

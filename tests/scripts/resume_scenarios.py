@@ -11,7 +11,6 @@ Modes:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 from pathlib import Path
@@ -19,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import train_scenarios as ts
+from dist_utils import finish_worker
+
 from hf_fsdp_qlora import load_qlora_model
 
 
@@ -87,13 +88,8 @@ def main():
         found["resumed_losses"] = t.losses
         found["global_step"] = t.state.global_step
         finish(t, version)
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(found))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(out, found)  # results on disk, barrier, teardown, exit
 
 
 if __name__ == "__main__":
     main()
-    from dist_utils import exit_worker
-
-    exit_worker()

@@ -9,13 +9,11 @@ rank<N>.json with the first logged metrics of every trainer.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import train_scenarios as ts
+from dist_utils import finish_worker
 
 import hf_fsdp_qlora  # noqa: F401  (CPU rehearsal hook before the configs build accelerate's state)
 from hf_fsdp_qlora import FSDPQLoRACallback, load_qlora_model
@@ -87,15 +85,8 @@ def main():
 
             found[kind] = {"error": "".join(traceback.format_exception(err))[-3000:]}
         ts.reset_accelerate()
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    (out / f"rank{rank}.json").write_text(json.dumps(found))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    finish_worker(out, found)  # results on disk, barrier, teardown, exit
 
 
 if __name__ == "__main__":
     main()
-    from dist_utils import exit_worker
-
-    exit_worker()

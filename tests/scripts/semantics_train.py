@@ -13,12 +13,12 @@ Scenarios (--scenarios a,b):
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import train_scenarios as ts
+from dist_utils import finish_worker
 
 import hf_fsdp_qlora  # noqa: F401  (CPU rehearsal hook before TrainingArguments)
 from hf_fsdp_qlora import load_qlora_model
@@ -205,13 +205,8 @@ def main():
 
             found[f"{scenario}_error"] = "".join(traceback.format_exception(err))[-4000:]
             ts.reset_accelerate()
-    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(found))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(out, found)  # results on disk, barrier, teardown, exit
 
 
 if __name__ == "__main__":
     main()
-    from dist_utils import exit_worker
-
-    exit_worker()

@@ -9,13 +9,13 @@ rank<N>.json with what it saw; the pytest side asserts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dist_utils import finish_worker
 from tiny_models import DECODER_LAYER
 
 import hf_fsdp_qlora  # noqa: F401  (installs the CPU rehearsal hook before TrainingArguments)
@@ -353,13 +353,8 @@ def main():
                              "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
             print(f"[rank{rank()}] scenario {name} failed:\n{traceback.format_exc()}", flush=True)
             reset_accelerate()
-    (out / f"rank{rank()}.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(out, results)  # results on disk, barrier, teardown, exit
 
 
 if __name__ == "__main__":
     main()
-    from dist_utils import exit_worker
-
-    exit_worker()
