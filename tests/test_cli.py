@@ -78,6 +78,15 @@ def test_help_and_parsing_do_not_import_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
+    # `python -m hf_fsdp_qlora.cli` is the umbrella command without the console scripts (tests/test_cuda.py).
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_fsdp_qlora.cli", "merge", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0 and "usage: hf-fsdp-qlora merge" in proc.stdout, proc.stderr
 
 
 class _Raises(Command):

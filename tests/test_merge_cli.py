@@ -146,3 +146,32 @@ def test_convert_fsdp_checkpoint_to_peft_adapter(setup, tmp_path, capsys):
     argv = [str(ckpt), "--output", str(tmp_path / "y"), "--adapter-config", str(adapter / "adapter_config.json")]
     rc = cli_main(["convert", *argv])
     assert rc == 0
+
+
+def test_convert_terminated_mid_write_leaves_nothing(setup, tmp_path):
+    # The real `convert`, stopped by SIGTERM after its first output file: exit 143, one line, and neither the
+    # output nor a partial folder beside it remains (AtomicOutputDir cleans up on the _Terminated exception).
+    base, adapter = setup
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    _fsdp_checkpoint(base, adapter, ckpt, adapter_only=False)
+    out = tmp_path / "run" / "converted"
+    code = (
+        "import os, signal, sys\n"
+        "import hf_fsdp_qlora._adapter_io as io\n"
+        "def write_then_die(adapter, folder):\n"
+        "    (folder / 'adapter_config.json').write_text('{}')\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "io.write_adapter_files = write_then_die\n"
+        "from hf_fsdp_qlora.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "convert", str(ckpt), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "hf-fsdp-qlora convert: terminated; no output was written"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-2"]
