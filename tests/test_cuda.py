@@ -123,7 +123,7 @@ def test_shipped_gpu_config_trains_and_merges_on_cuda(demo_model, tmp_path, conf
     assert last < first - 0.5, f"the loss did not fall: {first} -> {last}"
     assert (adapter / "adapter_model.safetensors").is_file()
 
-    cmd = [sys.executable, "-m", "hf_fsdp_qlora.cli.merge", "--base", str(demo_model), "--adapter", str(adapter),
+    cmd = [sys.executable, "-m", "hf_fsdp_qlora.cli", "merge", "--base", str(demo_model), "--adapter", str(adapter),
            "--output", str(merged), "--device", "cuda", "--no-progress"]  # fmt: skip
     merge = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=str(REPO))
     assert merge.returncode == 0, merge.stderr[-3000:]

@@ -1,8 +1,8 @@
 """Issue 13: `merge-adapters` and `convert` never destroy user data, and every bad input is a clear error.
 
-Each destructive attempt runs the real command (`main(argv)`, in-process) in a folder holding a base, an
-adapter, an FSDP checkpoint and unrelated files, and the content digest of that whole folder must be the
-same afterwards: exit 2, one line on stderr, nothing touched.
+Each destructive attempt runs the real command (its console script's function, in-process) in a folder
+holding a base, an adapter, an FSDP checkpoint and unrelated files, and the content digest of that whole
+folder must be the same afterwards: exit 2, one line on stderr, nothing touched.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 from test_merge import _fsdp_checkpoint, make_adapter, peft_merged, read_output
 from tiny_models import build_tiny_model
 
-from hf_fsdp_qlora.cli import convert as convert_cli
-from hf_fsdp_qlora.cli import merge as merge_cli
-from hf_fsdp_qlora.merge.pipeline import merge_adapters
+from hf_fsdp_qlora.cli.main import main as cli_main
+from hf_fsdp_qlora.cli.main import merge_adapters_main
+from hf_fsdp_qlora.merge import merge_adapters
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -128,7 +128,7 @@ def test_merge_refuses_and_touches_nothing(world, case, capsys, monkeypatch):
     monkeypatch.setenv("HOME", str(world / "home"))
     build, messages = DESTRUCTIVE[case]
     before = tree_digest(world)
-    rc = merge_cli.main(build(world))
+    rc = merge_adapters_main(build(world))
     print(case, _refused(capsys, world, rc, *messages))
     assert tree_digest(world) == before
 
@@ -147,7 +147,7 @@ def test_convert_refuses_and_touches_nothing(world, output, message, capsys):
     real = world / "real"
     out = output.format(ckpt=real / "checkpoint-3", real=real, alias=world / "alias")
     before = tree_digest(world)
-    rc = convert_cli.main([str(real / "checkpoint-3"), "--output", out, "--force"])
+    rc = cli_main(["convert", str(real / "checkpoint-3"), "--output", out, "--force"])
     print(output, _refused(capsys, world, rc, message))
     assert tree_digest(world) == before
 
@@ -155,23 +155,23 @@ def test_convert_refuses_and_touches_nothing(world, output, message, capsys):
 def test_force_replaces_only_an_earlier_output_that_holds_nothing_else(world, tmp_path, capsys):
     real = world / "real"
     out = tmp_path / "merged"
-    assert merge_cli.main(_merge(world, "--output", str(out))) == 0
+    assert merge_adapters_main(_merge(world, "--output", str(out))) == 0
     marker = json.loads((out / ".hf-fsdp-qlora-output.json").read_text())
     assert set(marker["files"]) == {p.name for p in out.iterdir()} - {".hf-fsdp-qlora-output.json"}
-    assert merge_cli.main(_merge(world, "--output", str(out), "--force")) == 0  # our own output: replaced
+    assert merge_adapters_main(_merge(world, "--output", str(out), "--force")) == 0  # our own output: replaced
     (out / "my-eval-results.txt").write_text("keep me")
     before = tree_digest(tmp_path)
-    rc = merge_cli.main(_merge(world, "--output", str(out), "--force"))
+    rc = merge_adapters_main(_merge(world, "--output", str(out), "--force"))
     _refused(capsys, world, rc, "also holds my-eval-results.txt")
     assert tree_digest(tmp_path) == before
     (tmp_path / "empty").mkdir()  # an empty folder holds nothing to lose
-    assert merge_cli.main(_merge(world, "--output", str(tmp_path / "empty"), "--force")) == 0
+    assert merge_adapters_main(_merge(world, "--output", str(tmp_path / "empty"), "--force")) == 0
     ours, ref = read_output(tmp_path / "empty"), peft_merged(real / "base", real / "ad")
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ours)
     # convert's output is marked too, and --force replaces it
     conv = tmp_path / "converted"
-    assert convert_cli.main([str(real / "checkpoint-3"), "--output", str(conv)]) == 0
-    assert convert_cli.main([str(real / "checkpoint-3"), "--output", str(conv), "--force"]) == 0
+    assert cli_main(["convert", str(real / "checkpoint-3"), "--output", str(conv)]) == 0
+    assert cli_main(["convert", str(real / "checkpoint-3"), "--output", str(conv), "--force"]) == 0
     assert (conv / ".hf-fsdp-qlora-output.json").is_file()
 
 
@@ -349,7 +349,7 @@ def test_bad_input_is_one_clear_line(world, case, tmp_path, capsys):
     argv += ["--no-progress", *extra]  # later options win
     before = tree_digest(world)
     capsys.readouterr()
-    rc = merge_cli.main(argv)
+    rc = merge_adapters_main(argv)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     print(case, rc, lines[-1] if lines else "")
@@ -358,7 +358,7 @@ def test_bad_input_is_one_clear_line(world, case, tmp_path, capsys):
         assert message in lines[0], lines[0]
     assert not (tmp_path / "out").exists() and tree_digest(world) == before
     if case == "mistral_adapter_on_llama_base":  # the user says so: merged
-        assert merge_cli.main([*argv, "--allow-other-base"]) == 0
+        assert merge_adapters_main([*argv, "--allow-other-base"]) == 0
 
 
 def test_distcp_without_config_advice_works_for_merge_and_convert(world, tmp_path, capsys):
@@ -366,12 +366,12 @@ def test_distcp_without_config_advice_works_for_merge_and_convert(world, tmp_pat
     ckpt = Path(shutil.copytree(real / "checkpoint-3", tmp_path / "checkpoint-3"))
     (ckpt / "adapter_config.json").unlink()
     argv = ["--base", str(real / "base"), "--adapter", str(ckpt), "--output", str(tmp_path / "out"), "--no-progress"]
-    assert merge_cli.main(argv) == 1
+    assert merge_adapters_main(argv) == 1
     err = capsys.readouterr().err
     print(err.strip())
     assert "--adapter-config" in err and "merge-adapters and hf-fsdp-qlora convert both take it" in err
     # the option the advice names exists, for both commands
-    assert merge_cli.main([*argv, "--adapter-config", str(real / "ad" / "adapter_config.json")]) == 0
+    assert merge_adapters_main([*argv, "--adapter-config", str(real / "ad" / "adapter_config.json")]) == 0
     conv = [
         str(ckpt),
         "--output",
@@ -379,12 +379,12 @@ def test_distcp_without_config_advice_works_for_merge_and_convert(world, tmp_pat
         "--adapter-config",
         str(real / "ad" / "adapter_config.json"),
     ]
-    assert convert_cli.main(conv) == 0
+    assert cli_main(["convert", *conv]) == 0
 
 
 def test_convert_of_a_checkpoint_without_adapter_does_not_say_run_convert(world, tmp_path, capsys):
     ckpt = _empty_fsdp_checkpoint(world, tmp_path)
-    assert convert_cli.main([str(ckpt), "--output", str(tmp_path / "conv")]) == 1
+    assert cli_main(["convert", str(ckpt), "--output", str(tmp_path / "conv")]) == 1
     err = capsys.readouterr().err.strip()
     print(err)
     assert "holds no adapter tensors" in err and "hf-fsdp-qlora convert CHECKPOINT" not in err

@@ -103,7 +103,7 @@ _DRIVER = r"""
 import os, signal, sys
 import hf_fsdp_qlora.merge.output_dir as od
 import hf_fsdp_qlora.safetensors_io as io
-from hf_fsdp_qlora.cli import merge as merge_cli
+from hf_fsdp_qlora.cli.main import merge_adapters_main
 
 point = sys.argv[1]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
@@ -134,7 +134,7 @@ elif point == "between_renames":  # a filesystem without RENAME_EXCHANGE: output
         if ".old-" in os.fspath(dst):
             die()
     os.rename = rename
-sys.exit(merge_cli.main(sys.argv[2:]))
+sys.exit(merge_adapters_main(sys.argv[2:]))
 """
 
 

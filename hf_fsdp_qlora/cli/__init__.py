@@ -1,1 +1,2 @@
-"""Command-line entry points. Each command is a small module; heavy imports wait until it runs."""
+"""Command-line entry points: each command is a `Command` (see `_command.py`) in its own module, registered in
+`main.py`; heavy imports wait until a command runs."""

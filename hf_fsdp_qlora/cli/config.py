@@ -13,49 +13,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from hf_fsdp_qlora.cli._command import Command, CommandError
 from hf_fsdp_qlora.configs import config_path, list_configs
 
-__all__ = ["register", "run"]
-
-_DESCRIPTION = """\
-Print the absolute path of a shipped accelerate config file, for `accelerate launch --config_file`.
-Every file opens with a comment giving its exact launch command and why each non-obvious setting is set."""
-
-_EPILOG = """\
-examples:
-  accelerate launch --config_file "$(hf-fsdp-qlora config fsdp2_qlora)" train.py
-  hf-fsdp-qlora config --list                # names and one-line descriptions
-  hf-fsdp-qlora config --show fsdp2_qlora    # print the file (copy it to edit it)
-  hf-fsdp-qlora config --show fsdp2_qlora_multinode > multinode.yaml"""
-
-
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add the ``config`` subcommand to the umbrella ``hf-fsdp-qlora`` parser.
-
-    Args:
-        subparsers: The object returned by ``ArgumentParser.add_subparsers()``.
-
-    Returns:
-        The ``config`` subparser.
-    """
-    parser = subparsers.add_parser(
-        "config",
-        help="Path, list or contents of the shipped accelerate FSDP configs.",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument(
-        "name",
-        nargs="?",
-        metavar="NAME",
-        help="config to locate, e.g. fsdp2_qlora (the .yaml suffix is optional); prints only its absolute path",
-    )
-    what.add_argument("--list", action="store_true", help="list the available configs with a one-line description")
-    what.add_argument("--show", metavar="NAME", help="print the contents of config NAME")
-    parser.set_defaults(func=run)
-    return parser
+__all__ = ["ConfigCommand"]
 
 
 def _description(path: Path) -> str:
@@ -65,30 +26,46 @@ def _description(path: Path) -> str:
     return first.lstrip("#").strip() if first.startswith("#") else ""
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``hf-fsdp-qlora config`` with parsed arguments.
+class ConfigCommand(Command):
+    name = "config"
+    help = "Path, list or contents of the shipped accelerate FSDP configs."
+    description = """\
+Print the absolute path of a shipped accelerate config file, for `accelerate launch --config_file`.
+Every file opens with a comment giving its exact launch command and why each non-obvious setting is set."""
+    epilog = """\
+examples:
+  accelerate launch --config_file "$(hf-fsdp-qlora config fsdp2_qlora)" train.py
+  hf-fsdp-qlora config --list                # names and one-line descriptions
+  hf-fsdp-qlora config --show fsdp2_qlora    # print the file (copy it to edit it)
+  hf-fsdp-qlora config --show fsdp2_qlora_multinode > multinode.yaml"""
 
-    Args:
-        args: Namespace with ``name``, ``list`` and ``show`` (exactly one set).
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        what = parser.add_mutually_exclusive_group(required=True)
+        what.add_argument(
+            "name",
+            nargs="?",
+            metavar="NAME",
+            help="config to locate, e.g. fsdp2_qlora (the .yaml suffix is optional); prints only its absolute path",
+        )
+        what.add_argument("--list", action="store_true", help="list the available configs with a one-line description")
+        what.add_argument("--show", metavar="NAME", help="print the contents of config NAME")
 
-    Returns:
-        0 on success, 2 for an unknown config name (the message on stderr lists the available ones).
-    """
-    if args.list:
-        names = list_configs()
-        width = max(map(len, names), default=0)
-        for name in names:
-            print(f"{name:<{width}}  {_description(config_path(name))}")
+    def run(self, args: argparse.Namespace) -> int:
+        """0 on success; an unknown name is a usage error (2) whose message lists the available configs."""
+        if args.list:
+            names = list_configs()
+            width = max(map(len, names), default=0)
+            for name in names:
+                print(f"{name:<{width}}  {_description(config_path(name))}")
+            return 0
+        name = args.show if args.show is not None else args.name
+        try:
+            path = config_path(name)
+        except ValueError as err:
+            raise CommandError(str(err)) from err
+        if args.show is not None:
+            sys.stdout.write(path.read_text(encoding="utf-8"))
+        else:
+            # Only the path on stdout, so that `$(hf-fsdp-qlora config NAME)` can be passed to accelerate as is.
+            print(path)
         return 0
-    name = args.show if args.show is not None else args.name
-    try:
-        path = config_path(name)
-    except ValueError as err:
-        print(f"hf-fsdp-qlora config: error: {err}", file=sys.stderr)
-        return 2
-    if args.show is not None:
-        sys.stdout.write(path.read_text(encoding="utf-8"))
-    else:
-        # Only the path on stdout, so that `$(hf-fsdp-qlora config NAME)` can be passed to accelerate as is.
-        print(path)
-    return 0

@@ -14,34 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-__all__ = ["build_parser", "main", "register", "run"]
+from hf_fsdp_qlora.cli._command import Command, CommandError
+from hf_fsdp_qlora.cli._options import FLOAT_DTYPES, dtype_type
 
-_DESCRIPTION = """\
-Check a QLoRA/FSDP setup before launch: every known inconsistency (dtypes, 8-bit or integer 4-bit storage
-under FSDP, use_orig_params, device maps, activation checkpointing, wrap classes, loading, checkpoint timeouts)
-with the setting to change and the value to use, and how much memory each GPU needs."""
+__all__ = ["DoctorCommand"]
 
-_EPILOG = """\
-examples:
-  hf-fsdp-qlora doctor --accelerate-config fsdp2_qlora --model ./Llama-3.1-8B --load-in-4bit --gpu-memory 24GB
-  hf-fsdp-qlora doctor --accelerate-config llamaguard3_1b_1x24gb --model ./Llama-Guard-3-1B --full-finetune \\
-      --gpu-memory 24GB --json
-
---model takes a model directory or its config.json; no weight is read. Memory sizes: 80GB = 80GiB (GPUs are
-sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error."""
-
-_DTYPES = ("bfloat16", "float16", "float32")
-_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-
-
-def _dtype(value: str) -> str:
-    name = value.lower().removeprefix("torch.")
-    name = _ALIASES.get(name, name)
-    if name not in _DTYPES + ("uint8", "int8"):
-        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: use bfloat16, float16, float32 or uint8")
-    return name
+# uint8/int8 are accepted so that the integer 4-bit storage that FSDP cannot shard can be diagnosed.
+_dtype = dtype_type(FLOAT_DTYPES + ("uint8", "int8"))
 
 
 def _positive(value: str) -> int:
@@ -59,101 +39,6 @@ def _size(value: str) -> int:
         return parse_gpu_memory(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r} is not a memory size (e.g. 80GB, 24GiB, 40960MiB)") from None
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--accelerate-config",
-        required=True,
-        metavar="YAML",
-        help="accelerate config file, or a shipped config name (hf-fsdp-qlora config --list)",
-    )
-    parser.add_argument("--model", required=True, metavar="PATH", help="model directory or its config.json")
-    quant = parser.add_mutually_exclusive_group()
-    quant.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base + LoRA")
-    quant.add_argument("--load-in-8bit", action="store_true", help="8-bit base + LoRA (cannot be sharded by FSDP)")
-    quant.add_argument("--full-finetune", action="store_true", help="train every weight: no quantization, no LoRA")
-    parser.add_argument("--dtype", type=_dtype, default="bfloat16", help="dtype of the base model (default bfloat16)")
-    parser.add_argument("--quant-storage", type=_dtype, help="bnb_4bit_quant_storage (default: --dtype)")
-    parser.add_argument("--compute-dtype", type=_dtype, help="bnb_4bit_compute_dtype (default: --dtype)")
-    parser.add_argument(
-        "--adapter-dtype",
-        type=_dtype,
-        help="LoRA weights' dtype (default: --dtype with --trainer hf_fsdp_qlora, else float32: "
-        "peft's autocast_adapter_dtype=True)",
-    )
-    parser.add_argument(
-        "--kbit-prep", action="store_true", help="prepare_model_for_kbit_training is called (fp32 norms)"
-    )
-    parser.add_argument("--no-double-quant", action="store_true", help="bnb_4bit_use_double_quant=False")
-    parser.add_argument("--lora-r", type=_positive, default=16, help="LoRA rank (default 16)")
-    parser.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA dropout (default 0.05)")
-    parser.add_argument("--lora-target-modules", default="all-linear", help="'all-linear' or comma-separated names")
-    parser.add_argument(
-        "--trainer",
-        choices=("hf_fsdp_qlora", "transformers", "accelerate"),
-        default="hf_fsdp_qlora",
-        help="who runs the loop: our trainers (default), a stock transformers/trl Trainer, or a plain accelerate loop",
-    )
-    parser.add_argument("--seq-len", type=_positive, default=2048, help="tokens per sample (default 2048)")
-    parser.add_argument("--batch-size", type=_positive, default=1, help="per_device_train_batch_size (default 1)")
-    parser.add_argument("--eval-batch-size", type=_positive, help="per_device_eval_batch_size")
-    parser.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="TrainingArguments.activation_checkpointing (formerly gradient_checkpointing) is on",
-    )
-    parser.add_argument(
-        "--model-checkpointing",
-        action="store_true",
-        help="activation checkpointing is enabled on the model itself, e.g. by load_qlora_model (its default)",
-    )
-    parser.add_argument("--attn-implementation", choices=("sdpa", "flash_attention_2", "eager"), default="sdpa")
-    parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit", "sgd"), default="adamw")
-    parser.add_argument(
-        "--mixed-precision",
-        choices=("no", "bf16", "fp16"),
-        help="override the config's mixed_precision, as TrainingArguments(bf16=True) does",
-    )
-    parser.add_argument("--gpu-memory", type=_size, help="memory of one GPU, e.g. 80GB (enables the verdict)")
-    parser.add_argument("--num-gpus", type=_positive, help="GPUs in all (default: the config's num_processes)")
-    parser.add_argument("--device-map", help="from_pretrained(device_map=...): auto, balanced, sequential, ...")
-    parser.add_argument(
-        "--timeout-minutes",
-        type=float,
-        default=30.0,
-        help="collective timeout (TrainingArguments.ddp_timeout / 60; default 30)",
-    )
-    parser.add_argument("--save-steps", type=_positive, default=500, help="checkpoint every N steps (0: never)")
-    parser.add_argument("--save-only-model", action="store_true", help="checkpoints without optimizer state")
-    parser.add_argument(
-        "--write-speed",
-        type=float,
-        default=200.0,
-        metavar="MB_S",
-        help="checkpoint write speed per writer in MB/s (default 200, a network filesystem)",
-    )
-    parser.add_argument("--padding", choices=("longest", "max_length"), default="longest")
-    parser.add_argument("--packing", action="store_true", help="samples are packed into full sequences")
-    parser.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
-
-
-def register(subparsers) -> argparse.ArgumentParser:
-    """Add the ``doctor`` subcommand to the umbrella ``hf-fsdp-qlora`` parser."""
-    parser = subparsers.add_parser(
-        "doctor", help="Check a QLoRA/FSDP setup and plan its memory, before launch.", description=_DESCRIPTION,
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    _add_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-fsdp-qlora doctor", description=_DESCRIPTION, epilog=_EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    _add_arguments(parser)
-    return parser
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -218,29 +103,115 @@ def _impossible(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``hf-fsdp-qlora doctor``: print the report; 0 no error, 1 errors, 2 usage error."""
-    problem = _impossible(args)
-    if problem:
-        print(f"hf-fsdp-qlora doctor: error: {problem}", file=sys.stderr)
-        return 2
-    from hf_fsdp_qlora.doctor import SetupInputError, diagnose, render, to_json
+class DoctorCommand(Command):
+    name = "doctor"
+    help = "Check a QLoRA/FSDP setup and plan its memory, before launch."
+    description = """\
+Check a QLoRA/FSDP setup before launch: every known inconsistency (dtypes, 8-bit or integer 4-bit storage
+under FSDP, use_orig_params, device maps, activation checkpointing, wrap classes, loading, checkpoint timeouts)
+with the setting to change and the value to use, and how much memory each GPU needs."""
+    epilog = """\
+examples:
+  hf-fsdp-qlora doctor --accelerate-config fsdp2_qlora --model ./Llama-3.1-8B --load-in-4bit --gpu-memory 24GB
+  hf-fsdp-qlora doctor --accelerate-config llamaguard3_1b_1x24gb --model ./Llama-Guard-3-1B --full-finetune \\
+      --gpu-memory 24GB --json
 
-    try:
-        diagnosis = diagnose(args.model, accelerate_config=args.accelerate_config, **_settings(args))
-    except SetupInputError as err:
-        print(f"hf-fsdp-qlora doctor: error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(to_json(diagnosis), indent=2))
-    else:
-        print(render(diagnosis))
-    return diagnosis.exit_code
+--model takes a model directory or its config.json; no weight is read. Memory sizes: 80GB = 80GiB (GPUs are
+sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error."""
 
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--accelerate-config",
+            required=True,
+            metavar="YAML",
+            help="accelerate config file, or a shipped config name (hf-fsdp-qlora config --list)",
+        )
+        parser.add_argument("--model", required=True, metavar="PATH", help="model directory or its config.json")
+        quant = parser.add_mutually_exclusive_group()
+        quant.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base + LoRA")
+        quant.add_argument("--load-in-8bit", action="store_true", help="8-bit base + LoRA (cannot be sharded by FSDP)")
+        quant.add_argument("--full-finetune", action="store_true", help="train every weight: no quantization, no LoRA")
+        parser.add_argument(
+            "--dtype", type=_dtype, default="bfloat16", help="dtype of the base model (default bfloat16)"
+        )
+        parser.add_argument("--quant-storage", type=_dtype, help="bnb_4bit_quant_storage (default: --dtype)")
+        parser.add_argument("--compute-dtype", type=_dtype, help="bnb_4bit_compute_dtype (default: --dtype)")
+        parser.add_argument(
+            "--adapter-dtype",
+            type=_dtype,
+            help="LoRA weights' dtype (default: --dtype with --trainer hf_fsdp_qlora, else float32: "
+            "peft's autocast_adapter_dtype=True)",
+        )
+        parser.add_argument(
+            "--kbit-prep", action="store_true", help="prepare_model_for_kbit_training is called (fp32 norms)"
+        )
+        parser.add_argument("--no-double-quant", action="store_true", help="bnb_4bit_use_double_quant=False")
+        parser.add_argument("--lora-r", type=_positive, default=16, help="LoRA rank (default 16)")
+        parser.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA dropout (default 0.05)")
+        parser.add_argument(
+            "--lora-target-modules", default="all-linear", help="'all-linear' or comma-separated names"
+        )
+        parser.add_argument(
+            "--trainer",
+            choices=("hf_fsdp_qlora", "transformers", "accelerate"),
+            default="hf_fsdp_qlora",
+            help="who runs the loop: our trainers (default), a stock transformers/trl Trainer, or a plain accelerate loop",
+        )
+        parser.add_argument("--seq-len", type=_positive, default=2048, help="tokens per sample (default 2048)")
+        parser.add_argument("--batch-size", type=_positive, default=1, help="per_device_train_batch_size (default 1)")
+        parser.add_argument("--eval-batch-size", type=_positive, help="per_device_eval_batch_size")
+        parser.add_argument(
+            "--gradient-checkpointing",
+            action="store_true",
+            help="TrainingArguments.activation_checkpointing (formerly gradient_checkpointing) is on",
+        )
+        parser.add_argument(
+            "--model-checkpointing",
+            action="store_true",
+            help="activation checkpointing is enabled on the model itself, e.g. by load_qlora_model (its default)",
+        )
+        parser.add_argument("--attn-implementation", choices=("sdpa", "flash_attention_2", "eager"), default="sdpa")
+        parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit", "sgd"), default="adamw")
+        parser.add_argument(
+            "--mixed-precision",
+            choices=("no", "bf16", "fp16"),
+            help="override the config's mixed_precision, as TrainingArguments(bf16=True) does",
+        )
+        parser.add_argument("--gpu-memory", type=_size, help="memory of one GPU, e.g. 80GB (enables the verdict)")
+        parser.add_argument("--num-gpus", type=_positive, help="GPUs in all (default: the config's num_processes)")
+        parser.add_argument("--device-map", help="from_pretrained(device_map=...): auto, balanced, sequential, ...")
+        parser.add_argument(
+            "--timeout-minutes",
+            type=float,
+            default=30.0,
+            help="collective timeout (TrainingArguments.ddp_timeout / 60; default 30)",
+        )
+        parser.add_argument("--save-steps", type=_positive, default=500, help="checkpoint every N steps (0: never)")
+        parser.add_argument("--save-only-model", action="store_true", help="checkpoints without optimizer state")
+        parser.add_argument(
+            "--write-speed",
+            type=float,
+            default=200.0,
+            metavar="MB_S",
+            help="checkpoint write speed per writer in MB/s (default 200, a network filesystem)",
+        )
+        parser.add_argument("--padding", choices=("longest", "max_length"), default="longest")
+        parser.add_argument("--packing", action="store_true", help="samples are packed into full sequences")
+        parser.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
 
-def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    def run(self, args: argparse.Namespace) -> int:
+        """Print the report; 0 no error, 1 errors found, 2 usage error."""
+        problem = _impossible(args)
+        if problem:
+            raise CommandError(problem)
+        from hf_fsdp_qlora.doctor import SetupInputError, diagnose, render, to_json
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+        try:
+            diagnosis = diagnose(args.model, accelerate_config=args.accelerate_config, **_settings(args))
+        except SetupInputError as err:  # not an accelerate config, an unknown key, no config.json
+            raise CommandError(str(err)) from err
+        if args.json:
+            print(json.dumps(to_json(diagnosis), indent=2))
+        else:
+            print(render(diagnosis))
+        return diagnosis.exit_code

@@ -1,51 +1,56 @@
-"""`hf-fsdp-qlora`: the umbrella command. Each subcommand lives in its own module under `cli/`."""
+"""The console scripts: `hf-fsdp-qlora COMMAND` and `merge-adapters` (the `merge` command on its own).
+
+Each command is a `Command` in its own module under `cli/`; this module only lists them, builds the parser
+and hands the chosen one to `run_command`, which reports its errors.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 
-# name -> module under hf_fsdp_qlora.cli exposing `register(subparsers)`; the module's `run(args)`
-# is what the subcommand calls. Modules are imported only to build the parser (cheap: they import
-# torch/transformers lazily inside `run`).
-_COMMANDS = {
-    "config": "config",
-    "merge": "merge",
-    "convert": "convert",
-    "doctor": "doctor",
-}
+from hf_fsdp_qlora import __version__
+from hf_fsdp_qlora.cli._command import UMBRELLA, Command, run_command
+from hf_fsdp_qlora.cli.config import ConfigCommand
+from hf_fsdp_qlora.cli.convert import ConvertCommand
+from hf_fsdp_qlora.cli.doctor import DoctorCommand
+from hf_fsdp_qlora.cli.merge import MergeCommand
+
+__all__ = ["COMMANDS", "build_parser", "main", "merge_adapters_main"]
+
+# In the order `hf-fsdp-qlora --help` lists them.
+COMMANDS: tuple[Command, ...] = (ConfigCommand(), MergeCommand(), ConvertCommand(), DoctorCommand())
+
+
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="hf-fsdp-qlora",
+        prog=UMBRELLA,
         description="QLoRA fine-tuning under FSDP with the Hugging Face stack: shipped accelerate configs, "
         "adapter merging and more.",
     )
-    from hf_fsdp_qlora import __version__
-
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _add_version(parser)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in _COMMANDS.items():
-        try:
-            module = importlib.import_module(f"hf_fsdp_qlora.cli.{module_name}")
-        except ModuleNotFoundError as err:  # a command not written yet in this checkout
-            if err.name != f"hf_fsdp_qlora.cli.{module_name}":
-                raise
-            continue
-        module.register(subparsers)
+    for command in COMMANDS:
+        command.register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`hf-fsdp-qlora`: returns the exit status (2 and the overview when no command is given)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
+    if args.command is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    return run_command(args.cli_command, args)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def merge_adapters_main(argv: list[str] | None = None) -> int:
+    """`merge-adapters`: the `merge` command under its own name, as users of the merge alone know it."""
+    command = MergeCommand()
+    parser = command.standalone_parser(prog=command.prog)
+    _add_version(parser)
+    return run_command(command, parser.parse_args(argv))
