@@ -476,3 +476,31 @@ def test_launched_stock_canaries(launched):
         assert found["sharded_merge"]["save_error"] == (
             "RuntimeError: Attempted to access the data pointer on an invalid python storage."
         ), found["sharded_merge"]
+
+
+# ---------------------------------------------------------------- library errors name parameters, the CLI flags
+
+
+def test_cli_shows_its_flags_for_the_parameters_library_errors_name():
+    from hf_fsdp_qlora.cli._flags import cli_message
+    from hf_fsdp_qlora.cli.convert import convert_command_parser
+    from hf_fsdp_qlora.cli.doctor import build_parser as doctor_parser
+    from hf_fsdp_qlora.cli.merge import merge_command_parser
+    from hf_fsdp_qlora.doctor import diagnose
+    from hf_fsdp_qlora.merge import merge_adapters
+
+    names = {"base", "force", "dequantize", "output"}
+    text = "`output` /x already exists. Pass `force=True`; pass `base` (and `dequantize='nf4'`); `seq_len` stays"
+    assert cli_message(text, names) == (
+        "--output /x already exists. Pass --force; pass --base (and --dequantize nf4); `seq_len` stays"
+    )
+    # every parameter a library message may name has the option cli_message writes for it
+    for parser, func in ((merge_command_parser(), merge_adapters), (doctor_parser(), diagnose)):
+        options = {o for action in parser._actions for o in action.option_strings}
+        params = [p for p in _params(func) if p not in ("base", "adapter", "output", "model", "settings")]
+        params += ["base", "adapter", "output"] if func is merge_adapters else []
+        inverted = {"double_quant", "progress", "fsdp_plugin"}  # --no-double-quant, --no-progress; Python only
+        missing = [p for p in params if p not in inverted and cli_message(f"`{p}`", {p}) not in options]
+        assert not missing, (func.__name__, missing)
+    convert = {o for action in convert_command_parser()._actions for o in action.option_strings}
+    assert {"--output", "--force", "--adapter-config"} <= convert

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hf_fsdp_qlora._adapter_io import find_distcp_dir, load_adapter, write_adapter_files
     from hf_fsdp_qlora._output_dir import AtomicOutputDir, check_output
+    from hf_fsdp_qlora.cli._flags import cli_message
     from hf_fsdp_qlora.errors import MergeError
 
     checkpoint = Path(args.checkpoint)
@@ -84,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
         adapter = load_adapter(checkpoint, config_path=args.adapter_config, fsdp_only=True)
         with AtomicOutputDir(output, "convert") as tmp:
             write_adapter_files(adapter, tmp)
-    except MergeError as err:
-        print(f"hf-fsdp-qlora convert: error: {err}", file=sys.stderr)
+    except MergeError as err:  # the library names parameters; show them as this command's options
+        print(f"hf-fsdp-qlora convert: error: {cli_message(str(err), vars(args))}", file=sys.stderr)
         return err.exit_code
     except OSError as err:
         print(f"hf-fsdp-qlora convert: error: {err}", file=sys.stderr)

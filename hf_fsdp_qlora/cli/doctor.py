@@ -224,12 +224,13 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"hf-fsdp-qlora doctor: error: {problem}", file=sys.stderr)
         return 2
+    from hf_fsdp_qlora.cli._flags import cli_message
     from hf_fsdp_qlora.doctor import SetupInputError, diagnose, render, to_json
 
     try:
         diagnosis = diagnose(args.model, accelerate_config=args.accelerate_config, **_settings(args))
-    except SetupInputError as err:
-        print(f"hf-fsdp-qlora doctor: error: {err}", file=sys.stderr)
+    except SetupInputError as err:  # the library names the parameter; show it as this command's option
+        print(f"hf-fsdp-qlora doctor: error: {cli_message(str(err), {'accelerate_config'})}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(to_json(diagnosis), indent=2))

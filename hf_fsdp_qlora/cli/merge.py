@@ -125,6 +125,7 @@ def _terminate(signum, frame):
 
 def run(args: argparse.Namespace) -> int:
     """Run the merge described by parsed `args`; returns the exit status."""
+    from hf_fsdp_qlora.cli._flags import cli_message
     from hf_fsdp_qlora.errors import MergeError
     from hf_fsdp_qlora.merge import merge_adapters
 
@@ -149,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
             allow_other_base=args.allow_other_base,
             progress=args.progress,
         )
-    except MergeError as err:
-        print(f"merge-adapters: error: {err}", file=sys.stderr)
+    except MergeError as err:  # the library names parameters; show them as this command's options
+        print(f"merge-adapters: error: {cli_message(str(err), vars(args))}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("merge-adapters: interrupted; no output was written", file=sys.stderr)
