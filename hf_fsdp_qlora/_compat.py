@@ -1,37 +1,411 @@
-"""Where this package leans on upstream behaviour that may change, and when each piece can go.
+"""Every place this package works around, patches or leans on upstream internals - one entry each.
 
-Each entry names the module that holds the workaround and the test that fails when upstream moves:
-
-* ``cpu_rehearsal``: accelerate (<= 1.15) takes its FSDP branch only for GPU-like devices, so FSDP on
-  CPU silently becomes DDP or single-process training. Remove when accelerate runs FSDP on CPU itself;
-  ``tests/test_cpu_rehearsal.py::test_upstream_accelerate_does_not_run_fsdp_on_cpu`` fails then.
-* ``fsdp.configure_plugin``: transformers (<= 5.23) syncs FSDP mixed precision to the 4-bit storage
-  dtype under FSDP1 only, and casts buffers too. Keep while transformers' ``update_fsdp_plugin_peft``
-  does so (``tests/test_trainer_fsdp.py`` compares logits with the unsharded model exactly).
-* ``_adapter_select.adapter_selection``: peft (<= 0.21) selects adapter keys by the module names it sees, which
-  inside FSDP1 carry ``_fsdp_wrapped_module.``; an unsharded state dict then yields an EMPTY adapter.
-* ``_bnb_cpu``: bitsandbytes (<= 0.50) repacks 4-bit weights in place at a no-grad CPU forward on
-  AVX512-BF16 CPUs, corrupting training after an ``evaluate()``; remove when it no longer does
-  (``tests/test_semantics_eval.py::test_upstream_bitsandbytes_still_repacks`` fails then).
-* ``fsdp.match_amp_forward``: accelerate (<= 1.15) wraps the forward in autocast with fp32 outputs for DDP
-  and FSDP1 but not FSDP2; remove when its FSDP2 path does the same (``tests/test_semantics_pref.py``).
-* ``fsdp.fsdp_engagement``: FSDP1's FlatParameter is tagged ``_is_flat_param`` (torch 2.13); checked by
-  every distributed test that asserts engagement.
-* ``_trainer_mixin`` / ``checkpoint.gather_optimizer_state``: accelerate's (<= 1.15) FSDP1 optimizer load
-  aliased Adam's ``exp_avg`` to ``exp_avg_sq`` (resumed runs diverged after one step), and its FSDP1
-  FULL model save segfaulted on CPU ranks; adapter and full-form checkpoints use torch's distributed
-  state-dict API instead. ``tests/test_checkpoints.py`` (exact resume, FSDP1 and FSDP2) guards both.
-* ``dtypes.view_packed_storage_as``: accelerate's FSDP2 (<= 1.15) excludes integer-stored Params4bit
-  from sharding; ``tests/test_sharding.py`` checks every 4-bit weight is a half-size DTensor shard.
-* ``trainer_hook.install_trainer_hook``: wraps ``transformers.Trainer.__init__`` so a trainer built with
-  ``FSDPQLoRACallback`` (or every trainer, under ``python -m hf_fsdp_qlora.run``) gets our mixin: transformers
-  (<= 5.23) raises on FSDP + Trainer activation checkpointing inside ``__init__``, before any callback event, and
-  its FSDP saves write no adapter (FSDP2) or crash (FSDP1 on CPU). Remove when a callback can take part in
-  ``create_accelerator_and_postprocess`` and the stock saves gather adapters; ``tests/test_recipes.py`` runs the
-  stock Trainer and trl's DPOTrainer through it.
-* ``_trainer_mixin.resolve_activation_checkpointing``: transformers (<= 5.23) refuses FSDP's activation
-  checkpointing together with the Trainer's, which trl (<= 1.16) turns on by default; ``tests/test_recipes.py``
-  counts one recomputation per layer and step.
-* ``cpu_rehearsal._honour_use_cpu_in_training_arguments``: transformers (<= 5.23) refuses ``bf16=True`` without a
-  GPU unless ``use_cpu=True``, and ignores accelerate's ``use_cpu: true``; only inside a CPU FSDP launch.
+The table is executable: ``tests/test_compat.py`` checks that every ``where`` resolves to our code, that every
+``canary`` test exists, and that no new private access or patch of upstream appears in the package without an
+entry here. A canary runs the STOCK upstream path and fails when upstream changes (fixed, or broken differently):
+then read ``remove_when`` and drop or adapt the workaround. Import-light on purpose: no torch at import time.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["WORKAROUNDS", "Workaround", "by_key"]
+
+
+@dataclass(frozen=True)
+class Workaround:
+    key: str
+    upstream: str  # the package (versions checked) and issue, if any
+    works_around: str  # the upstream behaviour, in one or two lines
+    where: tuple[str, ...]  # dotted paths of our code holding the workaround (module[.Class].function)
+    remove_when: str
+    canary: str  # pytest node id of the test that runs the stock path
+
+
+_C = "tests/test_compat.py::"
+_LAUNCHED = _C + "test_launched_stock_canaries"  # one 2-rank gloo launch, several stock behaviours
+_DOCTOR = "tests/test_doctor.py::test_doctor_agrees_with_reality"  # real stock failures, rehearsed on 2 ranks
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    # -- accelerate: FSDP on CPU (the CPU rehearsal) --
+    Workaround(
+        key="cpu_fsdp_decision",
+        upstream="accelerate <= 1.15 (state.py takes its FSDP branch for GPU-like device types only)",
+        works_around="an FSDP launch on CPU processes silently trains single-process or as DDP",
+        where=("hf_fsdp_qlora.cpu_rehearsal.enable_cpu_fsdp", "hf_fsdp_qlora.cpu_rehearsal._promote_to_fsdp"),
+        remove_when="accelerate runs FSDP on CPU ranks by itself",
+        canary="tests/test_cpu_rehearsal.py::test_upstream_accelerate_does_not_run_fsdp_on_cpu",
+    ),
+    Workaround(
+        key="accelerate_shared_state",
+        upstream="accelerate <= 1.15 (private PartialState/AcceleratorState._shared_state, _mixed_precision)",
+        works_around="the FSDP decision lives in the states' shared dicts; PartialState() copies it on every build",
+        where=(
+            "hf_fsdp_qlora.cpu_rehearsal._promote_to_fsdp",
+            "hf_fsdp_qlora.cpu_rehearsal.enable_cpu_fsdp",
+            "hf_fsdp_qlora.doctor.setup.fsdp_from_plugin",
+        ),
+        remove_when="cpu_fsdp_decision goes, or accelerate exposes a public way to set the distributed type",
+        canary=_C + "test_accelerate_state_internals",
+    ),
+    Workaround(
+        key="fsdp1_plain_cpu_device",
+        upstream="torch 2.13 FSDP1 (_init_utils)",
+        works_around='FSDP1 refuses device_id cpu:0: "Inconsistent compute device and `device_id` on rank 0"',
+        where=("hf_fsdp_qlora.cpu_rehearsal._promote_to_fsdp",),
+        remove_when="FSDP1 treats cpu and cpu:0 as one device",
+        canary=_LAUNCHED,
+    ),
+    Workaround(
+        key="cpu_fsdp_sync_options",
+        upstream="accelerate <= 1.15 (FullyShardedDataParallelPlugin.__post_init__)",
+        works_around='FSDP1: sync_module_states / cpu_ram_efficient_loading raise "no available devices found" on CPU',
+        where=("hf_fsdp_qlora.doctor._rules.launcher_rules",),  # reported before launch, with the setting to change
+        remove_when="the plugin accepts these options on a CPU-only machine",
+        canary=_DOCTOR + "[f1_sync_on_cpu]",
+    ),
+    Workaround(
+        key="bf16_training_arguments_on_cpu",
+        upstream="transformers <= 5.23 (TrainingArguments.__post_init__; ignores accelerate's use_cpu)",
+        works_around="bf16=True (trl's default) without a GPU raises unless use_cpu=True",
+        where=("hf_fsdp_qlora.cpu_rehearsal._honour_use_cpu_in_training_arguments",),
+        remove_when="transformers honours accelerate's use_cpu, or allows bf16 on CPU",
+        canary=_C + "test_stock_training_arguments_refuse_bf16_on_cpu",
+    ),
+    Workaround(
+        key="gloo_teardown_abort",
+        upstream="torch 2.13 gloo (about one exit in four without destroy_process_group)",
+        works_around='"terminate called without an active exception" at interpreter exit fails a good run',
+        where=(
+            "hf_fsdp_qlora.cpu_rehearsal._destroy_process_group_at_exit",
+            "hf_fsdp_qlora.train.launcher._finish",
+        ),
+        remove_when="gloo jobs exit cleanly without destroy_process_group (intermittent: watch CI launches)",
+        canary=_C + "test_teardown_internals",
+    ),
+    # -- bitsandbytes --
+    Workaround(
+        key="bnb_cpu_repack",
+        upstream="bitsandbytes <= 0.50 (Linear4bit.forward on AVX512-BF16 CPUs)",
+        works_around="a no-grad eval forward repacks 4-bit weights in place; training after evaluate() is corrupted",
+        where=(
+            "hf_fsdp_qlora._bnb_cpu.prevent_cpu_weight_repack",
+            "hf_fsdp_qlora._bnb_cpu.disable_cpu_repack_in_model",
+            "hf_fsdp_qlora.train.generation._keep_4bit_layout",
+        ),
+        remove_when="bitsandbytes stops repacking in place during training-time evaluation",
+        canary="tests/test_semantics_eval.py::test_upstream_bitsandbytes_still_repacks",
+    ),
+    Workaround(
+        key="bnb_repack_inverse",
+        upstream="bitsandbytes <= 0.50 (private functional._convert_weight_packed_for_cpu_inverse)",
+        works_around="a model handed to us already repacked is converted back with bitsandbytes' own inverse",
+        where=("hf_fsdp_qlora._bnb_cpu.disable_cpu_repack_in_model",),
+        remove_when="bnb_cpu_repack goes",
+        canary=_C + "test_bitsandbytes_internals",
+    ),
+    Workaround(
+        key="bnb_params4bit_rebuild",
+        upstream="bitsandbytes <= 0.50 (Params4bit(**p.__dict__), module=, bnb_quantized=; module.quant_state)",
+        works_around="4-bit weights are rebuilt from received bytes; FSDP2 restores quant_state from the module",
+        where=(
+            "hf_fsdp_qlora.loading.low_ram._new_tensor",
+            "hf_fsdp_qlora.loading._stream._produce",
+        ),
+        remove_when="never while low-RAM loading rebuilds Params4bit (the constructor is the dependency)",
+        canary=_C + "test_bitsandbytes_internals",
+    ),
+    Workaround(
+        key="bnb_compute_dtype",
+        upstream="bitsandbytes <= 0.50 (Linear4bit.compute_dtype, read by forward)",
+        works_around="the 4-bit matmul runs in compute_dtype; it is set to the one training dtype",
+        where=("hf_fsdp_qlora.dtypes.harmonize_dtypes",),
+        remove_when="never (a dependency): the canary watches the attribute",
+        canary=_C + "test_bitsandbytes_internals",
+    ),
+    Workaround(
+        key="integer_storage_under_fsdp",
+        upstream="torch 2.13 FSDP1 (flatten) and accelerate <= 1.15 FSDP2 (fsdp2_prepare_model)",
+        works_around='uint8 4-bit storage: FSDP1 "Cannot flatten integer dtype tensors"; FSDP2 leaves it unsharded',
+        where=("hf_fsdp_qlora.dtypes.view_packed_storage_as",),
+        remove_when="both shard integer-stored Params4bit (the launched canary checks FSDP2, the doctor FSDP1)",
+        canary=_DOCTOR + "[f1_uint8_stock]",
+    ),
+    # -- FSDP plugin / mixed precision --
+    Workaround(
+        key="fsdp_mixed_precision_sync",
+        upstream="transformers <= 5.23 (update_fsdp_plugin_peft runs under FSDP1 only, casts buffers)",
+        works_around="an FSDP param_dtype other than the 4-bit storage dtype casts the packed bytes: corrupt weights",
+        where=(
+            "hf_fsdp_qlora.train.fsdp.configure_plugin",
+            "hf_fsdp_qlora.train.fsdp._mixed_precision_policy",
+        ),
+        remove_when="transformers syncs FSDP2's policy to the storage dtype and leaves buffers alone",
+        canary=_DOCTOR + "[f2_fp16mp_stock]",
+    ),
+    Workaround(
+        key="fsdp1_uniform_dtype",
+        upstream="peft <= 0.21 (autocast_adapter_dtype=True, prepare_model_for_kbit_training) with torch FSDP1",
+        works_around='fp32 adapters/norms beside bf16 weights: "Must flatten tensors with uniform dtype"',
+        where=(
+            "hf_fsdp_qlora.dtypes.harmonize_dtypes",
+            "hf_fsdp_qlora.loading.qlora",
+        ),
+        remove_when="FSDP1 flattens mixed dtypes (it will not: FSDP1 is deprecated)",
+        canary=_DOCTOR + "[f1_kbitprep_stock]",
+    ),
+    Workaround(
+        key="fsdp1_use_orig_params",
+        upstream="torch 2.13 FSDP1",
+        works_around='frozen and trainable params in one unit: "Must flatten tensors with uniform requires_grad"',
+        where=("hf_fsdp_qlora.train.fsdp.configure_plugin",),
+        remove_when="FSDP1 flattens mixed requires_grad with use_orig_params=False",
+        canary=_DOCTOR + "[f1_origfalse_accel]",
+    ),
+    Workaround(
+        key="fsdp2_amp_forward",
+        upstream="accelerate <= 1.15 (prepare_model: autocast + fp32 outputs for DDP/FSDP1, not FSDP2)",
+        works_around="bf16 logits under FSDP2 only: preference losses differ from DDP and FSDP1",
+        where=("hf_fsdp_qlora.train.fsdp.match_amp_forward",),
+        remove_when="accelerate's FSDP2 path wraps the forward as its other paths do",
+        canary=_LAUNCHED,
+    ),
+    Workaround(
+        key="fsdp1_trainable_upcast",
+        upstream="accelerate <= 1.15 (prepare_model upcasts trainable FSDP1 FlatParameters to fp32)",
+        works_around='fp32 LoRA recomputed under checkpointing: "CheckpointError: ... different metadata"',
+        where=(
+            "hf_fsdp_qlora.train.consistency.keep_trainable_in_training_dtype",
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._follow_wrapping",
+        ),
+        remove_when="accelerate stops upcasting trainable FlatParameters (or FSDP1 goes)",
+        canary=_LAUNCHED,
+    ),
+    Workaround(
+        key="fsdp1_internals",
+        upstream="torch 2.13 FSDP1 private _flat_param (_is_flat_param, _numels), _handle, _is_root",
+        works_around="engagement check, per-rank sizes, the dtype fix and the root's lazy init read FSDP1 internals",
+        where=(
+            "hf_fsdp_qlora.train.fsdp.fsdp_engagement",
+            "hf_fsdp_qlora.train.callbacks",
+            "hf_fsdp_qlora.train.consistency.keep_trainable_in_training_dtype",
+            "hf_fsdp_qlora.train._adapter_select.selection_of",
+        ),
+        remove_when="never while FSDP1 is supported (the canary watches the private names)",
+        canary=_LAUNCHED,
+    ),
+    Workaround(
+        key="wrapper_name_segments",
+        upstream="torch 2.13 (FSDP1 _fsdp_wrapped_module., checkpoint _checkpoint_wrapped_module., compile _orig_mod)",
+        works_around="peft selects adapter keys by name; inside FSDP1 it sees wrapped names (an EMPTY adapter)",
+        where=(
+            "hf_fsdp_qlora.train._adapter_select.clean_name",
+            "hf_fsdp_qlora.train._adapter_select.adapter_selection",
+            "hf_fsdp_qlora.train.checkpoint.unwrap_peft_model",
+        ),
+        remove_when="peft selects adapter keys by parameter identity, not name",
+        canary=_LAUNCHED,
+    ),
+    Workaround(
+        key="state_dict_cpu_offload",
+        upstream="torch 2.13 (FSDP1 get_model_state_dict(full_state_dict, cpu_offload=True) crashes on CPU ranks)",
+        works_around='SIGSEGV or "setStorage: ... out of bounds": cpu_offload is used only on accelerators',
+        where=(
+            "hf_fsdp_qlora.train.checkpoint.gather_trainable_state_dict",
+            "hf_fsdp_qlora.train.checkpoint._options",
+            "hf_fsdp_qlora.train.checkpoint.load_adapter_into",
+        ),
+        remove_when="cpu_offload=True works on CPU ranks (not run as a canary: it crashes the process)",
+        canary=_C + "test_torch_state_dict_options",
+    ),
+    Workaround(
+        key="fsdp1_set_state_dict_storage",
+        upstream="torch 2.13 (FSDP1 use_orig_params=True: set_model_state_dict swaps the parameters' storage)",
+        works_around="loaded parameters stop viewing the FlatParameter the optimizer steps: resume diverges",
+        where=("hf_fsdp_qlora.train.checkpoint.load_adapter_into",),
+        remove_when="set_model_state_dict copies into FSDP1's views in place",
+        # not reproduced by a small stock case (a plain or nested FSDP1 unit keeps its views): guarded on our path
+        canary="tests/test_checkpoints.py::test_resume_is_exact",
+    ),
+    Workaround(
+        key="per_rank_lora_init",
+        upstream="torch 2.13 (each process seeded differently by default)",
+        works_around="without a seed every rank initialises LoRA differently and the shards disagree",
+        where=(
+            "hf_fsdp_qlora.rank_sync.broadcast_trainable_parameters",
+            "hf_fsdp_qlora.train.consistency.make_fsdp_consistent",
+        ),
+        remove_when="never (ranks may legitimately differ): the canary shows the difference is still there",
+        canary="tests/test_trainer_fsdp.py::test_adapters_identical_without_a_seed",
+    ),
+    Workaround(
+        key="sharded_merge_guard",
+        upstream="peft <= 0.21 merge_and_unload on an FSDP2-sharded 4-bit model",
+        works_around="merge_and_unload on FSDP2 shards crashes (broadcast error or missing quant_state)",
+        where=("hf_fsdp_qlora.train.fsdp.guard_sharded_merge",),
+        remove_when="peft merges sharded models (it gathers), or refuses with a clear error",
+        canary=_LAUNCHED,
+    ),
+    # -- transformers Trainer: overridden methods and the __init__ hook --
+    Workaround(
+        key="trainer_init_hook",
+        upstream="transformers <= 5.23 (Trainer.__init__ raises before any callback event)",
+        works_around="a callback cannot fix what create_accelerator_and_postprocess refuses inside __init__",
+        where=("hf_fsdp_qlora.train.trainer_hook.install_trainer_hook",),
+        remove_when="a callback can take part in create_accelerator_and_postprocess",
+        canary=_C + "test_trainer_private_methods",
+    ),
+    Workaround(
+        key="activation_checkpointing_twice",
+        upstream="transformers <= 5.23 (create_accelerator_and_postprocess), trl <= 1.16 default on",
+        works_around="FSDP's and the Trainer's activation checkpointing both on raises \"can't both be set to True\"",
+        where=(
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.create_accelerator_and_postprocess",
+            "hf_fsdp_qlora.train._trainer_mixin.resolve_activation_checkpointing",
+            "hf_fsdp_qlora.train._trainer_mixin._set_trainer_checkpointing",
+        ),
+        remove_when="transformers resolves the two settings itself",
+        canary=_DOCTOR + "[f2_ac_twice_stock]",
+    ),
+    Workaround(
+        key="save_only_model_sharded",
+        upstream="transformers <= 5.23 (create_accelerator_and_postprocess)",
+        works_around="save_only_model=True with SHARDED_STATE_DICT is refused, though our saves gather the adapter",
+        where=("hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.create_accelerator_and_postprocess",),
+        remove_when="transformers allows the combination (or our saves go)",
+        canary=_LAUNCHED,
+    ),
+    Workaround(
+        key="fsdp_adapter_saves",
+        upstream="transformers <= 5.23 / peft <= 0.21 / accelerate#4206",
+        works_around="stock FSDP saves: nothing (SHARDED), a crash (FSDP2 FULL) or an empty adapter (FSDP1 nested)",
+        where=(
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.save_model",
+            "hf_fsdp_qlora.train.checkpoint.save_adapter",
+        ),
+        remove_when="peft's save_pretrained and Trainer.save_model under FSDP write the gathered adapter",
+        canary=_LAUNCHED,
+    ),
+    Workaround(
+        key="checkpoint_staging",
+        upstream="transformers <= 5.23 (_save_checkpoint writes into the final folder)",
+        works_around="a run killed mid-save leaves a checkpoint-N that resume_from_checkpoint=True picks up",
+        where=(
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._get_output_dir",
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._save_checkpoint",
+        ),
+        remove_when="transformers writes checkpoints atomically",
+        canary=_C + "test_trainer_private_methods",
+    ),
+    Workaround(
+        key="optimizer_state_gathered",
+        upstream="accelerate <= 1.15 (FSDP1 optimizer load aliased exp_avg to exp_avg_sq; FSDP1 FULL save segfaults)",
+        works_around="resumed FSDP1 runs diverged after one step; adapter runs checkpoint an empty model state",
+        where=(
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._save_optimizer_and_scheduler",
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._load_optimizer_and_scheduler",
+            "hf_fsdp_qlora.train.checkpoint.gather_optimizer_state",
+        ),
+        remove_when="accelerate's FSDP optimizer save/load round-trips exactly on CPU and GPU",
+        # a small stock FSDP1 Adam save/load round-trips exactly: the hooks we override are watched instead
+        canary=_C + "test_trainer_private_methods",
+    ),
+    Workaround(
+        key="resume_adapter_checkpoint",
+        upstream="transformers <= 5.23 (_load_from_checkpoint expects an FSDP model state; transformers#28320)",
+        works_around="resuming an adapter-only checkpoint under FSDP restarts the adapter silently",
+        where=(
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._load_from_checkpoint",
+            "hf_fsdp_qlora.train.checkpoint.load_adapter_into",
+        ),
+        remove_when="stock resume restores a peft adapter under FSDP",
+        canary=_C + "test_trainer_private_methods",
+    ),
+    Workaround(
+        key="evaluate_before_train",
+        upstream="transformers <= 5.23 (#39961, #48841)",
+        works_around="evaluate() before train(): FSDP2 raises; FSDP1 then builds no optimizer in train()",
+        where=(
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.evaluation_loop",
+            "hf_fsdp_qlora.train.generation.prepare_for_evaluation",
+        ),
+        remove_when="stock evaluation_loop prepares model and optimizer together under FSDP",
+        canary="tests/test_eval_generate.py::test_stock_trainer_evaluate_before_training_is_the_upstream_bug",
+    ),
+    Workaround(
+        key="accelerator_private_lists",
+        upstream="accelerate <= 1.15 (Accelerator._models, _optimizers); transformers 5.23 _is_peft_model",
+        works_around="evaluation wraps the model alone: a placeholder optimizer is prepared and dropped again",
+        where=("hf_fsdp_qlora.train.generation.prepare_for_evaluation",),
+        remove_when="evaluate_before_train goes",
+        canary=_LAUNCHED,
+    ),
+    Workaround(
+        key="packed_mask_needs_no_cache",
+        upstream="transformers 5.23 (the position_ids block-diagonal mask is skipped when a KV cache is built)",
+        works_around="packed examples attend to earlier ones in their block when the config says use_cache=True",
+        where=("hf_fsdp_qlora.data.PackedCollator",),
+        remove_when="transformers builds the packed mask with a cache too (or never builds a cache in training)",
+        canary=_C + "test_packed_mask_skipped_with_a_cache",
+    ),
+    # -- transformers / peft / accelerate internals used for loading, merging and the doctor --
+    Workaround(
+        key="quantizer_skeleton",
+        upstream="transformers 5.23 (transformers.quantizers.auto.get_hf_quantizer, preprocess/postprocess_model)",
+        works_around="low-RAM ranks build from_pretrained's 4-bit module tree on meta without reading weights",
+        where=("hf_fsdp_qlora.loading.low_ram._build_skeleton",),
+        remove_when="never while low-RAM loading exists (a dependency): the canary watches the signatures",
+        canary=_C + "test_transformers_internals",
+    ),
+    Workaround(
+        key="torch_module_slots",
+        upstream="torch 2.13 (nn.Module._parameters / _buffers; torch.utils.deterministic.fill_uninitialized_memory)",
+        works_around="tensors are swapped in place during low-RAM loading; no fill of memory overwritten at once",
+        where=(
+            "hf_fsdp_qlora.loading.low_ram",
+            "hf_fsdp_qlora.loading._stream",
+        ),
+        remove_when="never (a dependency): the canary watches the private dicts and the flag",
+        canary=_C + "test_torch_internals",
+    ),
+    Workaround(
+        key="model_class_private_attrs",
+        upstream="transformers 5.23 (_tied_weights_keys dict, _keep_in_fp32_modules(_strict), _no_split_modules)",
+        works_around="tied aliases, fp32-kept modules and layer classes are read from the model class",
+        where=(
+            "hf_fsdp_qlora.merge._base_model",
+            "hf_fsdp_qlora.loading._stream.stream_plan",
+            "hf_fsdp_qlora.doctor.shapes",
+        ),
+        remove_when="never (a dependency): the canary watches the attributes' form",
+        canary=_C + "test_transformers_internals",
+    ),
+    Workaround(
+        key="accelerate_launch_internals",
+        upstream="accelerate <= 1.15 (_validate_launch_command, launch_command_parser()._actions)",
+        works_around="accelerate ignores unknown fsdp_config keys silently; the doctor replays its launch parsing",
+        where=(
+            "hf_fsdp_qlora.doctor.setup._fields_of_launch_parser",
+            "hf_fsdp_qlora.doctor.setup._launch_env",
+        ),
+        remove_when="accelerate refuses unknown fsdp_config keys and exposes its launch environment",
+        canary=_C + "test_accelerate_launch_internals",
+    ),
+    Workaround(
+        key="peft_target_check",
+        upstream="peft <= 0.21 (peft.tuners.tuners_utils.check_target_module_exists)",
+        works_around="the doctor counts LoRA targets exactly as peft matches them",
+        where=("hf_fsdp_qlora.doctor.shapes",),
+        remove_when="never (a dependency): the canary watches the signature",
+        canary=_C + "test_peft_internals",
+    ),
+)
+
+
+def by_key(key: str) -> Workaround:
+    """The entry named `key` (KeyError when there is none)."""
+    for entry in WORKAROUNDS:
+        if entry.key == key:
+            return entry
+    raise KeyError(key)

@@ -320,7 +320,7 @@ def test_tied_one_sided_update_fails_or_unties(bases, tmp_path):
     # in training with peft 0.21.2, but PeftModel.from_pretrained then ties them, overwriting one side with
     # the other: the reloaded peft model is not the trained one, so it cannot be the oracle here.)
     adapter = make_adapter(base, tmp_path / "a", r=4, target_modules=["embed_tokens", "lm_head", "q_proj"])
-    with pytest.raises(MergeError, match="--untie-embeddings") as err:
+    with pytest.raises(MergeError, match="`untie_embeddings=True`") as err:
         merge_adapters(base, adapter, tmp_path / "out", progress=False)
     assert "ensure_weight_tying" in str(err.value)
     assert not (tmp_path / "out").exists()
@@ -500,9 +500,9 @@ def test_usage_errors(bases, tmp_path):
     adapter = make_adapter(base, tmp_path / "a", r=4, target_modules=["q_proj"])
     (tmp_path / "exists").mkdir()
     cases = [
-        ({"output": tmp_path / "exists"}, "--force"),
-        ({"output": base / "merged"}, "lies inside --base"),
-        ({"dtype": "int8"}, "--dtype"),
+        ({"output": tmp_path / "exists"}, "`force=True`"),
+        ({"output": base / "merged"}, "lies inside `base`"),
+        ({"dtype": "int8"}, "`dtype` int8"),
         ({"max_shard_size": "lots"}, "5GB"),
         ({"adapter": tmp_path / "missing"}, "does not exist"),
         ({"dequantize": "int4"}, "nf4"),

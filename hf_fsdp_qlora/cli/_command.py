@@ -12,6 +12,7 @@ import signal
 import sys
 from typing import ClassVar
 
+from hf_fsdp_qlora.cli._flags import cli_message
 from hf_fsdp_qlora.errors import FSDPNotEngagedError, MergeError, UnsupportedSetupError
 
 __all__ = ["Command", "CommandError", "run_command"]
@@ -113,7 +114,8 @@ def run_command(command: Command, args: argparse.Namespace) -> int:
         code = _exit_code(err)
         if code is None:
             raise
-        print(f"{command.prog}: error: {err}", file=sys.stderr)
+        # The library names Python parameters (`force=True`); the command line shows its own options (--force).
+        print(f"{command.prog}: error: {cli_message(str(err), vars(args))}", file=sys.stderr)
         return code
     finally:
         if previous is not None:

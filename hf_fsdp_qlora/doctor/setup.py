@@ -155,7 +155,7 @@ def _check_keys(config: dict, where: str) -> None:
     if not isinstance(config, dict) or "distributed_type" not in config:
         raise SetupInputError(
             f"{where} is not an accelerate config: it has no `distributed_type`. Pass a file written by "
-            "`accelerate config` or a shipped name (hf-fsdp-qlora config --list), e.g. --accelerate-config fsdp2_qlora."
+            "`accelerate config` or a shipped name (hf-fsdp-qlora config --list), e.g. `accelerate_config='fsdp2_qlora'`."
         )
     known = set(ClusterConfig.__dataclass_fields__)
     for key in config:
@@ -244,7 +244,7 @@ def _resolve_config_path(value: str) -> str:
             return str(config_path(value))
         except ValueError as err:
             raise SetupInputError(
-                f"--accelerate-config {value!r} is neither a file nor a shipped config. {err}"
+                f"`accelerate_config` {value!r} is neither a file nor a shipped config. {err}"
             ) from err
     raise SetupInputError(f"Accelerate config {value!r} does not exist. Pass a YAML file or a shipped config name.")
 

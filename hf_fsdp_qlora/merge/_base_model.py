@@ -31,7 +31,7 @@ def base_entries(base: Path) -> dict[str, TensorEntry]:
     if found is None:
         raise MergeError(
             f"{base} has no safetensors weights (model.safetensors or {_INDEX}). Re-save the base with "
-            "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE) and pass --base NEW_BASE."
+            "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE) and pass that as `base`."
         )
     files, weight_map = found
     entries: dict[str, TensorEntry] = {}
@@ -68,7 +68,7 @@ def _check_not_packed(base: Path, entries: dict[str, TensorEntry]) -> None:
         raise MergeError(
             f"{base} holds bitsandbytes-quantized weights (e.g. {packed}), though its config.json has no "
             "quantization_config: it is a saved 4-bit/8-bit model, not a 16-bit base. Pass the 16-bit model it was "
-            "quantized from as --base (and --dequantize nf4 to match QLoRA)."
+            "quantized from as `base` (and `dequantize='nf4'` to match QLoRA)."
         )
 
 
@@ -147,9 +147,9 @@ def check_base_name(adapter_config: dict, base: Path, base_config: dict, allow_o
         theirs = _architecture(other or {})
         if other is not None and theirs != _architecture(base_config) and not allow_other:
             raise MergeError(
-                f"adapter_config.json says the adapter was trained on {name}, a {theirs} model, but --base {base} "
+                f"adapter_config.json says the adapter was trained on {name}, a {theirs} model, but `base` {base} "
                 f"is a {_architecture(base_config)} model. The shapes match, but the merged model would be wrong: "
-                f"pass --base {name}, or --allow-other-base if you really mean to merge it into {base}."
+                f"pass `base={name}`, or `allow_other_base=True` if you really mean to merge it into {base}."
             )
     elif name.rstrip("/").split("/")[-1].lower() in (
         base.resolve().name.lower(),
@@ -157,8 +157,8 @@ def check_base_name(adapter_config: dict, base: Path, base_config: dict, allow_o
     ):
         return
     warnings.warn(
-        f"adapter_config.json says the adapter was trained on {name!r}, but --base is {base}. The shapes match, so "
-        f"merging anyway; if {base} is not that model (or a copy of it), the merged model is wrong: pass --base {name}.",
+        f"adapter_config.json says the adapter was trained on {name!r}, but the base is {base}. The shapes match, so "
+        f"merging anyway; if {base} is not that model (or a copy of it), the merged model is wrong: merge into {name} instead.",
         stacklevel=3,
     )
 

@@ -237,7 +237,7 @@ def _check_token_rows(key: str, update: TensorUpdate, base_shape: tuple[int, ...
         raise MergeError(
             f"adapter tensor {next(s for s in update.sources if 'token_adapter' in s)} writes rows up to "
             f"{int(rows.max())} of width {tuple(delta.shape[1:])} into {key}, whose shape is {base_shape}: the "
-            f"adapter was trained on a different model{trained_on}. Pass the model it was trained on as --base."
+            f"adapter was trained on a different model{trained_on}. Pass the model it was trained on as `base`."
         )
 
 
@@ -253,7 +253,7 @@ def check_shape(key: str, update: TensorUpdate, base_shape: tuple[int, ...], bas
             got = f"shape {shape}" if shape is not None else f"{rows} output rows"
             raise MergeError(
                 f"adapter tensor {source} implies {got} for {key}, but the base tensor has shape {base_shape}: "
-                f"the adapter was trained on a different model{trained_on}. Pass the model it was trained on as --base."
+                f"the adapter was trained on a different model{trained_on}. Pass the model it was trained on as `base`."
             )
 
 

@@ -80,7 +80,7 @@ def _resolve_ties(entries, updates, tied, dtype_of, untie: bool, device) -> tupl
             raise MergeError(
                 f"the base ties {alias} to {source} (tie_word_embeddings=true), but the adapter changes them "
                 f"differently ({changed} via {(src_up or alias_up).sources[0]}); in training {other} did not see "
-                "that change, and one tied tensor cannot hold both. Pass --untie-embeddings to write "
+                "that change, and one tied tensor cannot hold both. Pass `untie_embeddings=True` to write "
                 f"{alias} separately (sets tie_word_embeddings=false; one more vocab x hidden tensor), or train "
                 "with LoraConfig(ensure_weight_tying=True) so both sides share the update."
             )
@@ -108,7 +108,7 @@ def plan(entries, updates, tied, out_dtype, quantized, untie, device, base_model
         raise MergeError(
             f"the adapter changes {len(unknown)} tensor(s) the base does not have, e.g. {unknown[:4]} (from "
             f"{updates[unknown[0]].sources[0]}): the adapter was trained on a different model (adapter_config.json: "
-            f"base_model_name_or_path={base_model!r}). Pass the model it was trained on as --base."
+            f"base_model_name_or_path={base_model!r}). Pass the model it was trained on as `base`."
         )
     shapes = {}  # base tensor -> the shape the adapter gives it (a vocabulary resized for added tokens)
     for key, update in updates.items():

@@ -186,7 +186,7 @@ def _find_config(start: Path, explicit: Path | None) -> Path:
             return folder / CONFIG_NAME
     raise MergeError(
         f"no {CONFIG_NAME} found beside the FSDP checkpoint {start} (looked in it and its two parents). "
-        f"Pass the LoraConfig the run used: --adapter-config PATH/{CONFIG_NAME} (merge-adapters and "
+        f"Pass the LoraConfig the run used: `adapter_config=PATH/{CONFIG_NAME}` (merge-adapters and "
         "hf-fsdp-qlora convert both take it; e.g. one saved by peft_model.peft_config['default'].save_pretrained(PATH))."
     )
 
@@ -227,7 +227,7 @@ def load_adapter(path: str | Path, config_path: str | Path | None = None, *, fsd
             key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1,
         )
         hint = (
-            f" It holds Trainer checkpoints; pass one of them, e.g. --adapter {checkpoints[-1]}."
+            f" It holds Trainer checkpoints; pass one of them, e.g. `adapter={checkpoints[-1]}`."
             if checkpoints
             else ""
         )

@@ -4,7 +4,7 @@ Two promises, kept by construction:
 
 - Nothing the user did not ask to replace is ever deleted. Every path is resolved (symlinks, `..`, `~`)
   before it is compared; an output that equals, contains or lies inside an input is refused, and so are
-  `""`, the current folder, the home folder and a filesystem root. `--force` replaces only a folder this
+  `""`, the current folder, the home folder and a filesystem root. `force` (`--force`) replaces only a folder this
   tool wrote (it holds :data:`MARKER`, which lists the files written) and that holds nothing else.
 - A kill at any instant leaves the old output or the new one complete at `output`. The new folder is
   written beside it under a hidden name and swapped in with one `renameat2(RENAME_EXCHANGE)`; where the
@@ -49,7 +49,7 @@ def _listing(folder: Path, names=None) -> str:
 
 
 def check_output(
-    output: str | Path, inputs: list[tuple[str, str | Path]], force: bool, option: str = "--output"
+    output: str | Path, inputs: list[tuple[str, str | Path]], force: bool, option: str = "`output`"
 ) -> Path:
     """Refuse an output that would destroy anything but an earlier output of this tool; returns it resolved.
 
@@ -85,11 +85,11 @@ def check_output(
         return out
     if not force:
         raise MergeUsageError(
-            f"{option} {shown} already exists. Pass --force to replace it (the old folder is kept until the new "
+            f"{option} {shown} already exists. Pass `force=True` to replace it (the old folder is kept until the new "
             f"one is complete), or choose another {option}."
         )
     if not out.is_dir():
-        raise MergeUsageError(f"{option} {shown} is a file, not a folder this tool wrote: --force leaves it alone")
+        raise MergeUsageError(f"{option} {shown} is a file, not a folder this tool wrote: `force` leaves it alone")
     present = set(os.listdir(out)) - {_LOCK}
     if not present:
         return out  # an empty folder: nothing to lose
@@ -97,14 +97,14 @@ def check_output(
     if written is None:
         raise MergeUsageError(
             f"{option} {shown} was not written by merge-adapters or hf-fsdp-qlora convert (no {MARKER} in it) and "
-            f"holds {_listing(out, present)}: --force only replaces an earlier output of this tool. Choose another "
+            f"holds {_listing(out, present)}: `force` only replaces an earlier output of this tool. Choose another "
             f"{option}, or remove that folder yourself if you mean to."
         )
     extra = present - written - {MARKER}
     if extra:
         raise MergeUsageError(
             f"{option} {shown} is an earlier output of this tool, but now also holds {_listing(out, extra)}, which "
-            f"it did not write: --force leaves it alone. Move those files out, or choose another {option}."
+            f"it did not write: `force` leaves it alone. Move those files out, or choose another {option}."
         )
     return out
 

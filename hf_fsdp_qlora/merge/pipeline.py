@@ -63,43 +63,43 @@ _BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' 4-
 def _check_usage(base, adapter, output, force, dtype, device, dequantize, max_shard_size, blocksize, adapter_config):
     if not (base / "config.json").is_file():
         raise MergeUsageError(
-            f"--base {base} is not a model folder (no config.json): pass the 16-bit base model's folder"
+            f"`base` {base} is not a model folder (no config.json): pass the 16-bit base model's folder"
         )
     if not adapter.exists():
-        raise MergeUsageError(f"--adapter {adapter} does not exist: pass the adapter folder or Trainer checkpoint")
+        raise MergeUsageError(f"`adapter` {adapter} does not exist: pass the adapter folder or Trainer checkpoint")
     if adapter_config is not None and not adapter_config.is_file():
-        raise MergeUsageError(f"--adapter-config {adapter_config} is not a file: pass the run's adapter_config.json")
-    inputs = [("--base", base), ("--adapter", adapter)]
+        raise MergeUsageError(f"`adapter_config` {adapter_config} is not a file: pass the run's adapter_config.json")
+    inputs = [("`base`", base), ("`adapter`", adapter)]
     if adapter.is_file():  # an adapter_model.* file: its folder holds the config and tokenizer read with it
-        inputs.append(("the folder of --adapter", adapter.parent))
+        inputs.append(("the folder of `adapter`", adapter.parent))
     if adapter_config is not None:
-        inputs.append(("--adapter-config", adapter_config))
+        inputs.append(("`adapter_config`", adapter_config))
     out = check_output(output, inputs, force)
     if dequantize is not None and blocksize not in _BLOCKSIZES:
         raise MergeUsageError(
-            f"--quant-blocksize {blocksize} is not a 4-bit block size bitsandbytes uses: pass the "
+            f"`quant_blocksize` {blocksize} is not a 4-bit block size bitsandbytes uses: pass the "
             f"bnb_4bit_blocksize of training, one of {', '.join(map(str, _BLOCKSIZES))} (default 64)"
         )
     if dtype is not None and dtype not in DTYPES and dtype not in DTYPES.values():
-        raise MergeUsageError(f"--dtype {dtype} is not supported: use one of {', '.join(DTYPES)}")
+        raise MergeUsageError(f"`dtype` {dtype} is not supported: use one of {', '.join(DTYPES)}")
     if dequantize not in (None, "nf4", "fp4"):
         raise MergeUsageError(
-            f"--dequantize {dequantize} is not supported: use nf4 or fp4 (the bnb_4bit_quant_type of training)"
+            f"`dequantize` {dequantize} is not supported: use nf4 or fp4 (the bnb_4bit_quant_type of training)"
         )
     try:
         max_bytes = parse_shard_size(max_shard_size)
     except ValueError as err:
-        raise MergeUsageError(f"--max-shard-size: {err}") from None
+        raise MergeUsageError(f"`max_shard_size`: {err}") from None
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise MergeUsageError(f"--device {device} is not a device: use cpu or cuda (or cuda:N)") from None
+        raise MergeUsageError(f"`device` {device} is not a device: use cpu or cuda (or cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise MergeUsageError(
-            "--device cuda was given, but no CUDA device is available on this machine: pass --device cpu"
+            "`device='cuda'` was given, but no CUDA device is available on this machine: pass `device='cpu'`"
         )
     if dev.type not in ("cpu", "cuda"):
-        raise MergeUsageError(f"--device {device} is not supported: use cpu or cuda")
+        raise MergeUsageError(f"`device` {device} is not supported: use cpu or cuda")
     return out, dev, max_bytes
 
 
@@ -286,7 +286,7 @@ def merge_adapters(
         if config.get("quantization_config"):
             raise MergeError(
                 f"{base} is a quantized checkpoint (config.json has quantization_config): merging needs the 16-bit "
-                "base the quantized model was made from; pass that as --base (and --dequantize nf4 to match QLoRA)."
+                "base the quantized model was made from; pass that as `base` (and `dequantize='nf4'` to match QLoRA)."
             )
         entries = base_entries(base)
         loaded = load_adapter(adapter, config_path=adapter_config)
@@ -344,6 +344,6 @@ def merge_adapters(
 def _no_space(output: Path, needed: int | None, free: int | None) -> MergeError:
     sizes = f" (the merged model needs {needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free)" if needed else ""
     return MergeError(
-        f"no space left on the device for --output {output}{sizes}; nothing was written. Free disk space, or pass "
-        "an --output on a disk with room for the merged model."
+        f"no space left on the device for `output` {output}{sizes}; nothing was written. Free disk space, or pass "
+        "an `output` on a disk with room for the merged model."
     )
