@@ -110,7 +110,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         upstream="bitsandbytes <= 0.50 (Params4bit(**p.__dict__), module=, bnb_quantized=; module.quant_state)",
         works_around="4-bit weights are rebuilt from received bytes; FSDP2 restores quant_state from the module",
         where=(
-            "hf_fsdp_qlora.loading.low_ram._new_tensor",
+            "hf_fsdp_qlora.loading._transfer._new_tensor",
             "hf_fsdp_qlora.loading._stream._produce",
         ),
         remove_when="never while low-RAM loading rebuilds Params4bit (the constructor is the dependency)",
@@ -365,6 +365,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         where=(
             "hf_fsdp_qlora.loading.low_ram",
             "hf_fsdp_qlora.loading._stream",
+            "hf_fsdp_qlora.loading._transfer",
         ),
         remove_when="never (a dependency): the canary watches the private dicts and the flag",
         canary=_C + "test_torch_internals",

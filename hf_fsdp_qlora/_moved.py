@@ -30,6 +30,22 @@ MOVED = {
 }
 
 
+class _Forwarding(types.ModuleType):
+    """An old module path: attribute access goes to the module's new home, imported on first use."""
+
+    def __init__(self, old: str, new: str):
+        super().__init__(old, f"Moved to {new}; this name forwards to it.")
+        self.__moved_to__ = new
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # tools probing every module in sys.modules (inspect, pickle) import nothing
+            raise AttributeError(name)
+        return getattr(importlib.import_module(self.__moved_to__), name)
+
+    def __dir__(self):
+        return dir(importlib.import_module(self.__moved_to__))
+
+
 class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if fullname in MOVED:
@@ -37,17 +53,7 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        new = MOVED[spec.name]
-        module = types.ModuleType(spec.name, f"Moved to {new}; this name forwards to it.")
-
-        def __getattr__(name: str):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return getattr(importlib.import_module(new), name)
-
-        module.__getattr__ = __getattr__
-        module.__dir__ = lambda: dir(importlib.import_module(new))
-        return module
+        return _Forwarding(spec.name, MOVED[spec.name])
 
     def exec_module(self, module) -> None:
         pass

@@ -17,8 +17,8 @@ on CPU with gloo, so the only thing missing is accelerate's decision. This modul
   "Inconsistent compute device and `device_id` on rank 0: cpu vs cpu:0".
 
 Nothing changes on a machine with an accelerator: the wrap only acts when accelerate itself chose
-``MULTI_CPU``. :func:`check_upstream_behaviour` fails loudly if accelerate's behaviour changes (a
-release that runs FSDP on CPU by itself makes this module unnecessary; see ``_compat.py``).
+``MULTI_CPU``. A release of accelerate that runs FSDP on CPU by itself makes this module unnecessary; the
+canary test named in ``_compat.py`` (entry ``cpu_fsdp_decision``) fails then.
 """
 
 from __future__ import annotations

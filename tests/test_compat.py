@@ -297,7 +297,7 @@ def test_torch_internals():
     from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
     from torch.utils import deterministic
 
-    from hf_fsdp_qlora.train._adapter_select import _WRAPPER_PREFIXES
+    from hf_fsdp_qlora.param_names import WRAPPER_SEGMENTS
 
     module = torch.nn.Linear(2, 2)
     assert isinstance(module._parameters, dict) and "weight" in module._parameters
@@ -307,7 +307,7 @@ def test_torch_internals():
     assert isinstance(deterministic.fill_uninitialized_memory, bool)
     compiled = torch.compile(module)  # wrapping only; nothing is compiled before a call
     assert compiled._orig_mod is module
-    assert set(_WRAPPER_PREFIXES) == {FSDP_WRAPPED_MODULE + ".", _CHECKPOINT_WRAPPED_MODULE + ".", "_orig_mod."}
+    assert set(WRAPPER_SEGMENTS) == {FSDP_WRAPPED_MODULE + ".", _CHECKPOINT_WRAPPED_MODULE + ".", "_orig_mod."}
 
 
 def test_trainer_private_methods():
@@ -483,9 +483,9 @@ def test_launched_stock_canaries(launched):
 
 def test_cli_shows_its_flags_for_the_parameters_library_errors_name():
     from hf_fsdp_qlora.cli._flags import cli_message
-    from hf_fsdp_qlora.cli.convert import convert_command_parser
-    from hf_fsdp_qlora.cli.doctor import build_parser as doctor_parser
-    from hf_fsdp_qlora.cli.merge import merge_command_parser
+    from hf_fsdp_qlora.cli.convert import ConvertCommand
+    from hf_fsdp_qlora.cli.doctor import DoctorCommand
+    from hf_fsdp_qlora.cli.merge import MergeCommand
     from hf_fsdp_qlora.doctor import diagnose
     from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
@@ -495,12 +495,15 @@ def test_cli_shows_its_flags_for_the_parameters_library_errors_name():
         "--output /x already exists. Pass --force; pass --base (and --dequantize nf4); `seq_len` stays"
     )
     # every parameter a library message may name has the option cli_message writes for it
-    for parser, func in ((merge_command_parser(), merge_adapters), (doctor_parser(), diagnose)):
+    for parser, func in (
+        (MergeCommand().standalone_parser("merge-adapters"), merge_adapters),
+        (DoctorCommand().standalone_parser("doctor"), diagnose),
+    ):
         options = {o for action in parser._actions for o in action.option_strings}
         params = [p for p in _params(func) if p not in ("base", "adapter", "output", "model", "settings")]
         params += ["base", "adapter", "output"] if func is merge_adapters else []
         inverted = {"double_quant", "progress", "fsdp_plugin"}  # --no-double-quant, --no-progress; Python only
         missing = [p for p in params if p not in inverted and cli_message(f"`{p}`", {p}) not in options]
         assert not missing, (func.__name__, missing)
-    convert = {o for action in convert_command_parser()._actions for o in action.option_strings}
+    convert = {o for action in ConvertCommand().standalone_parser("convert")._actions for o in action.option_strings}
     assert {"--output", "--force", "--adapter-config"} <= convert
