@@ -16,10 +16,34 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ._rules import RULES, Context
+from ._launch_rules import (
+    checkpoint_rules,
+    checkpointing_rules,
+    data_rules,
+    device_map_rule,
+    launcher_rules,
+    memory_rules,
+    wrap_rules,
+)
+from ._rules import Context, dtype_rules, quantization_rules, requires_grad_rule
 from .memory import MemoryPlan, plan_memory
 from .setup import TRAINERS, RunSetup, SetupInputError, facts_from_model, fsdp_from_plugin, read_accelerate_config
 from .shapes import ModelShape, model_shape
+
+# in report order
+RULES = (
+    launcher_rules,
+    quantization_rules,
+    dtype_rules,
+    requires_grad_rule,
+    device_map_rule,
+    wrap_rules,
+    checkpointing_rules,
+    memory_rules,
+    checkpoint_rules,
+    data_rules,
+)
+
 
 __all__ = ["SEVERITIES", "Diagnosis", "Finding", "check_setup", "diagnose", "raise_for_errors"]
 
