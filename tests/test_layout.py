@@ -5,8 +5,6 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,24 +44,16 @@ def test_readme_names_resolve():
     """Every dotted ``hf_fsdp_qlora.X`` the README shows imports (modules) or resolves (attributes)."""
     names = sorted(set(re.findall(r"\bhf_fsdp_qlora(?:\.\w+)+", (REPO / "README.md").read_text())))
     assert len(names) >= 5, names
-    script = "\n".join(
-        [
-            "import importlib",
-            "for name in %r:" % names,
-            "    parts = name.split('.')",
-            "    for cut in range(len(parts), 0, -1):",
-            "        try:",
-            "            obj = importlib.import_module('.'.join(parts[:cut]))",
-            "            break",
-            "        except ModuleNotFoundError:",
-            "            continue",
-            "    for attr in parts[cut:]:",
-            "        obj = getattr(obj, attr)",
-            "print('ok', len(%r))" % names,
-        ]
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in names:
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ModuleNotFoundError:
+                continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)  # AttributeError names what the README shows but the package lacks
 
 
 def test_every_public_export_resolves():
