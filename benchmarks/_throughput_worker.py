@@ -46,6 +46,7 @@ def parse(argv=None):
     p.add_argument("--packed", action="store_true", help="variable-length examples packed with position_ids")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--no-bf16", action="store_true", help="TrainingArguments(bf16=False): no autocast")
+    p.add_argument("--profile", action="store_true", help="torch.profiler over the steady steps: top ops to --out")
     return p.parse_args(argv)
 
 
@@ -166,8 +167,19 @@ def main(argv=None):
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 found["t0"] = time.perf_counter()
+                found["cpu0"] = time.process_time()
+                if args.profile:
+                    found["_profiler"] = torch.profiler.profile()
+                    found["_profiler"].__enter__()
             if state.global_step == args.steps:
                 found["t1"] = time.perf_counter()
+                found["cpu1"] = time.process_time()
+                profiler = found.pop("_profiler", None)
+                if profiler is not None:
+                    profiler.__exit__(None, None, None)
+                    table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+                    Path(args.out).mkdir(parents=True, exist_ok=True)
+                    (Path(args.out) / f"profile-rank{rank}.txt").write_text(table)
                 if found.get("rss_reset"):
                     found["peak_rss_train"] = _vm_kib("VmHWM") * 1024
                 if cuda:
@@ -200,6 +212,10 @@ def main(argv=None):
     found["steady_steps"] = steady
     found["steady_s"] = seconds
     found["tokens_per_s"] = steady * args.batch * args.seq * world / seconds  # global: every rank's tokens
+    # CPU seconds this rank's process spent in the steady steps (all its threads). On a shared machine wall time
+    # moves with other jobs' load; CPU time much less, so tokens per CPU-second compares contestants more steadily.
+    found["cpu_s"] = found["cpu1"] - found["cpu0"]
+    found["tokens_per_cpu_s"] = steady * args.batch * args.seq / found["cpu_s"]  # this rank's tokens
     found["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(found))

@@ -83,7 +83,7 @@ def launch(contestant: str, model: Path, out: Path, args) -> list[dict]:
         str(WORKER), "--contestant", contestant, "--model", str(model), "--out", str(out), "--seq", str(args.seq),
         "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--lora-r", str(args.lora_r), "--device", args.device, *(["--packed"] if args.packed else []),
-        *(["--no-bf16"] if args.no_bf16 else []),
+        *(["--no-bf16"] if args.no_bf16 else []), *(["--profile"] if args.profile else []),
     ]  # fmt: skip
     if contestant in ("stock", "ours_ddp"):
         if args.device == "cuda" and args.nproc == 1:
@@ -92,7 +92,7 @@ def launch(contestant: str, model: Path, out: Path, args) -> list[dict]:
             cmd = [str(bin_dir / "torchrun"), f"--nproc-per-node={args.nproc}", "--master-addr=127.0.0.1",
                    f"--master-port={_port()}", *worker_args]  # fmt: skip
     else:
-        config = (
+        config = args.accelerate_config or (
             ROOT / "accelerate_configs" / ("cpu_fsdp2_rehearsal.yaml" if args.device == "cpu" else "fsdp2_qlora.yaml")
         )
         cmd = [str(bin_dir / "accelerate"), "launch", "--config_file", str(config), "--num_processes",
@@ -141,6 +141,10 @@ def summarize(runs: dict[str, list[list[dict]]], args) -> dict:
         rows[name] = {
             "tokens_per_s": statistics.median(r[0]["tokens_per_s"] for r in rounds),
             "tokens_per_s_rounds": [round(r[0]["tokens_per_s"], 1) for r in rounds],
+            # every rank's tokens over every rank's CPU seconds: steadier than wall time on a shared machine
+            "tokens_per_cpu_s": statistics.median(
+                sum(x["tokens_per_cpu_s"] * x["cpu_s"] for x in r) / sum(x["cpu_s"] for x in r) for r in rounds
+            ),
             "peak_memory_per_rank": statistics.median(max(memory_of(x, args.device) for x in r) for r in rounds),
             "peak_rss_with_load_per_rank": statistics.median(max(x["peak_rss"] for x in r) for r in rounds),
             "distributed_type": rounds[0][0]["distributed_type"],
@@ -150,6 +154,7 @@ def summarize(runs: dict[str, list[list[dict]]], args) -> dict:
     ours = rows["ours"]
     for row in rows.values():
         row["tokens_per_s_vs_ours"] = row["tokens_per_s"] / ours["tokens_per_s"]
+        row["tokens_per_cpu_s_vs_ours"] = row["tokens_per_cpu_s"] / ours["tokens_per_cpu_s"]
         row["memory_vs_ours"] = row["peak_memory_per_rank"] / ours["peak_memory_per_rank"]
     return rows
 
@@ -162,12 +167,13 @@ def print_table(result: dict) -> None:
           f"batch {w['batch']}, {w['ranks']} rank(s) on {result['device']}, {w['steps']} steps ({w['warmup']} "
           f"warm-up), LoRA r={w['lora_r']} all-linear, NF4 + double quant, bf16, "
           f"{'packed' if w['packed'] else 'fixed-length'} data, {result['rounds']} round(s), medians")  # fmt: skip
-    print(f"{'contestant':<13}{'tokens/s':>10}{'vs ours':>9}{memory + ' MiB/rank':>29}{'vs ours':>9}"
-          f"{'with load':>11}  engine")  # fmt: skip
+    print(f"{'contestant':<13}{'tokens/s':>10}{'vs ours':>9}{'tok/CPU-s':>11}{'vs ours':>9}"
+          f"{memory + ' MiB/rank':>29}{'vs ours':>9}{'with load':>11}  engine")  # fmt: skip
     for name, row in result["contestants"].items():
         engine = row["distributed_type"] + (f" ({row['fsdp2_modules']} FSDP2 modules)" if row["fsdp2_modules"] else "")
         print(
             f"{name:<13}{row['tokens_per_s']:>10.1f}{row['tokens_per_s_vs_ours']:>8.3f}x"
+            f"{row['tokens_per_cpu_s']:>11.1f}{row['tokens_per_cpu_s_vs_ours']:>8.3f}x"
             f"{row['peak_memory_per_rank'] / mib:>29.0f}{row['memory_vs_ours']:>8.3f}x"
             f"{row['peak_rss_with_load_per_rank'] / mib:>11.0f}  {engine}  rounds {row['tokens_per_s_rounds']}"
         )
@@ -193,6 +199,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     p.add_argument("--packed", action="store_true", help="pack variable-length examples (hf_fsdp_qlora.data)")
     p.add_argument("--no-bf16", action="store_true", help="TrainingArguments(bf16=False) for all: no autocast")
+    p.add_argument(
+        "--accelerate-config",
+        help="accelerate config for the FSDP contestants (default: the shipped one "
+        "for --device, e.g. to try fsdp_reshard_after_forward: false)",
+    )
+    p.add_argument("--profile", action="store_true", help="write each rank's torch.profiler top ops (needs --keep)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
     p.add_argument("--json", action="store_true", help="print the result as JSON after the table")
     p.add_argument("--keep", help="build the model and write runs here instead of a temporary folder")
@@ -202,6 +214,8 @@ def main(argv=None) -> int:
         p.error(f"--contestants must include 'ours' and only name {', '.join(CONTESTANTS)}; got {args.contestants!r}")
     if args.warmup < 1 or args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}), which must be >= 1")
+    if args.profile and not args.keep:
+        p.error("--profile writes profile-rank<R>.txt into each launch's folder: add --keep DIR to keep them")
     seq, batch = DEFAULTS[args.shape]
     args.seq, args.batch = args.seq or seq, args.batch or batch
     args.nproc = args.nproc or (2 if args.device == "cpu" else 1)

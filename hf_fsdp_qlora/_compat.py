@@ -359,6 +359,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         canary=_C + "test_transformers_internals",
     ),
     Workaround(
+        key="torch_compiled_call_impl",
+        upstream="torch 2.13 (nn.Module.compile() stores the compiled call in _compiled_call_impl)",
+        works_around="proof that compile_layers compiled each layer in place (no public 'is compiled' query)",
+        where=("hf_fsdp_qlora.train.compile.compiled_modules",),
+        remove_when="torch offers a public way to ask whether a module was compiled in place",
+        canary=_C + "test_torch_internals",
+    ),
+    Workaround(
         key="torch_module_slots",
         upstream="torch 2.13 (nn.Module._parameters / _buffers; torch.utils.deterministic.fill_uninitialized_memory)",
         works_around="tensors are swapped in place during low-RAM loading; no fill of memory overwritten at once",

@@ -307,6 +307,10 @@ def test_torch_internals():
     assert isinstance(deterministic.fill_uninitialized_memory, bool)
     compiled = torch.compile(module)  # wrapping only; nothing is compiled before a call
     assert compiled._orig_mod is module
+    in_place = torch.nn.Linear(2, 2)
+    assert getattr(in_place, "_compiled_call_impl", None) is None
+    in_place.compile()  # what accelerate's regional compilation calls on each layer
+    assert in_place._compiled_call_impl is not None  # what compile.compiled_modules reads
     assert set(WRAPPER_SEGMENTS) == {FSDP_WRAPPED_MODULE + ".", _CHECKPOINT_WRAPPED_MODULE + ".", "_orig_mod."}
 
 

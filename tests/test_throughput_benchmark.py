@@ -35,6 +35,7 @@ def test_smoke_every_contestant_trains_and_reports(tmp_path):
     assert set(rows) == {"ours", "stock", "accel_fsdp2"}
     for name, row in rows.items():
         assert row["tokens_per_s"] > 0 and row["peak_memory_per_rank"] > 0, (name, row)
+        assert row["tokens_per_cpu_s"] > 0 and row["tokens_per_cpu_s_vs_ours"] > 0, (name, row)
         assert row["tokens_per_s_vs_ours"] > 0 and row["memory_vs_ours"] > 0
         assert f"\n{name} " in out  # one table row per contestant
     assert rows["ours"]["tokens_per_s_vs_ours"] == 1.0

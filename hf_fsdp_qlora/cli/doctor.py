@@ -63,6 +63,7 @@ def _settings(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size,
         "eval_batch_size": args.eval_batch_size,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "activation_offloading": args.activation_offloading,
         "model_checkpointing": args.model_checkpointing,
         "attn_implementation": args.attn_implementation,
         "optimizer": args.optimizer,
@@ -169,6 +170,11 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
             "--model-checkpointing",
             action="store_true",
             help="activation checkpointing is enabled on the model itself, e.g. by load_qlora_model (its default)",
+        )
+        parser.add_argument(
+            "--activation-offloading",
+            action="store_true",
+            help="FSDPQLoRATrainingArguments(activation_offloading=True): saved activations live in host RAM",
         )
         parser.add_argument("--attn-implementation", choices=("sdpa", "flash_attention_2", "eager"), default="sdpa")
         parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit", "sgd"), default="adamw")

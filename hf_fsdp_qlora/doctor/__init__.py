@@ -34,7 +34,7 @@ a removal or a change of meaning bumps ``schema_version``::
         "per_gpu": {"base_quantized", "base_quant_state", "base_other", "adapter", "gradients", "optimizer",
                     "fsdp_gathered", "activations", "logits_loss", "dequant_workspace", "runtime_overhead",
                     "total": int},    # bytes on each GPU; offloaded parts are 0 here
-        "host_per_process": {"offloaded": int, "loading": int},   # each key only when it applies
+        "host_per_process": {"offloaded": int, "loading": int, "activations_offloaded": int},   # each key only when it applies
         "activations": {"checkpointing": "fsdp" | "trainer" | "model" | "none",
                         "with_checkpointing": int, "without_checkpointing": int},
         "offload": {"enabled": bool, "moved_to_host": int},

@@ -17,6 +17,9 @@ Parts, per GPU (bytes), in the order they are reported:
 * ``activations``: saved activations for ``batch x seq`` tokens (Llama-style decoder layer: RMSNorm, attention,
   gated MLP, LoRA inputs and dropout masks), with checkpointing (each layer's input plus one recomputed layer)
   or without (every layer), plus backward transients.
+  With ``activation_offloading`` the tensors saved outside checkpointed regions (each layer's input, or every
+  saved tensor without checkpointing) wait in host RAM (``host["activations_offloaded"]``); the GPU keeps one
+  layer's saved tensors as backward brings them back (or recomputes them), and the transients.
 * ``logits_loss``: the logits and the fp32 log-softmax transformers computes for the loss (its vocabulary is
   what makes Llama 3 long sequences expensive).
 * ``dequant_workspace``: the largest quantized weight dequantized for one matmul.
@@ -113,6 +116,8 @@ class MemoryPlan:
         """The total with the activations of the other checkpointing choice."""
         if checkpointing is None:
             return self.total
+        if self.host.get("activations_offloaded"):
+            return self.total  # offloaded: the GPU keeps one layer's worth either way
         acts = self.activations_with_checkpointing if checkpointing else self.activations_without_checkpointing
         return self.total - self.parts["activations"] + acts
 
@@ -296,6 +301,14 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         checkpointing = "model"
     else:
         checkpointing = "none"
+    activations = with_ckpt if checkpointing != "none" else without_ckpt
+    offloaded_activations = 0.0
+    if setup.activation_offloading:
+        # What stays: the layer being back-propagated (brought back, or recomputed under checkpointing) and the
+        # transients; the final norm / LM-head inputs move too. The logits stay: they are the forward's output.
+        on_gpu = tokens * per_layer + transient
+        offloaded_activations = max(0.0, activations - on_gpu)
+        activations -= offloaded_activations
     logits = tokens * shape.vocab_size * max(act + (4 if act < 4 else 0) + 4, 12)
     workspace = max((lin.numel for lin in shape.linears if lin.quantized), default=0) * act if quant else 0
 
@@ -307,7 +320,7 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         "gradients": gradients,
         "optimizer": optimizer,
         "fsdp_gathered": gathered,
-        "activations": with_ckpt if checkpointing != "none" else without_ckpt,
+        "activations": activations,
         "logits_loss": logits,
         "dequant_workspace": workspace,
         "runtime_overhead": RUNTIME_OVERHEAD,
@@ -320,7 +333,7 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         "gradients": gradients,
         "optimizer": optimizer,
     }
-    host = {}
+    host = {"activations_offloaded": int(offloaded_activations)} if setup.activation_offloading else {}
     if fsdp.offload_params and fsdp.version is not None:
         moved = sum(parts[name] for name in _OFFLOADED)
         for name in _OFFLOADED:

@@ -85,6 +85,10 @@ def render(diagnosis: Diagnosis, width: int = 100) -> str:
                      f" / {format_size(plan.activations_without_checkpointing)}")  # fmt: skip
         if plan.host.get("offloaded"):
             lines.append(f"  offloaded to host RAM per process: {format_size(plan.host['offloaded'])}")
+        if plan.host.get("activations_offloaded"):
+            lines.append(
+                f"  activations offloaded to host RAM per process: {format_size(plan.host['activations_offloaded'])}"
+            )
         if plan.load_peak_per_gpu:
             lines.append(f"  loading peak per GPU (whole quantized model): {format_size(plan.load_peak_per_gpu)}")
         lines.append(f"  checkpoint: weights {format_size(plan.checkpoint['weights'])}, optimizer "

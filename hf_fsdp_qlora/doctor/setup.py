@@ -87,6 +87,7 @@ class RunSetup:
         False  # TrainingArguments.activation_checkpointing (formerly gradient_checkpointing)
     )
     model_checkpointing: bool = False  # enabled on the model itself (load_qlora_model's default)
+    activation_offloading: bool = False  # FSDPQLoRATrainingArguments.activation_offloading
     optimizer: str = "adamw"
     attn_implementation: str = "sdpa"
     seq_len: int = 2048

@@ -22,8 +22,10 @@ from .checkpoint import (
     save_full_model,
     unwrap_peft_model,
 )
+from .compile import enable_layer_compilation
 from .consistency import keep_trainable_in_training_dtype
 from .hygiene import DistinctBatchesCallback, LabelsCheckCallback, MemoryThroughputCallback
+from .offload import install_activation_offloading
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +143,9 @@ class FSDPSaveMixin:
             self.args.save_only_model = save_only_model
             _set_trainer_checkpointing(self.args, wants_checkpointing)
         resolve_activation_checkpointing(self)
+        enable_layer_compilation(self)  # before prepare(), where accelerate compiles
+        if getattr(self.args, "activation_offloading", False):
+            install_activation_offloading(self.model)
         self._follow_wrapping()
 
     def _follow_wrapping(self) -> None:

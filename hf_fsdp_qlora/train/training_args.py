@@ -41,3 +41,20 @@ class FSDPQLoRATrainingArguments(TrainingArguments):
         default=True,
         metadata={"help": "Add peak memory per rank and tokens per second to the logs at every logging step."},
     )
+    compile_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile each decoder layer in place (accelerate's regional compilation; under FSDP2 after "
+            "activation checkpointing and before sharding, so FSDP's hooks still run). Same as the accelerate "
+            "config's dynamo_config: {dynamo_backend: INDUCTOR, dynamo_use_regional_compilation: true}. On CPU "
+            "inductor needs a C++ compiler."
+        },
+    )
+    activation_offloading: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the activations saved for backward in host RAM between forward and backward (for long "
+            "sequences on small GPUs; costs a copy each way). Parameters and tensors already in host memory are "
+            "left alone, so on CPU it changes nothing."
+        },
+    )
