@@ -49,6 +49,26 @@ def test_compiled_layers_train_like_uncompiled(speed_runs):
 
 
 @pytest.mark.distributed
+def test_frozen_embedding_is_gathered_once_per_step(speed_runs):
+    """FSDP2 used to all-gather the frozen embedding again in the backward (layer 0's prefetch), for nothing."""
+    out, results = speed_runs
+    for rank, found in results.items():
+        base, regather = found["base"], found["regather"]
+        embed = "base_model.model.model.embed_tokens"
+        steps = len(base["losses"])
+        assert steps == 2, base
+        assert base["gathers"][f"{embed}|forward"] == steps, base["gathers"]
+        assert base["gathers"].get(f"{embed}|backward", 0) == 0, base["gathers"]
+        # The counter sees backward gathers (the layers'), and the old behaviour's extra one per step ...
+        assert any(k.endswith("|backward") for k in base["gathers"]), base["gathers"]
+        assert regather["gathers"][f"{embed}|backward"] == steps, regather["gathers"]
+        # ... whose removal changes no bit: the old behaviour is the oracle.
+        assert base["losses"] == regather["losses"], (base["losses"], regather["losses"])
+        base_logits = torch.load(out / f"logits_base_rank{rank}.pt")
+        torch.testing.assert_close(base_logits, torch.load(out / f"logits_regather_rank{rank}.pt"), rtol=0, atol=0)
+
+
+@pytest.mark.distributed
 def test_activation_offloading_is_an_engaged_no_op_on_cpu(speed_runs):
     out, results = speed_runs
     for rank, found in results.items():
@@ -184,3 +204,51 @@ def test_doctor_cli_activation_offloading_flag(capsys, tmp_path):
     assert offloaded["per_gpu"]["activations"] == plain["per_gpu"]["activations"] - moved
     cli_main(["doctor", "--accelerate-config", "fsdp2_qlora", "--model", model, "--load-in-4bit", "--activation-offloading"])
     assert "activations offloaded to host RAM per process" in capsys.readouterr().out
+
+
+_SELECTION = """
+import json, os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from hf_fsdp_qlora.train.fsdp import skip_frozen_embedding_backward_gather
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.trained, self.linear = torch.nn.Embedding(8, 4), torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, ids):
+        return self.linear(self.frozen(ids) + self.trained(ids))
+
+model = Model()
+model.frozen.requires_grad_(False)
+model.linear.requires_grad_(False)
+for name in ("frozen", "trained", "linear"):
+    fully_shard(getattr(model, name), mesh=mesh)
+fully_shard(model, mesh=mesh)
+changed = skip_frozen_embedding_backward_gather(model)
+flags = {n: m._get_fsdp_state()._fsdp_param_groups[0].unshard_in_backward for n, m in model.named_children()}
+print(json.dumps({"changed": changed, "flags": flags}))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_only_frozen_embedding_units_skip_the_backward_gather():
+    """A trainable embedding needs its weight in the backward, a frozen Linear for its input gradient."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dist_utils import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PORT=str(free_port()))
+    proc = subprocess.run(
+        [sys.executable, "-c", _SELECTION], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["changed"] == ["frozen"], found
+    assert found["flags"] == {"frozen": False, "trained": True, "linear": True}, found

@@ -13,7 +13,7 @@ from .consistency import make_fsdp_consistent
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..distributed import fsdp_requested_by_launch
 from ..errors import FSDPNotEngagedError
-from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge
+from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge, skip_frozen_embedding_backward_gather
 from ..loading.low_ram import verify_partial_rows
 from .trainer_hook import install_trainer_hook
 
@@ -120,4 +120,5 @@ class FSDPQLoRACallback(TrainerCallback):
         self.engagement = assert_fsdp_engaged(model, self._version)
         verify_partial_rows(model)
         guard_sharded_merge(model)
+        skip_frozen_embedding_backward_gather(model)  # FSDP2: one gather of the frozen embedding per step, not two
         logger.info("hf_fsdp_qlora: %s", engagement_summary(model, self._version, self.engagement))

@@ -16,6 +16,7 @@ __all__ = [
     "assert_fsdp_engaged",
     "guard_sharded_merge",
     "match_amp_forward",
+    "skip_frozen_embedding_backward_gather",
 ]
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,38 @@ def configure_plugin(plugin, model, dtype: torch.dtype) -> list[str]:
     for note in notes:
         logger.info("hf_fsdp_qlora: %s", note)
     return notes
+
+
+def skip_frozen_embedding_backward_gather(model) -> list[str]:
+    """Under FSDP2, stop all-gathering a frozen input embedding again in the backward.
+
+    accelerate's ``fsdp2_prepare_model`` gives the input embedding its own unit with the config's
+    ``reshard_after_forward`` (true in the shipped configs), so its weight is freed after the forward and
+    gathered again in the backward: by layer 0's backward prefetch, or by the unit's own pre-backward hook
+    when its output requires grad (``enable_input_require_grads``). Either one alone gathers it. A frozen
+    embedding needs no weight in the backward (its input is integer ids: there is no input gradient, and no
+    weight gradient), so that gather is pure traffic - the size of the whole embedding, per step (2.1 GB for
+    a 70B Llama's 128256 x 8192 bf16 table). ``set_unshard_in_backward(False)`` is torch's switch for exactly
+    this case; nothing is kept gathered longer, so memory is unchanged, and the weights used are the same
+    bytes, so numerics are unchanged. Units holding anything trainable (LoRA on the embedding, trained or
+    resized embeddings) or anything besides embeddings (tied weights share the LM head's unit) are left alone.
+
+    Returns:
+        The names of the units changed.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    changed = []
+    for name, module in model.named_modules():
+        if not (isinstance(module, FSDPModule) and isinstance(module, torch.nn.Embedding)):
+            continue
+        if any(p.requires_grad for p in module.parameters()):
+            continue
+        module.set_unshard_in_backward(False)
+        changed.append(name)
+    if changed:
+        logger.info("hf_fsdp_qlora: FSDP2 frozen embedding not re-gathered in backward: %s", ", ".join(changed))
+    return changed
 
 
 def fsdp_engagement(model) -> dict:

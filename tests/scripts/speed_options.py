@@ -1,9 +1,11 @@
 """Worker for tests/test_speed_options.py: FSDPQLoRATrainer under FSDP2 with each speed option, in one launch.
 
 Scenarios, in this order (compilation last: accelerate sets process-wide dynamo flags when it compiles):
-``base`` (no option), ``offload`` (activation_offloading=True), ``compile`` (compile_layers=True). Each trains 2
-steps of the tiny Llama from the same seed and data; each rank writes rank<N>.json with the logged losses, what
-the option engaged, and the logits of its first training forward (logits_<scenario>_rank<N>.pt).
+``base`` (no option), ``regather`` (base with the frozen embedding gathered again in the backward, as before
+``skip_frozen_embedding_backward_gather``), ``offload`` (activation_offloading=True), ``compile``
+(compile_layers=True). Each trains 2 steps of the tiny Llama from the same seed and data; each rank writes
+rank<N>.json with the logged losses, what the option engaged, the FSDP2 all-gathers per unit in the forward and
+the backward, and the logits of its first training forward (logits_<scenario>_rank<N>.pt).
 """
 
 from __future__ import annotations
@@ -22,11 +24,38 @@ from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlo
 from hf_fsdp_qlora.train.compile import compiled_modules
 from hf_fsdp_qlora.fsdp import fsdp_engagement
 
-OPTIONS = {"base": {}, "offload": {"activation_offloading": True}, "compile": {"compile_layers": True}}
+OPTIONS = {"base": {}, "regather": {}, "offload": {"activation_offloading": True}, "compile": {"compile_layers": True}}
+
+
+GATHERS = {}  # (unit fqn, "forward" | "backward") -> all-gathers issued, for the scenario running
+
+
+def count_gathers():
+    """Count the all-gathers FSDP2 really issues per unit (an unshard that finds the unit gathered issues none)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    unshard = FSDPParamGroup.unshard
+
+    def counted(self, async_op=False):
+        pending = self._all_gather_result
+        unshard(self, async_op)
+        if pending is None and self._all_gather_result is not None:
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            key = f"{self._module_fqn}|{phase}"
+            GATHERS[key] = GATHERS.get(key, 0) + 1
+
+    FSDPParamGroup.unshard = counted
 
 
 def run(name, path, out):
     from transformers import TrainerCallback
+
+    from hf_fsdp_qlora.train import callbacks
+
+    GATHERS.clear()
+    skip = callbacks.skip_frozen_embedding_backward_gather
+    if name == "regather":  # the behaviour before the fix, as the oracle for numerics and gather counts
+        callbacks.skip_frozen_embedding_backward_gather = lambda model: []
 
     seen = {}
 
@@ -49,7 +78,10 @@ def run(name, path, out):
     )  # fmt: skip
     trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=ts.TokenDataset(), callbacks=[FirstLogits()])
     offloading = getattr(trainer.model, "_hf_fsdp_qlora_offloading", None)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        callbacks.skip_frozen_embedding_backward_gather = skip
     seen["handle"].remove()
     torch.save(seen["logits"], out / f"logits_{name}_rank{ts.rank()}.pt")
     found = {
@@ -57,6 +89,7 @@ def run(name, path, out):
         "engaged": seen["engaged"],
         "compiled": seen["compiled"],
         "distributed_type": str(trainer.accelerator.distributed_type),
+        "gathers": dict(GATHERS),
     }
     if offloading is not None:
         found["offload"] = {"packed": offloading.packed, "offloaded": offloading.offloaded}
@@ -76,6 +109,7 @@ def main():
     out, path = Path(args.out), str(Path(args.models) / "llama")
     out.mkdir(parents=True, exist_ok=True)
     found = {}
+    count_gathers()
     for name in args.scenarios.split(","):
         try:
             found[name] = run(name, path, out)
