@@ -22,7 +22,7 @@ import train_scenarios as ts
 import hf_fsdp_qlora  # noqa: F401  (CPU rehearsal hook before the arguments build accelerate's state)
 from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
 from hf_fsdp_qlora.train.compile import compiled_modules
-from hf_fsdp_qlora.fsdp import fsdp_engagement
+from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 
 OPTIONS = {"base": {}, "regather": {}, "offload": {"activation_offloading": True}, "compile": {"compile_layers": True}}
 
