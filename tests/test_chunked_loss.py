@@ -1,0 +1,160 @@
+"""The chunked causal-LM loss (hf_fsdp_qlora.train.loss) against transformers' stock loss.
+
+Single process: the head-and-cross-entropy kernel, then our trainer with ``chunked_loss`` on and off on the same model
+and batches (-100 positions, a batch with every position masked, ``num_items_in_batch`` with gradient accumulation,
+evaluation and predict). Distributed: one 2-rank launch per FSDP version (tests/scripts/chunked_loss_scenarios.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_fsdp_qlora.train.loss import head_loss_sum
+
+# Measured: float32 losses agree to 2e-7 relative, gradients to 1e-6 (only the summation order differs).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _stock(logits, labels, num_items=None):
+    # transformers' ForCausalLMLoss, written out: shift, float32, sum or mean over labelled tokens.
+    shift = F.pad(labels[..., 1:], (0, 1), value=-100)
+    total = F.cross_entropy(logits.float().flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum")
+    return total / num_items if num_items is not None else total / shift.ne(-100).sum()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_head_loss_sum_equals_full_logits_loss_and_gradients(chunk):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, :4] = -100
+    labels[1, 7] = -100
+    expected = _stock(head(hidden), labels)
+    expected.backward()
+    want = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad = head.weight.grad = None
+    shift = F.pad(labels[..., 1:], (0, 1), value=-100)
+    total, count = head_loss_sum(head.forward, hidden, shift, chunk)
+    (total / count).backward()
+    torch.testing.assert_close(total / count, expected, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(hidden.grad, want[0], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(head.weight.grad, want[1], rtol=RTOL, atol=ATOL)
+
+
+def test_all_positions_masked_gives_zero_connected_loss():
+    head = torch.nn.Linear(8, 20)
+    hidden = torch.randn(1, 5, 8, requires_grad=True)
+    total, count = head_loss_sum(head.forward, hidden, torch.full((1, 5), -100), 2)
+    assert float(total) == 0.0 and int(count) == 0
+    total.backward()  # connected: under FSDP every rank must run the same backward collectives
+    assert torch.count_nonzero(hidden.grad) == 0 and head.weight.grad is not None
+
+
+def _tiny(vocab=96):
+    from tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=vocab), dtype=torch.float32)
+
+
+class _Data(torch.utils.data.Dataset):
+    """Samples with prompts masked (-100) of different lengths, and one sample with no labelled token at all."""
+
+    def __init__(self, n=8, seq=12, vocab=96):
+        gen = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(3, vocab, (n, seq), generator=gen)
+        self.prompt = [int(i) for i in torch.randint(0, seq - 2, (n,), generator=gen)]
+        self.prompt[3] = seq  # every position masked
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[: self.prompt[i]] = -100
+        return {"input_ids": self.ids[i], "labels": labels, "attention_mask": torch.ones_like(self.ids[i])}
+
+
+def _trainer(tmp_path, model, chunked, **kw):
+    from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments
+
+    args = FSDPQLoRATrainingArguments(
+        output_dir=str(tmp_path / f"c{chunked}"), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        chunked_loss=chunked, loss_chunk_size=5, check_distinct_batches=0, log_memory_throughput=False, **kw,
+    )  # fmt: skip
+    return FSDPQLoRATrainer(model=model, args=args, train_dataset=_Data(), eval_dataset=_Data())
+
+
+def test_trainer_chunked_loss_equals_stock_with_gradient_accumulation(tmp_path):
+    """Two optimizer steps of 2 micro-batches each (num_items_in_batch normalisation, a fully masked sample), then
+    evaluate() and predict(): equal losses, equal trained weights (SGD: weights move with the gradients, where Adam
+    would magnify rounding in near-zero gradients), and predict() still returns the logits."""
+    model = _tiny()
+    runs = {}
+    for chunked in (False, True):
+        trainer = _trainer(tmp_path, copy.deepcopy(model), chunked, gradient_accumulation_steps=2, optim="sgd")
+        from hf_fsdp_qlora.train.loss import trainer_loss_path
+
+        assert trainer_loss_path(trainer) == ("ours" if chunked else "stock")
+        trainer.train()
+        runs[chunked] = {
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "grad_norm": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+            "weights": {k: v.detach().clone() for k, v in trainer.model.named_parameters()},
+            "eval": trainer.evaluate()["eval_loss"],
+            "predict": trainer.predict(_Data()),
+        }
+    stock, ours = runs[False], runs[True]
+    assert len(ours["losses"]) == 2
+    torch.testing.assert_close(ours["losses"], stock["losses"], rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(ours["grad_norm"], stock["grad_norm"], rtol=1e-4, atol=1e-6)
+    for name, value in stock["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], value, rtol=1e-4, atol=1e-6)
+    assert ours["eval"] == pytest.approx(stock["eval"], rel=RTOL)
+    assert ours["predict"].predictions.shape == (8, 12, 96)  # logits, as with the stock loss
+    torch.testing.assert_close(ours["predict"].predictions, stock["predict"].predictions)
+
+
+def test_compute_loss_num_items_and_all_masked(tmp_path):
+    """compute_loss itself: mean without num_items_in_batch, sum / num_items_in_batch with it, and a micro-batch whose
+    positions are all masked (the stock mean is NaN; ours is 0 with zero gradients)."""
+    model = _tiny()
+    stock, ours = _trainer(tmp_path, copy.deepcopy(model), False), _trainer(tmp_path, copy.deepcopy(model), True)
+    data = _Data()
+    batch = {k: torch.stack([data[i][k] for i in (0, 1)]) for k in ("input_ids", "labels", "attention_mask")}
+    for num_items in (None, torch.tensor(37)):
+        expected = stock.compute_loss(stock.model, dict(batch), num_items_in_batch=num_items)
+        got = ours.compute_loss(ours.model, dict(batch), num_items_in_batch=num_items)
+        torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+        expected.backward()
+        got.backward()
+        for (name, a), (_, b) in zip(stock.model.named_parameters(), ours.model.named_parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+        stock.model.zero_grad()
+        ours.model.zero_grad()
+    masked = {**batch, "labels": torch.full_like(batch["labels"], -100)}
+    assert torch.isnan(stock.compute_loss(stock.model, dict(masked)))
+    zero = ours.compute_loss(ours.model, dict(masked))
+    assert float(zero) == 0.0
+    zero.backward()
+    assert all(p.grad is None or not p.grad.any() for p in ours.model.parameters())
+    with_items = ours.compute_loss(ours.model, dict(masked), num_items_in_batch=torch.tensor(5))
+    assert float(with_items) == float(
+        stock.compute_loss(stock.model, dict(masked), num_items_in_batch=torch.tensor(5))
+    )
+    assert "lm_head" in dict(ours.model.named_modules()) and "forward" not in vars(ours.model.lm_head)  # restored
+
+
+def test_loss_chunk_size_must_be_positive(tmp_path):
+    from hf_fsdp_qlora import FSDPQLoRATrainingArguments
+
+    with pytest.raises(ValueError, match="loss_chunk_size=0"):
+        FSDPQLoRATrainingArguments(output_dir=str(tmp_path), loss_chunk_size=0, use_cpu=True, report_to=[])
