@@ -61,7 +61,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         key="cpu_fsdp_sync_options",
         upstream="accelerate <= 1.15 (FullyShardedDataParallelPlugin.__post_init__)",
         works_around='FSDP1: sync_module_states / cpu_ram_efficient_loading raise "no available devices found" on CPU',
-        where=("hf_fsdp_qlora.doctor._launch_rules.launcher_rules",),  # reported before launch, with the setting to change
+        where=(
+            "hf_fsdp_qlora.doctor._launch_rules.launcher_rules",
+        ),  # reported before launch, with the setting to change
         remove_when="the plugin accepts these options on a CPU-only machine",
         canary=_DOCTOR + "[f1_sync_on_cpu]",
     ),

@@ -158,3 +158,135 @@ def test_loss_chunk_size_must_be_positive(tmp_path):
 
     with pytest.raises(ValueError, match="loss_chunk_size=0"):
         FSDPQLoRATrainingArguments(output_dir=str(tmp_path), loss_chunk_size=0, use_cpu=True, report_to=[])
+
+
+# --- under FSDP1 and FSDP2: one 2-rank launch each ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
+def fsdp_runs(request, tmp_path_factory):
+    from dist_utils import accelerate_launch, check, read_results
+    from tiny_models import build_tiny_model
+
+    version = request.param
+    models = tmp_path_factory.mktemp("models")
+    build_tiny_model(models / "llama", "llama")
+    out = tmp_path_factory.mktemp(f"chunked_fsdp{version}") / "run"
+    proc = accelerate_launch(f"cpu_fsdp{version}_rehearsal.yaml", "chunked_loss_scenarios.py", "--models", str(models),
+                             "--out", str(out), "--fsdp-version", str(version), timeout=600)  # fmt: skip
+    check(proc)
+    results = read_results(out)
+    for rank in (0, 1):
+        errors = {k: v["error"] for k, v in results[rank].items() if "error" in v}
+        assert not errors, errors
+    return version, out, results
+
+
+def test_fsdp_chunked_loss_and_gradients_equal_stock(fsdp_runs):
+    """FSDP engaged; with gradient accumulation and masked prompts the chunked loss (several chunks, or one), its
+    gradient shards and the eval loss equal the stock loss's, and chunking adds no all-gather of the head."""
+    version, out, results = fsdp_runs
+    for rank in (0, 1):
+        r = results[rank]
+        for name in ("stock", "chunked", "onechunk"):
+            assert r[name]["distributed_type"] == "DistributedType.FSDP"
+            engaged = r[name]["engaged"]
+            assert engaged.get("flat_params") if version == 1 else engaged.get("fsdp2_modules"), engaged
+        assert r["stock"]["path"] == "stock" and r["chunked"]["path"] == "ours" and r["onechunk"]["path"] == "ours"
+        assert len(r["stock"]["losses"]) == 2
+        for name in ("chunked", "onechunk"):
+            torch.testing.assert_close(r[name]["losses"], r["stock"]["losses"], rtol=RTOL, atol=ATOL)
+            assert r[name]["eval_loss"] == pytest.approx(r["stock"]["eval_loss"], rel=RTOL)
+            stock = torch.load(out / f"grads_stock_rank{rank}.pt")
+            got = torch.load(out / f"grads_{name}_rank{rank}.pt")
+            assert stock and got.keys() == stock.keys()
+            for key, value in stock.items():
+                torch.testing.assert_close(got[key], value, rtol=1e-3, atol=1e-5, msg=key)
+        # One unshard of the head for all chunks: the many-chunk run issues exactly the gathers of the one-chunk run.
+        assert r["chunked"]["gathers_train"] == r["onechunk"]["gathers_train"] > 0
+
+
+def test_fsdp_trl_fused_head_equals_unfused_loss(fsdp_runs):
+    """trl's SFTTrainer keeps its own fused LM head under our FSDP route, and its loss equals the unfused loss from
+    the full logits of the same inputs and weights at every micro-batch."""
+    version, _, results = fsdp_runs
+    for rank in (0, 1):
+        sft = results[rank]["sft"]
+        assert sft["distributed_type"] == "DistributedType.FSDP" and sft["path"] == "sft"
+        assert len(sft["fused"]) == 6  # 2 steps x 2 micro-batches, then 2 evaluation batches
+        torch.testing.assert_close(sft["fused"], sft["unfused"], rtol=1e-4, atol=1e-5)
+
+
+# --- the doctor plans the loss path the run takes ----------------------------------------------------------------
+
+GIB = 2**30
+QWEN2_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28,
+    "vocab_size": 152064, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "max_position_embeddings": 32768, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+
+def _plans(model, **settings):
+    from hf_fsdp_qlora.doctor import diagnose
+
+    return {path: diagnose(model, loss_path=path, **settings).plan for path in ("stock", "ours", "sft", "dpo")}
+
+
+def test_doctor_qwen2_7b_plan_drops_by_the_logits_term(tmp_path):
+    """The issue's case: Qwen2-7B QLoRA, FSDP2, 2 x 24 GB, 8192 tokens. The stock loss path plans 25.6 GiB (13.92 GiB
+    of logits); ours drops by exactly the logits it no longer holds and fits."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_7B))
+    plans = _plans(tmp_path, accelerate_config="fsdp2_qlora", quantization="4bit", seq_len=8192, num_gpus=2,
+                   gpu_memory=24 * GIB)  # fmt: skip
+    stock, ours = plans["stock"], plans["ours"]
+    assert round(stock.parts["logits_loss"] / GIB, 2) == 13.92 and round(stock.total / GIB, 1) == 25.6
+    assert stock.verdict == "does_not_fit" and ours.verdict == "fits"
+    # 1024 tokens x 152064 x 12 bytes per logit, plus the labelled tokens' bf16 hidden states
+    assert ours.parts["logits_loss"] == 1024 * 152064 * 12 + 8192 * 3584 * 2
+    assert stock.total - ours.total == stock.parts["logits_loss"] - ours.parts["logits_loss"]
+    assert plans["sft"].parts["logits_loss"] < ours.parts["logits_loss"]  # trl's tile: 4096 x 32768
+    # DPO: chosen + rejected, twice the activations of the same batch
+    assert plans["dpo"].parts["activations"] > 1.9 * plans["sft"].parts["activations"]
+
+
+def test_doctor_seed_002_llamaguard_full_finetune_replanned():
+    """Seed 002: Llama Guard 3 1B full fine-tune on one 24 GB GPU at 4096 tokens (the shipped config)."""
+    from pathlib import Path
+
+    guard = Path(__file__).parent / "data" / "llamaguard3_1b_config.json"
+    plans = _plans(guard, accelerate_config="llamaguard3_1b_1x24gb", full_finetune=True, seq_len=4096,
+                   gpu_memory=24 * GIB)  # fmt: skip
+    stock, ours = plans["stock"], plans["ours"]
+    assert stock.parts["logits_loss"] == 4096 * 128256 * 12  # 5.87 GiB
+    assert ours.parts["logits_loss"] < 1.5 * GIB
+    assert stock.total - ours.total == stock.parts["logits_loss"] - ours.parts["logits_loss"]
+    assert ours.verdict == stock.verdict == "fits"
+
+
+def test_doctor_cli_loss_path_changes_the_plan(capsys):
+    import json
+    from pathlib import Path
+
+    from hf_fsdp_qlora.cli.main import main
+
+    guard = str(Path(__file__).parent / "data" / "llamaguard3_1b_config.json")
+    found = {}
+    for option in ([], ["--loss-path", "stock"], ["--trainer", "transformers"], ["--loss-path", "sft"]):
+        args = ["doctor", "--accelerate-config", "llamaguard3_1b_1x24gb", "--model", guard, "--full-finetune",
+                "--seq-len", "4096", "--gpu-memory", "24GB", "--json", *option]  # fmt: skip
+        assert main(args) in (0, None)
+        doc = json.loads(capsys.readouterr().out)
+        found[" ".join(option)] = (doc["setup"]["loss_path"], doc["memory"]["per_gpu"]["logits_loss"])
+    assert found[""][0] == "ours" and found["--trainer transformers"][0] == "stock"
+    assert (
+        found["--loss-path stock"][1]
+        == found["--trainer transformers"][1]
+        > found[""][1]
+        > found["--loss-path sft"][1]
+    )
+    with pytest.raises(SystemExit) as err:
+        main(["doctor", "--accelerate-config", "fsdp2_qlora", "--model", guard, "--loss-path", "fused"])
+    assert err.value.code == 2
