@@ -336,6 +336,20 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         canary="tests/test_eval_generate.py::test_stock_trainer_evaluate_before_training_is_the_upstream_bug",
     ),
     Workaround(
+        key="chunked_loss_head_forward",
+        upstream="transformers <= 5.23 (Trainer.compute_loss / ForCausalLMLoss need the full logits; no hidden-states "
+        "loss hook); trl 1.16 keeps its fused head",
+        works_around="the stock loss holds [batch x seq x vocab] logits, their fp32 copy and gradient: the LM head's "
+        "forward is replaced for one model call by a chunked loss, and compute_loss / prediction_step take that path",
+        where=(
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.compute_loss",
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.prediction_step",
+            "hf_fsdp_qlora.train.loss._fused_head",
+        ),
+        remove_when="transformers computes the causal-LM loss from the hidden states in chunks itself",
+        canary="tests/test_chunked_loss.py::test_compute_loss_num_items_and_all_masked",
+    ),
+    Workaround(
         key="accelerator_private_lists",
         upstream="accelerate <= 1.15 (Accelerator._models, _optimizers); transformers 5.23 _is_peft_model",
         works_around="evaluation wraps the model alone: a placeholder optimizer is prepared and dropped again",

@@ -34,9 +34,7 @@ __all__ = [
 
 # every accepted name and alias -> torch dtype (the names live in dtype_names, which needs no torch)
 FLOAT_DTYPES = {
-    name: getattr(torch, canonical_name(name))
-    for name in (*FLOAT_NAMES, *ALIASES)
-    if canonical_name(name) in FLOAT_NAMES
+    name: getattr(torch, canonical_name(name)) for name in (*FLOAT_NAMES, *ALIASES) if canonical_name(name) in FLOAT_NAMES
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_fsdp_qlora.train.loss import head_loss_sum
+from hf_fsdp_qlora.train.loss import head_loss
 
 # Measured: float32 losses agree to 2e-7 relative, gradients to 1e-6 (only the summation order differs).
 RTOL, ATOL = 1e-5, 1e-6
@@ -26,33 +26,41 @@ def _stock(logits, labels, num_items=None):
     return total / num_items if num_items is not None else total / shift.ne(-100).sum()
 
 
+@pytest.mark.parametrize("path", ["linear", "recompute"])
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
-def test_head_loss_sum_equals_full_logits_loss_and_gradients(chunk):
+def test_head_loss_equals_full_logits_loss_and_gradients(chunk, path):
+    """Both kernels: gradients computed in the forward (a plain nn.Linear head) and chunks recomputed in the backward
+    under checkpoint (any other head: here a Sequential around the Linear, as a LoRA or 4-bit head would be)."""
     torch.manual_seed(0)
-    head = torch.nn.Linear(16, 50, bias=False)
+    linear = torch.nn.Linear(16, 50, bias=True)
+    head = linear if path == "linear" else torch.nn.Sequential(linear)
     hidden = torch.randn(2, 9, 16, requires_grad=True)
     labels = torch.randint(0, 50, (2, 9))
     labels[0, :4] = -100
     labels[1, 7] = -100
-    expected = _stock(head(hidden), labels)
+    expected = _stock(head(hidden), labels) * 0.5  # a remaining factor, as gradient accumulation applies
     expected.backward()
-    want = hidden.grad.clone(), head.weight.grad.clone()
-    hidden.grad = head.weight.grad = None
+    want = [t.grad.clone() for t in (hidden, linear.weight, linear.bias)]
+    hidden.grad = linear.weight.grad = linear.bias.grad = None
     shift = F.pad(labels[..., 1:], (0, 1), value=-100)
-    total, count = head_loss_sum(head.forward, hidden, shift, chunk)
-    (total / count).backward()
-    torch.testing.assert_close(total / count, expected, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(hidden.grad, want[0], rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(head.weight.grad, want[1], rtol=RTOL, atol=ATOL)
+    count = int(shift.ne(-100).sum())
+    loss, counted = head_loss(head.forward, hidden, shift, chunk, scale=1.0 / count)
+    assert int(counted) == count
+    (loss * 0.5).backward()
+    torch.testing.assert_close(loss * 0.5, expected, rtol=RTOL, atol=ATOL)
+    for got, ref in zip((hidden.grad, linear.weight.grad, linear.bias.grad), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL)
 
 
-def test_all_positions_masked_gives_zero_connected_loss():
-    head = torch.nn.Linear(8, 20)
+@pytest.mark.parametrize("path", ["linear", "recompute"])
+def test_all_positions_masked_gives_zero_connected_loss(path):
+    linear = torch.nn.Linear(8, 20)
+    head = linear if path == "linear" else torch.nn.Sequential(linear)
     hidden = torch.randn(1, 5, 8, requires_grad=True)
-    total, count = head_loss_sum(head.forward, hidden, torch.full((1, 5), -100), 2)
-    assert float(total) == 0.0 and int(count) == 0
-    total.backward()  # connected: under FSDP every rank must run the same backward collectives
-    assert torch.count_nonzero(hidden.grad) == 0 and head.weight.grad is not None
+    loss, count = head_loss(head.forward, hidden, torch.full((1, 5), -100), 2)
+    assert float(loss.detach()) == 0.0 and int(count) == 0
+    loss.backward()  # connected: under FSDP every rank must run the same backward collectives
+    assert torch.count_nonzero(hidden.grad) == 0 and linear.weight.grad is not None
 
 
 def _tiny(vocab=96):
@@ -209,7 +217,7 @@ def test_fsdp_chunked_loss_and_gradients_equal_stock(fsdp_runs):
 def test_fsdp_trl_fused_head_equals_unfused_loss(fsdp_runs):
     """trl's SFTTrainer keeps its own fused LM head under our FSDP route, and its loss equals the unfused loss from
     the full logits of the same inputs and weights at every micro-batch."""
-    version, _, results = fsdp_runs
+    _, _, results = fsdp_runs
     for rank in (0, 1):
         sft = results[rank]["sft"]
         assert sft["distributed_type"] == "DistributedType.FSDP" and sft["path"] == "sft"

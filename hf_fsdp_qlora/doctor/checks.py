@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..train.loss_paths import LOSS_PATHS
 from ._launch_rules import (
     checkpoint_rules,
     checkpointing_rules,
@@ -27,7 +28,6 @@ from ._launch_rules import (
 )
 from ._rules import Context, dtype_rules, quantization_rules, requires_grad_rule
 from .memory import MemoryPlan, plan_memory
-from ..train.loss_paths import LOSS_PATHS
 from .setup import TRAINERS, RunSetup, SetupInputError, facts_from_model, fsdp_from_plugin, read_accelerate_config
 from .shapes import ModelShape, model_shape
 

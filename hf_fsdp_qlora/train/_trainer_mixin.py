@@ -186,11 +186,11 @@ class FSDPSaveMixin:
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # A loss-only evaluation takes the chunked loss; predict() / compute_metrics get the model's logits.
-        self._hf_fsdp_qlora_loss_only = bool(prediction_loss_only)
+        self.hf_fsdp_qlora_loss_only = bool(prediction_loss_only)
         try:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         finally:
-            self._hf_fsdp_qlora_loss_only = False
+            self.hf_fsdp_qlora_loss_only = False
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         if not getattr(self, "is_fsdp_enabled", False):

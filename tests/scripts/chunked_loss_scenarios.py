@@ -26,7 +26,7 @@ from hf_fsdp_qlora import FSDPQLoRASFTTrainer, FSDPQLoRATrainer, FSDPQLoRATraini
 from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 from hf_fsdp_qlora.train.loss import trainer_loss_path
 
-SCENARIOS = {"stock": dict(chunked_loss=False), "chunked": dict(loss_chunk_size=4), "onechunk": {}, "sft": {}}
+SCENARIOS = {"stock": {"chunked_loss": False}, "chunked": {"loss_chunk_size": 4}, "onechunk": {}, "sft": {}}
 GATHERS = [0]
 
 
@@ -88,7 +88,7 @@ def run(name, path, out, version):
 
     torch.manual_seed(0)
     model = load_qlora_model(path, lora_config=ts.lora_config())
-    common = dict(
+    common = dict(  # noqa: C408 - keyword arguments of TrainingArguments
         per_device_train_batch_size=ts.BATCH, per_device_eval_batch_size=ts.BATCH, gradient_accumulation_steps=2,
         max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
         dataloader_drop_last=True, seed=0, optim="sgd", average_tokens_across_devices=True,
