@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from hf_fsdp_qlora.train.loss_paths import DEFAULT_LOSS_CHUNK_SIZE  # torch-free
 
 
 def _loss_once(kind: str, vocab: int, hidden: int, tokens: int, chunk: int) -> dict:
@@ -68,8 +70,8 @@ def _contestant(kind, args) -> dict:
 def loss_benchmark(args) -> dict:
     runs = {"stock": [], "ours": []}
     for _ in range(args.rounds):
-        for kind in runs:
-            runs[kind].append(_contestant(kind, args))
+        for kind, results in runs.items():
+            results.append(_contestant(kind, args))
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("seconds", "peak_bytes")} for k, v in runs.items()}
     gib = 2**30
     print(f"loss forward+backward, vocab {args.vocab}, hidden {args.hidden}, {args.tokens} tokens, bf16, frozen head, "
@@ -122,7 +124,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=DEFAULT_LOSS_CHUNK_SIZE)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--step", action="store_true", help="also a whole FSDP2 training step (2 ranks)")

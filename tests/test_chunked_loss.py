@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_fsdp_qlora.train.loss import head_loss
+from hf_fsdp_qlora.train.loss_paths import DEFAULT_LOSS_CHUNK_SIZE
 
 # Measured: float32 losses agree to 2e-7 relative, gradients to 1e-6 (only the summation order differs).
 RTOL, ATOL = 1e-5, 1e-6
@@ -192,17 +193,17 @@ def fsdp_runs(request, tmp_path_factory):
 
 def test_fsdp_chunked_loss_and_gradients_equal_stock(fsdp_runs):
     """FSDP engaged; with gradient accumulation and masked prompts the chunked loss (several chunks, or one), its
-    gradient shards and the eval loss equal the stock loss's, and chunking adds no all-gather of the head."""
+    gradient shards and the eval loss equal the stock loss's, and chunking adds no all-gather."""
     version, out, results = fsdp_runs
     for rank in (0, 1):
         r = results[rank]
-        for name in ("stock", "chunked", "onechunk"):
+        for name in ("stock", "chunked"):
             assert r[name]["distributed_type"] == "DistributedType.FSDP"
             engaged = r[name]["engaged"]
             assert engaged.get("flat_params") if version == 1 else engaged.get("fsdp2_modules"), engaged
-        assert r["stock"]["path"] == "stock" and r["chunked"]["path"] == "ours" and r["onechunk"]["path"] == "ours"
+        assert r["stock"]["path"] == "stock" and r["chunked"]["path"] == "ours"
         assert len(r["stock"]["losses"]) == 2
-        for name in ("chunked", "onechunk"):
+        for name in ("chunked",):
             torch.testing.assert_close(r[name]["losses"], r["stock"]["losses"], rtol=RTOL, atol=ATOL)
             assert r[name]["eval_loss"] == pytest.approx(r["stock"]["eval_loss"], rel=RTOL)
             stock = torch.load(out / f"grads_stock_rank{rank}.pt")
@@ -210,8 +211,9 @@ def test_fsdp_chunked_loss_and_gradients_equal_stock(fsdp_runs):
             assert stock and got.keys() == stock.keys()
             for key, value in stock.items():
                 torch.testing.assert_close(got[key], value, rtol=1e-3, atol=1e-5, msg=key)
-        # One unshard of the head for all chunks: the many-chunk run issues exactly the gathers of the one-chunk run.
-        assert r["chunked"]["gathers_train"] == r["onechunk"]["gathers_train"] > 0
+        # One unshard of the head for all its chunks: the run with several chunks per micro-batch issues exactly the
+        # all-gathers of the stock run, which calls the head once.
+        assert r["chunked"]["gathers_train"] == r["stock"]["gathers_train"] > 0
 
 
 def test_fsdp_trl_fused_head_equals_unfused_loss(fsdp_runs):
@@ -252,10 +254,10 @@ def test_doctor_qwen2_7b_plan_drops_by_the_logits_term(tmp_path):
     stock, ours = plans["stock"], plans["ours"]
     assert round(stock.parts["logits_loss"] / GIB, 2) == 13.92 and round(stock.total / GIB, 1) == 25.6
     assert stock.verdict == "does_not_fit" and ours.verdict == "fits"
-    # 1024 tokens x 152064 x 12 bytes per logit, plus the labelled tokens' bf16 hidden states
-    assert ours.parts["logits_loss"] == 1024 * 152064 * 12 + 8192 * 3584 * 2
+    # one chunk: 512 tokens x 152064 x 12 bytes per logit, plus the labelled tokens' bf16 hidden states
+    assert ours.parts["logits_loss"] == DEFAULT_LOSS_CHUNK_SIZE * 152064 * 12 + 8192 * 3584 * 2
     assert stock.total - ours.total == stock.parts["logits_loss"] - ours.parts["logits_loss"]
-    assert plans["sft"].parts["logits_loss"] < ours.parts["logits_loss"]  # trl's tile: 4096 x 32768
+    assert plans["sft"].parts["logits_loss"] == 4096 * 32768 * (2 + 4) + 8192 * 16  # one tile of trl's fused head
     # DPO: chosen + rejected, twice the activations of the same batch
     assert plans["dpo"].parts["activations"] > 1.9 * plans["sft"].parts["activations"]
 
@@ -289,12 +291,9 @@ def test_doctor_cli_loss_path_changes_the_plan(capsys):
         doc = json.loads(capsys.readouterr().out)
         found[" ".join(option)] = (doc["setup"]["loss_path"], doc["memory"]["per_gpu"]["logits_loss"])
     assert found[""][0] == "ours" and found["--trainer transformers"][0] == "stock"
-    assert (
-        found["--loss-path stock"][1]
-        == found["--trainer transformers"][1]
-        > found[""][1]
-        > found["--loss-path sft"][1]
-    )
+    stock, ours, sft = (found[k][1] for k in ("--loss-path stock", "", "--loss-path sft"))
+    assert stock == found["--trainer transformers"][1] == 4096 * 128256 * 12
+    assert ours < stock / 7 and sft < stock / 7 and len({stock, ours, sft}) == 3
     with pytest.raises(SystemExit) as err:
         main(["doctor", "--accelerate-config", "fsdp2_qlora", "--model", guard, "--loss-path", "fused"])
     assert err.value.code == 2

@@ -2,8 +2,7 @@
 
 Scenarios, each training the tiny 4-bit QLoRA Llama 2 optimizer steps (gradient accumulation 2, prompts masked
 with -100) from the same seed and data, then evaluating:
-``stock`` (chunked_loss=False: the oracle), ``chunked`` (chunks of 4 tokens: several per micro-batch), ``onechunk``
-(one chunk per micro-batch), and ``sft`` (our SFT trainer: trl's fused LM head, each step's loss compared with the
+``stock`` (chunked_loss=False: the oracle), ``chunked`` (chunks of 4 tokens: several per micro-batch), and ``sft`` (our SFT trainer: trl's fused LM head, each step's loss compared with the
 unfused loss computed from the full logits of the same inputs and weights). Each rank writes rank<N>.json with the
 logged losses, eval loss, the loss path taken, FSDP engagement, the all-gathers issued, and grads_<name>_rank<N>.pt
 (the local gradient shards at the first optimizer step).
@@ -26,7 +25,7 @@ from hf_fsdp_qlora import FSDPQLoRASFTTrainer, FSDPQLoRATrainer, FSDPQLoRATraini
 from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 from hf_fsdp_qlora.train.loss import trainer_loss_path
 
-SCENARIOS = {"stock": {"chunked_loss": False}, "chunked": {"loss_chunk_size": 4}, "onechunk": {}, "sft": {}}
+SCENARIOS = {"stock": {"chunked_loss": False}, "chunked": {"loss_chunk_size": 4}, "sft": {}}
 GATHERS = [0]
 
 
