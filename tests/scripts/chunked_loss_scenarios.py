@@ -2,7 +2,8 @@
 
 Scenarios, each training the tiny 4-bit QLoRA Llama 2 optimizer steps (gradient accumulation 2, prompts masked
 with -100) from the same seed and data, then evaluating:
-``stock`` (chunked_loss=False: the oracle), ``chunked`` (chunks of 4 tokens: several per micro-batch), and ``sft`` (our SFT trainer: trl's fused LM head, each step's loss compared with the
+``stock`` (chunked_loss=False: the oracle), ``chunked`` (chunks of 4 tokens: several per micro-batch), the same two
+as a full fine-tune of the bf16 model (``full_stock``, ``full_chunked``: the LM head is trained), and ``sft`` (our SFT trainer: trl's fused LM head, each step's loss compared with the
 unfused loss computed from the full logits of the same inputs and weights). Each rank writes rank<N>.json with the
 logged losses, eval loss, the loss path taken, FSDP engagement, the all-gathers issued, and grads_<name>_rank<N>.pt
 (the local gradient shards at the first optimizer step).
@@ -25,7 +26,13 @@ from hf_fsdp_qlora import FSDPQLoRASFTTrainer, FSDPQLoRATrainer, FSDPQLoRATraini
 from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 from hf_fsdp_qlora.train.loss import trainer_loss_path
 
-SCENARIOS = {"stock": {"chunked_loss": False}, "chunked": {"loss_chunk_size": 4}, "sft": {}}
+SCENARIOS = {
+    "stock": {"chunked_loss": False},
+    "chunked": {"loss_chunk_size": 4},
+    "full_stock": {"chunked_loss": False},  # full fine-tune: the LM head is trained (its gradient reduce-scattered)
+    "full_chunked": {"loss_chunk_size": 4},
+    "sft": {},
+}
 GATHERS = [0]
 
 
@@ -86,7 +93,12 @@ def run(name, path, out, version):
             return loss
 
     torch.manual_seed(0)
-    model = load_qlora_model(path, lora_config=ts.lora_config())
+    if name.startswith("full"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    else:
+        model = load_qlora_model(path, lora_config=ts.lora_config())
     common = dict(  # noqa: C408 - keyword arguments of TrainingArguments
         per_device_train_batch_size=ts.BATCH, per_device_eval_batch_size=ts.BATCH, gradient_accumulation_steps=2,
         max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
