@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ._error_entries import ENTRIES
 
-__all__ = ["KnownError", "ERRORS", "find_known_errors", "render_markdown"]
+__all__ = ["ERRORS", "KnownError", "find_known_errors", "render_markdown"]
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_LANGS = ("bash", "sh", "shell", "console", "python")
 _FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
-_MARKER = re.compile(r"<!--\s*(cpu-rehearsal:|gpu-only)\s*(.*?)\s*-->", re.S)
+_MARKER = re.compile(r"<!--\s*(cpu-rehearsal:|gpu-only)\s*(.*?)\s*-->", re.DOTALL)
 
 
 @dataclass
