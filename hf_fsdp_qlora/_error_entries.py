@@ -177,7 +177,7 @@ ENTRIES = (
     {
         "id": "all-labels-masked",
         "title": "NaN loss from all -100 labels",
-        "text": "{'loss': nan, 'grad_norm': nan, 'learning_rate': ..., 'epoch': ...}",
+        "text": "{'loss': 'nan', 'grad_norm': 'nan', 'learning_rate': ..., 'epoch': ...}",
         "pattern": r"'loss': '?nan|NoLabelsError|Every label in .* is -100",
         "cause": "Every label of the batch is -100 (the ignore index): `max_length` truncated every completion "
         "away, or a completion-only collator masked everything. The mean cross entropy over zero tokens is "
@@ -190,7 +190,7 @@ ENTRIES = (
             "tests/test_error_index.py::test_all_masked_labels_give_nan_stock_and_stop_ours",
             "tests/test_semantics_dist.py::test_all_labels_masked_stops",
         ),
-        "test_text": "NoLabelsError",
+        "test_text": "'loss': 'nan'",
     },
     {
         "id": "activation-checkpointing-twice",
