@@ -119,3 +119,13 @@ def test_cpu_form_succeeds(block, rehearsals, workspace):
         assert any(name.endswith(".safetensors") for name in written), (block.where, folder, written)
     if "explain" in block.arg:
         assert "cannot-flatten-integer" in proc.stdout
+
+
+def test_relative_links_resolve():
+    """README links into docs/ and examples/ (mkdocs checks the links inside docs/, not the README's)."""
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 10, local
+    missing = [link for link in local if not (REPO / link).exists()]
+    assert not missing, missing

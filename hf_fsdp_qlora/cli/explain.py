@@ -25,7 +25,7 @@ def _paragraph(label: str, text: str) -> str:
 
 class ExplainCommand(Command):
     name = "explain"
-    help = "Explain the known FSDP + QLoRA errors found in a log or pasted traceback."
+    help = "Explain the known errors in a log or traceback"
     description = """\
 Read a training log or a pasted traceback and print, for every known error found in it, the cause, what
 hf_fsdp_qlora does about it and the setting to change on the stock stack (the entries of docs/errors.md)."""
