@@ -10,6 +10,7 @@ Only the standard library is imported, so the command answers instantly.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -20,7 +21,9 @@ __all__ = ["ExplainCommand"]
 
 
 def _paragraph(label: str, text: str) -> str:
-    return textwrap.fill(f"{label}: {text.replace('`', '')}", width=100, subsequent_indent="    ")
+    # The index is written in Markdown for docs/errors.md; a terminal shows the words of its links and code.
+    plain = re.sub(r"\[([^\]]+)\]\([^)]+\)", r"\1", text).replace("`", "")
+    return textwrap.fill(f"{label}: {plain}", width=100, subsequent_indent="    ")
 
 
 class ExplainCommand(Command):
