@@ -47,11 +47,13 @@ gpu-wheels: setup
 # The floors job: a fast subset of the suite with the lowest versions we declare (constraints-floors.txt), installed
 # with --no-deps over the main venv into .venv-floors/ (a --target overlay put first on PYTHONPATH).
 FLOORS := .venv-floors
-FLOORS_TESTS ?= tests/test_gpu_check.py tests/test_floors.py
+# transformers 5.17 needs huggingface_hub < 2 (the GPU machine has 1.33), which imports httpx; the main venv has neither.
+FLOORS_EXTRA := huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.19.post1
+FLOORS_TESTS ?= tests/test_gpu_check.py tests/test_floors.py tests/test_doctor.py::test_check_setup_is_public
 $(FLOORS)/.installed: constraints-floors.txt $(VENV)/.installed
 	rm -rf $(FLOORS)
 	$(PY) -m pip install --quiet --no-deps --no-compile --target $(FLOORS) \
-		$$($(PY) benchmarks/floors.py constraints-floors.txt)
+		$$($(PY) benchmarks/floors.py constraints-floors.txt) $(FLOORS_EXTRA)
 	touch $@
 
 test-floors: setup $(FLOORS)/.installed

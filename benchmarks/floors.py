@@ -9,7 +9,9 @@ from importlib import metadata
 
 def differing(path: str) -> list[str]:
     pins = []
-    for line in open(path):
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         line = line.split("#")[0].strip()
         if "==" not in line:
             continue

@@ -19,6 +19,7 @@ from dist_utils import REPO
 
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu.profiles import PROFILES
 from benchmarks.gpu.report import Report
 from benchmarks.gpu.wheels import DEVICE_COMMANDS, WHEELS
 
@@ -31,7 +32,7 @@ def dry(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--out", str(out), "--work", str(work)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=str(REPO), check=False)  # fmt: skip
+                          capture_output=True, text=True, timeout=1200, env=env, cwd=str(REPO), check=False)  # fmt: skip
     report = json.loads((out / "gpu_report.json").read_text())
     return proc, report, (out / "gpu_report.md").read_text(), work
 
@@ -51,10 +52,15 @@ def test_every_stage_ran_and_reported(dry):
 def test_correctness_fsdp_engaged_losses_adapters_merge(dry):
     stage = dry[1]["stages"]["correctness"]
     rows = {r["config"].split()[0]: r for r in stage["rows"]}
-    assert set(rows) == {"none", "fsdp2_qlora", "fsdp1_qlora"}  # offload needs an accelerator: skipped, said so
+    assert set(rows) == {
+        "none",
+        "fsdp2_qlora",
+        "fsdp1_qlora",
+        "callback",
+    }  # offload needs an accelerator: skipped, said so
     assert any("fsdp2_qlora_offload" in n for n in stage["notes"])
     assert rows["none"]["distributed_type"].endswith("NO")
-    for name in ("fsdp2_qlora", "fsdp1_qlora"):
+    for name in ("fsdp2_qlora", "fsdp1_qlora", "callback"):
         assert rows[name]["distributed_type"].endswith("FSDP")
     runs = stage["runs"]
     assert (
@@ -67,7 +73,7 @@ def test_correctness_fsdp_engaged_losses_adapters_merge(dry):
         assert row["fsdp_engaged_as_asked"] and row["adapter_saved_reloaded_equal"], row
         assert len(row["losses"]) == 3 and all(4 < x < 7 for x in row["losses"])  # ln(256) = 5.55 at the start
         assert row["adapter_tensors"] > 0
-    for name in ("fsdp2_qlora", "fsdp1_qlora"):
+    for name in ("fsdp2_qlora", "fsdp1_qlora", "callback"):
         assert rows[name]["max_rel_diff_vs_no_fsdp"] <= stage["loss_rtol"]
     assert rows["none"]["losses"][0] != rows["none"]["losses"][-1]  # it trained
     merge = stage["merge"]
@@ -103,13 +109,14 @@ def test_speed_contestants_with_their_engines(dry):
 
 def test_capacity_bisection_answers_fit_and_next_does_not(dry):
     stage, work = dry[1]["stages"]["capacity"], dry[3]
+    c = PROFILES["dry"]["capacity_seq"]
     assert stage["largest_shape"] == "tiny-wide"  # the first (largest) shape of the chain
     found = {(r["cap"], r["recipe"]): r["longest_seq"] for r in stage["rows"]}
     assert found[("small", "stock")] < found[("large", "stock")]
     for (cap, who), longest in found.items():
         probes = [json.loads(x) for x in (work / "runs" / "dry-none" / f"probes-e.seq.{who}.{cap}.jsonl").open()]
         ok = {p["seq"]: p["ok"] for p in probes}
-        assert ok[longest] and (longest == 512 or ok.get(longest + 16) is False), (cap, who, probes)
+        assert ok[longest] and (longest == c["high"] or ok.get(longest + c["step"]) is False), (cap, who, probes)
 
 
 def test_report_is_written_stage_by_stage(tmp_path):

@@ -145,10 +145,17 @@ def train(sc: dict, spec: dict, model) -> dict:
     if recipe(sc) == "stock":
         common.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
         trainer_cls, args = Trainer, TrainingArguments(**common)
+    elif sc["kind"] == "callback":  # the stock Trainer with our callback: the route for Trainer subclasses
+        trainer_cls, args = Trainer, TrainingArguments(**common)
     else:
         trainer_cls, args = FSDPQLoRATrainer, FSDPQLoRATrainingArguments(**common, **sc.get("options", {}))
     data = dataset(sc, model.config.vocab_size, world)
-    trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=[Probe()])
+    callbacks = [Probe()]
+    if sc["kind"] == "callback":
+        from hf_fsdp_qlora import FSDPQLoRACallback
+
+        callbacks.append(FSDPQLoRACallback())
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, callbacks=callbacks)
     found["distributed_type"] = str(trainer.accelerator.state.distributed_type)
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
@@ -202,7 +209,12 @@ def run_ours(sc: dict, spec: dict) -> dict:
         from safetensors.torch import load_file
 
         folder = Path(spec["work"]) / "adapters" / sc["name"]
-        trainer.save_model(str(folder))
+        if sc["kind"] == "callback":  # a stock Trainer saves no adapter under FSDP2: our function gathers it
+            from hf_fsdp_qlora import save_adapter
+
+            save_adapter(trainer.model, folder)
+        else:
+            trainer.save_model(str(folder))
         live = live_adapter(trainer.model)
         if trainer.accelerator.is_main_process:
             saved = load_file(str(folder / "adapter_model.safetensors"))
@@ -309,7 +321,7 @@ def run_torchtune(sc: dict, spec: dict) -> dict:
     return run_tt(sc, spec, dataset, CUDA)
 
 
-RUNNERS = {"build": run_build, "ours": run_ours, "stock": run_stock, "merge": run_merge, "built": run_ours,
+RUNNERS = {"build": run_build, "ours": run_ours, "callback": run_ours, "stock": run_stock, "merge": run_merge, "built": run_ours,
            "seq_capacity": run_seq_capacity, "torchtune": run_torchtune}  # fmt: skip
 
 

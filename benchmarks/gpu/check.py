@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="every stage at tiny shape on CPU (no CUDA)")
     p.add_argument("--out", help="report folder (default: $OUT, else ./gpu_check_out)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
-    p.add_argument("--budget", type=float, help="seconds for the whole run (default: 540 on GPU, 300 dry)")
+    p.add_argument("--budget", type=float, help="seconds for the whole run (default: 540 on GPU, 900 dry)")
     p.add_argument("--work", help="folder for the model and runs (default: /tmp/hf_fsdp_qlora_gpu_check; dry: a "
                    "temporary folder)")  # fmt: skip
     args = p.parse_args(argv)

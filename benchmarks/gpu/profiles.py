@@ -44,9 +44,9 @@ PROFILES = {
         "memory": {"seqs": (32, 64), "steps": 2},
         "speed": {"seq": 32, "batch": 2, "steps": 3, "warmup": 1, "rounds": 1},
         "capacity_shapes": [("tiny-wide", TINY_WIDE), ("tiny", TINY)],
-        "capacity_seq": {"caps": {"small": 600_000, "large": 1_500_000}, "low": 16, "high": 512, "step": 16,
+        "capacity_seq": {"caps": {"small": 300_000, "large": 600_000}, "low": 32, "high": 256, "step": 32,
                          "seconds": 60},
-        "budget_s": 300, "threads": 1,
+        "budget_s": 900, "threads": 1,
         "weights": {"tests": 1, "correctness": 1, "memory": 1, "speed": 1, "capacity": 1},
     },
 }  # fmt: skip

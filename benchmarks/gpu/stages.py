@@ -20,7 +20,7 @@ GPU_CONFIGS = ("fsdp2_qlora", "fsdp1_qlora", "fsdp2_qlora_offload")  # the shipp
 # FSDP2's CPUOffloadPolicy moves shards between host and an accelerator; on CPU ranks it raises "Cannot access
 # accelerator device when none is available", so the dry run leaves it out (and says so).
 CPU_UNSUPPORTED = {"fsdp2_qlora_offload": "FSDP2 parameter offloading needs an accelerator"}
-EXPECT = {None: 0, "fsdp2_qlora": 2, "fsdp1_qlora": 1, "fsdp2_qlora_offload": 2}  # FSDP version expected
+EXPECT = {None: 0, "fsdp2_qlora": 2, "fsdp1_qlora": 1, "fsdp2_qlora_offload": 2, "callback": 2}  # FSDP version
 
 
 def start_tests(ctx) -> subprocess.Popen:
@@ -79,8 +79,9 @@ def correctness_scenarios(ctx) -> list[dict]:
         {**base, "name": "b.none", "config": None},
         {"name": "b.merge", "kind": "merge", "config": None, "adapter": str(ctx.work / "adapters" / "b.none")},
     ]
-    runs += [{**base, "name": f"b.{c}", "config": c, "isolate": True} for c in GPU_CONFIGS if not (ctx.dry and c in
-             CPU_UNSUPPORTED)]  # fmt: skip
+    runs += [{**base, "name": f"b.{c}", "config": c} for c in GPU_CONFIGS if not (ctx.dry and c in CPU_UNSUPPORTED)]
+    # The stock Trainer + FSDPQLoRACallback route, under FSDP2 (with the FSDP2 launch: same config).
+    runs.insert(3, {**base, "name": "b.callback", "kind": "callback", "config": "fsdp2_qlora"})
     return runs
 
 
@@ -99,14 +100,15 @@ def correctness_summary(ctx, results: dict) -> dict:
     ref_losses = ref.get("losses") or []
     rows, failures = [], []
     skipped = [f"{c}: {why} (skipped in the dry run)" for c, why in CPU_UNSUPPORTED.items() if ctx.dry]
-    for config in (None, *GPU_CONFIGS):
+    for config in (None, *GPU_CONFIGS, "callback"):
         if ctx.dry and config in CPU_UNSUPPORTED:
             continue
         found = results.get(f"b.{config or 'none'}", {"status": "not run"})
         losses = found.get("losses") or []
         rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)] if losses and ref_losses else []
         adapter = found.get("adapter") or {}
-        row = {"config": config or "none (plain python)", "status": found.get("status"),
+        label = "callback (stock Trainer + FSDPQLoRACallback, fsdp2_qlora)" if config == "callback" else config
+        row = {"config": label or "none (plain python)", "status": found.get("status"),
                "fsdp_engaged_as_asked": _engaged_as_asked(found, EXPECT[config]) if found.get("status") == "ok"
                else None, "losses": losses, "max_rel_diff_vs_no_fsdp": max(rel) if rel else None,
                "adapter_saved_reloaded_equal": adapter.get("equal"), "adapter_tensors": adapter.get("tensors_saved"),
