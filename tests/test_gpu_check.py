@@ -134,6 +134,8 @@ def test_device_commands_fit_and_install_what_gpu_wheels_fetches():
     assert {s for c in DEVICE_COMMANDS for s in c.split("--stages ")[1].split()[0].split(",")} == {
         "tests", "correctness", "memory", "speed", "capacity"}  # fmt: skip
     assert {w.split("==")[0] for w in WHEELS} >= {"bitsandbytes", "trl", "datasets", "dill", "multiprocess"}
+    docs = (REPO / "docs" / "gpu-check.md").read_text()
+    assert all(command in docs for command in DEVICE_COMMANDS)  # the page gives the exact commands
     makefile = (REPO / "Makefile").read_text()
     assert "benchmarks.gpu.wheels" in makefile and "gpu-check:" in makefile
 
