@@ -277,33 +277,38 @@ def run_merge(sc: dict, spec: dict) -> dict:
 
 
 def run_seq_capacity(sc: dict, spec: dict) -> dict:
-    """Bisection of the longest sequence (batch 1) whose training step fits a memory cap, in this process."""
+    """Bisection of the longest sequence (batch 1) whose training step fits each memory cap, in this process (one
+    model load for every cap; caps in ascending order, each search starting from the previous cap's answer)."""
     from search_fit import largest_fitting
 
-    cap = sc["cap_bytes"]
-    if CUDA:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
     model = load(sc, spec)
-    log = Path(spec["out"]) / f"probes-{sc['name']}.jsonl"
-
-    def probe(seq: int) -> dict:
-        step = {**sc, "seq": seq, "batch": 1, "steps": 1, "warmup": 0, "name": f"{sc['name']}-{seq}"}
-        try:
-            found = train(step, spec, model)
-            found.pop("_trainer")
-            used = found.get("max_allocated", found["saved_for_backward_bytes_per_step"])
-            result = {"ok": CUDA or used <= cap, "bytes": used}
-        except torch.OutOfMemoryError:
-            result = {"ok": False, "bytes": None, "oom": True}
-        model.zero_grad(set_to_none=True)
-        gc.collect()
+    total = torch.cuda.get_device_properties(0).total_memory if CUDA else None
+    answers, low = {}, sc["low"]
+    for cap_name, cap in sorted(sc["caps"].items(), key=lambda kv: kv[1]):
         if CUDA:
-            torch.cuda.empty_cache()
-        with log.open("a") as f:
-            f.write(json.dumps({"seq": seq, **result}) + "\n")
-        return result
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+        log = Path(spec["out"]) / f"probes-{sc['name']}.{cap_name}.jsonl"
 
-    return largest_fitting(probe, sc["low"], sc["high"], sc["step"], sc["seconds"])
+        def probe(seq: int, cap=cap, log=log) -> dict:
+            step = {**sc, "seq": seq, "batch": 1, "steps": 1, "warmup": 0, "name": f"{sc['name']}-{seq}"}
+            try:
+                found = train(step, spec, model)
+                found.pop("_trainer")
+                used = found.get("max_allocated", found["saved_for_backward_bytes_per_step"])
+                result = {"ok": CUDA or used <= cap, "bytes": used, "s_per_step": found.get("s_per_step")}
+            except torch.OutOfMemoryError:
+                result = {"ok": False, "bytes": None, "oom": True}
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            if CUDA:
+                torch.cuda.empty_cache()
+            with log.open("a") as f:
+                f.write(json.dumps({"seq": seq, **result}) + "\n")
+            return result
+
+        answers[cap_name] = largest_fitting(probe, low, sc["high"], sc["step"], sc["seconds"])
+        low = answers[cap_name]["largest"] or low
+    return {"caps": answers}
 
 
 def run_torchtune(sc: dict, spec: dict) -> dict:

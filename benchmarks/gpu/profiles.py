@@ -33,10 +33,10 @@ PROFILES = {
         "speed": {"seq": 2048, "batch": 1, "steps": 10, "warmup": 3, "rounds": 2},
         "capacity_shapes": [("llama3.1-70b", LLAMA_70B), ("codellama-34b", LLAMA_34B), ("llama2-13b", LLAMA_13B)],
         "capacity_seq": {"caps": {"24GB": 24 * 10**9, "80GB": 80 * 10**9}, "low": 2048, "high": 131072,
-                         "step": 1024, "seconds": 150},
+                         "step": 1024, "seconds": 100},
         "budget_s": 540, "threads": 8,
         # seconds of each stage's share of the budget left after the model is built
-        "weights": {"tests": 1, "correctness": 4, "memory": 3, "speed": 5, "capacity": 4},
+        "weights": {"tests": 2, "correctness": 4, "memory": 3, "speed": 5, "capacity": 4},
     },
     "dry": {
         "shape": TINY, "shape_name": "tiny", "lora_r": 4, "lr": 1e-2,

@@ -92,16 +92,13 @@ def capacity_scenarios(ctx) -> list[dict]:
              "chain": "shapes", "seq": seq, "batch": 1, "steps": 2, "warmup": 1, "lora_r": p["lora_r"]}
             for name, shape in p["capacity_shapes"]]  # fmt: skip
     c = p["capacity_seq"]
-    for cap_name, cap in c["caps"].items():
-        for who in ("ours", "stock"):
-            sc = {"name": f"e.seq.{who}.{cap_name}", "kind": "seq_capacity", "recipe": who, "config": None,
-                  "isolate": True, "cap_bytes": cap, "lora_r": p["lora_r"], "low": c["low"], "high": c["high"],
-                  "step": c["step"], "seconds": c["seconds"]}  # fmt: skip
-            if (
-                who == "ours" and not ctx.dry
-            ):  # our long-sequence options: checkpointing (the loader's) and activation offloading
-                sc["options"] = {"activation_offloading": True}
-            runs.append(sc)
+    for who in ("ours", "stock"):
+        sc = {"name": f"e.seq.{who}", "kind": "seq_capacity", "recipe": who, "config": None, "isolate": True,
+              "caps": c["caps"], "lora_r": p["lora_r"], "low": c["low"], "high": c["high"], "step": c["step"],
+              "seconds": c["seconds"]}  # fmt: skip
+        if who == "ours" and not ctx.dry:  # our long-sequence options: checkpointing (the loader's) + offloading
+            sc["options"] = {"activation_offloading": True}
+        runs.append(sc)
     return runs
 
 
@@ -117,10 +114,11 @@ def capacity_summary(ctx, results: dict) -> dict:
     rows = []
     for cap_name in ctx.profile["capacity_seq"]["caps"]:
         for who in ("ours", "stock"):
-            f = results.get(f"e.seq.{who}.{cap_name}", {"status": "not run"})
-            rows.append({"cap": cap_name, "recipe": who, "status": f.get("status"), "longest_seq": f.get("largest"),
+            run = results.get(f"e.seq.{who}", {"status": "not run"})
+            f = (run.get("caps") or {}).get(cap_name, {})
+            rows.append({"cap": cap_name, "recipe": who, "status": run.get("status"), "longest_seq": f.get("largest"),
                          "complete": f.get("complete"), "probes": len(f.get("probes") or []),
-                         "error": f.get("error")})  # fmt: skip
+                         "error": run.get("error")})  # fmt: skip
     ok = largest is not None and all(r["status"] == "ok" and r["longest_seq"] for r in rows)
     notes = [("anchor (Unsloth, Llama 3.1 8B QLoRA r=32): 78,475 tokens in 24 GB and 342,733 in 80 GB; HF + FA2: "
              "5,789 and 28,454")]  # fmt: skip
