@@ -144,3 +144,37 @@ def test_unknown_stage_is_refused():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--stages", "tests,bogus"], capture_output=True,
                           text=True, cwd=str(REPO), check=False, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "--stages takes names of tests, correctness" in proc.stderr
+
+
+def test_gpu_scheduling_isolates_chains_and_time_boxes(monkeypatch, tmp_path):
+    """The GPU form's launch plan (no GPU needed; the launch itself is replaced by a recorder): consecutive scenarios
+    of one config share a launch, `isolate` ones (OOM risks, speed rounds) get their own, a chain stops at its first
+    success (largest shape), and a spent time box launches nothing."""
+    import time
+
+    from benchmarks.gpu import check, stages, stages_speed
+
+    launches = []
+
+    def fake_launch(ctx, config, scenarios, tag, timeout):
+        launches.append((config, [sc["name"] for sc in scenarios]))
+        return {sc["name"]: {"status": "oom" if sc["name"] == "e.shape.llama3.1-70b" else "ok"} for sc in scenarios}
+
+    monkeypatch.setattr(check, "launch", fake_launch)
+    ctx = check.Context(root=REPO, work=tmp_path, model=tmp_path / "m", profile=PROFILES["gpu"], dry=False,
+                        device="cuda", gpu_memory=80 * 2**30)  # fmt: skip
+    check.run_scenarios(ctx, stages.correctness_scenarios(ctx), time.monotonic() + 600)
+    assert launches == [(None, ["b.none", "b.merge"]), ("fsdp2_qlora", ["b.fsdp2_qlora", "b.callback"]),
+                        ("fsdp1_qlora", ["b.fsdp1_qlora"]), ("fsdp2_qlora_offload", ["b.fsdp2_qlora_offload"])]  # fmt: skip
+    launches.clear()
+    results = check.run_scenarios(ctx, stages_speed.capacity_scenarios(ctx), time.monotonic() + 600)
+    assert [names for _, names in launches] == [["e.shape.llama3.1-70b"], ["e.shape.codellama-34b"], ["e.seq.ours"],
+                                                ["e.seq.stock"]]  # fmt: skip
+    assert "e.shape.llama2-13b" not in results  # the 34B shape ran: the smaller one is not tried
+    speed = stages_speed.speed_scenarios(ctx)
+    assert len({sc["name"] for sc in speed}) == len(speed) == 2 * len(stages_speed.CONTESTANTS)
+    assert [sc["name"] for sc in speed][:2] == ["d.stock.r0", "d.ours_no_fsdp.r0"]
+    assert [sc["name"] for sc in speed][5] == "d.ours_no_fsdp.r1"  # the order rotates each round
+    launches.clear()
+    stopped = check.run_scenarios(ctx, speed, time.monotonic() + 1)
+    assert not launches and all(r["status"] == "stopped" for r in stopped.values())
