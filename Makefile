@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo style quality
+.PHONY: setup test demo style quality gpu-check gpu-wheels test-floors
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,3 +27,34 @@ style: setup
 
 quality: setup
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
+
+# The GPU check (docs/gpu-check.md). On a GPU machine: `make gpu-check` (GPU_PY: the machine's python with CUDA torch;
+# STAGES picks stages, OUT the report folder). `make gpu-check DRY_RUN=1`: every stage at tiny shape on CPU.
+GPU_PY ?= python3
+STAGES ?= tests,correctness,memory,speed,capacity
+ifdef DRY_RUN
+gpu-check: setup
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.gpu --dry-run --stages $(STAGES) $(if $(OUT),--out $(OUT))
+else
+gpu-check:
+	$(GPU_PY) -m benchmarks.gpu --stages $(STAGES) $(if $(OUT),--out $(OUT))
+endif
+
+# The wheels the bare GPU machine lacks, into .whl/ (ignored; the device tool carries it), and the device command.
+gpu-wheels: setup
+	$(PY) -m benchmarks.gpu.wheels
+
+# The floors job: a fast subset of the suite with the lowest versions we declare (constraints-floors.txt), installed
+# with --no-deps over the main venv into .venv-floors/ (a --target overlay put first on PYTHONPATH).
+FLOORS := .venv-floors
+# transformers 5.17 needs huggingface_hub < 2 (the GPU machine has 1.33), which imports httpx; the main venv has neither.
+FLOORS_EXTRA := huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.19.post1
+FLOORS_TESTS ?= tests/test_gpu_check.py tests/test_floors.py tests/test_doctor.py::test_check_setup_is_public
+$(FLOORS)/.installed: constraints-floors.txt $(VENV)/.installed
+	rm -rf $(FLOORS)
+	$(PY) -m pip install --quiet --no-deps --no-compile --target $(FLOORS) \
+		$$($(PY) benchmarks/floors.py constraints-floors.txt) $(FLOORS_EXTRA)
+	touch $@
+
+test-floors: setup $(FLOORS)/.installed
+	HF_FSDP_QLORA_FLOORS=1 OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(FLOORS)) $(PY) -m pytest -p no:cacheprovider $(FLOORS_TESTS)

@@ -65,6 +65,12 @@ def _set_trainer_checkpointing(args, value: bool) -> None:
         args.gradient_checkpointing = value
 
 
+def _trainer_checkpointing(args) -> bool:
+    # transformers 5.17 (our floor) has only `gradient_checkpointing`; later 5.x add `activation_checkpointing`.
+    value = getattr(args, "activation_checkpointing", None)
+    return bool(getattr(args, "gradient_checkpointing", False) if value is None else value)
+
+
 def resolve_activation_checkpointing(trainer) -> str:
     """Apply activation checkpointing exactly once, and say which in one line. Returns "fsdp", "trainer",
     "model" or "none".
@@ -79,7 +85,7 @@ def resolve_activation_checkpointing(trainer) -> str:
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
     model = trainer.model
     model_on = bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)))
-    trainer_on = bool(trainer.args.activation_checkpointing)
+    trainer_on = _trainer_checkpointing(trainer.args)
     if plugin is not None and plugin.activation_checkpointing:
         off = []
         if trainer_on:
@@ -134,7 +140,7 @@ class FSDPSaveMixin:
             raise ValueError("save_only_model=True cannot be combined with load_best_model_at_end=True under FSDP.")
         # transformers also refuses FSDP's activation checkpointing together with the Trainer's, which trl's
         # configs turn on by default: the choice is made after the plugin exists (resolve_activation_checkpointing).
-        wants_checkpointing = bool(self.args.activation_checkpointing)
+        wants_checkpointing = _trainer_checkpointing(self.args)
         self.args.save_only_model = False
         _set_trainer_checkpointing(self.args, False)
         try:
