@@ -169,6 +169,7 @@ def _check_command(words: list[str], where: str):
 
     words = _words(words)
     head, args = words[0], words[1:]
+    head = {"python3": "python"}.get(head.rstrip(";"), head.rstrip(";"))
     if head == "python" and args[:2] == ["-m", "hf_fsdp_qlora.cli"]:
         head, args = "hf-fsdp-qlora", args[2:]
     try:
@@ -187,7 +188,9 @@ def _check_command(words: list[str], where: str):
                 _check_script_options(parsed.training_script, parsed.training_script_args, where)
         elif head == "python" and args and args[0].endswith(".py"):
             _check_script_options(args[0], args[1:], where)
-        elif head not in ("pip", "make", "git", "tee", "printf", "echo", "cd"):
+        elif head == "python" and args[:1] == ["-m"]:
+            assert importlib.util.find_spec(args[1]), (where, args[1])
+        elif head not in ("pip", "make", "git", "tee", "printf", "echo", "cd", "export", "set", "exit"):
             raise AssertionError(f"{where}: no check for the program {head!r}")
     except SystemExit as err:  # argparse rejected the arguments (its message is on stderr)
         raise AssertionError(f"{where}: {' '.join(words)}: the arguments do not parse") from err
