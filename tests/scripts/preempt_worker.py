@@ -37,7 +37,7 @@ MAX_STEPS, SAVE_STEPS, EVAL_STEPS = 10, 2, 3
 
 
 def rank():
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def note(record: Path, **entry):
@@ -101,34 +101,26 @@ class Fault(TrainerCallback):
                 time.sleep(0.02)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    for name in ("--models", "--out", "--record", "--route", "--run"):
-        parser.add_argument(name, required=True)
-    parser.add_argument("--fsdp-version", type=int, required=True)
-    parser.add_argument("--fault", default="none")
-    args = parser.parse_args()
-    out, record = Path(args.out), Path(args.record)
-    record.mkdir(parents=True, exist_ok=True)
-    torch.use_deterministic_algorithms(True)
+def train_once(args, out: Path, run: str, fault_spec: str):
+    record = Path(args.record)
     set_seed(7)  # the same fresh adapter in every launch (a resumed run loads it from the checkpoint instead)
     model = load_qlora_model(
         str(Path(args.models) / "llama"), lora_config=ts.lora_config(), gradient_checkpointing=False
     )
-    settings = dict(
+    settings = dict(  # noqa: C408 - keyword form reads as TrainingArguments
         output_dir=str(out), per_device_train_batch_size=1, per_device_eval_batch_size=1,
         gradient_accumulation_steps=2, max_steps=MAX_STEPS, learning_rate=1e-2, logging_steps=1, report_to=[],
         save_strategy="steps", save_steps=SAVE_STEPS, eval_strategy="steps", eval_steps=EVAL_STEPS, seed=7,
         use_cpu=True, dataloader_drop_last=True,
     )  # fmt: skip
-    fault = Fault(args.fault, record, args.run)
+    fault = Fault(fault_spec, record, run)
     data = ts.TokenDataset()
     if args.route == "trainer":
         targs = FSDPQLoRATrainingArguments(**settings, auto_resume=True)
-        cls = recording(FSDPQLoRATrainer, record, args.run)
+        cls = recording(FSDPQLoRATrainer, record, run)
     else:  # a plain Trainer; -m hf_fsdp_qlora.run gives it our behaviour, the environment auto_resume
         targs = TrainingArguments(**settings)
-        cls = recording(Trainer, record, args.run)
+        cls = recording(Trainer, record, run)
     trainer = cls(model=model, args=targs, train_dataset=data, eval_dataset=data, callbacks=[fault])
     fault.trainer = trainer
     original = trainer._save_rng_state
@@ -138,13 +130,30 @@ def main():
         return original(output_dir)
 
     trainer._save_rng_state = save_rng_state
-    trainer.train()
-    found = {"global_step": trainer.state.global_step, "engaged": trainer.fsdp_callback.engagement}
+    trainer.train()  # a stopped run exits inside, with status 75
     weights = ts.full_trainable(trainer.model, args.fsdp_version)
     if rank() == 0:
-        torch.save(weights, record / f"adapter_{args.run}.pt")
-    (record / args.run).mkdir(exist_ok=True)
-    finish_worker(record / args.run, found)
+        torch.save(weights, record / f"adapter_{run}.pt")
+    found = {"global_step": trainer.state.global_step, "engaged": trainer.fsdp_callback.engagement}
+    ts.reset_accelerate()
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    for name in ("--models", "--out", "--record", "--route", "--run"):
+        parser.add_argument(name, required=True)
+    parser.add_argument("--fsdp-version", type=int, required=True)
+    parser.add_argument("--fault", default="none")
+    parser.add_argument("--baseline-out", help="after this run, the uninterrupted run from scratch, in this folder")
+    args = parser.parse_args()
+    record = Path(args.record)
+    record.mkdir(parents=True, exist_ok=True)
+    torch.use_deterministic_algorithms(True)
+    found = {args.run: train_once(args, Path(args.out), args.run, args.fault)}
+    if args.baseline_out:  # the oracle: a fresh output_dir, so nothing to resume, no fault
+        found["base"] = train_once(args, Path(args.baseline_out), "base", "none")
+    finish_worker(record, found)
 
 
 if __name__ == "__main__":
