@@ -282,7 +282,11 @@ def exit_after_preemption(code: int = PREEMPTED_EXIT_CODE) -> None:
 
 def resolve_resume(args, resume_from_checkpoint):
     """What ``train()`` resumes from: the caller's choice, else (with auto_resume) the latest complete checkpoint
-    in ``output_dir``, else nothing. Also removes the previous run's :data:`PREEMPTED_MARKER`."""
+    in ``output_dir``, else nothing. Removes the previous run's :data:`PREEMPTED_MARKER` in any case."""
+    # Whatever this run does, the marker of the previous one is stale now (a job script would requeue on it).
+    marker = os.path.join(os.path.realpath(args.output_dir), PREEMPTED_MARKER)
+    if is_main_process() and os.path.isfile(marker):
+        os.remove(marker)
     if resume_from_checkpoint not in (None, False):
         return resume_from_checkpoint
     if not (getattr(args, "auto_resume", False) or _LAUNCH_DEFAULTS["auto_resume"]):
@@ -290,9 +294,6 @@ def resolve_resume(args, resume_from_checkpoint):
     from .checkpoint import latest_complete_checkpoint
 
     found = latest_complete_checkpoint(args.output_dir)
-    marker = os.path.join(os.path.realpath(args.output_dir), PREEMPTED_MARKER)
-    if is_main_process() and os.path.isfile(marker):
-        os.remove(marker)
     if is_main_process():
         logger.warning(
             "hf_fsdp_qlora: auto_resume: %s",
