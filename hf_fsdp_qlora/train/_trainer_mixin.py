@@ -26,7 +26,8 @@ from .compile import enable_layer_compilation
 from .consistency import keep_trainable_in_training_dtype
 from .hygiene import DistinctBatchesCallback, LabelsCheckCallback, MemoryThroughputCallback
 from .offload import install_activation_offloading
-from .preemption import PreemptionCallback, _EvaluationStopped, exit_after_preemption, resolve_resume
+from .preemption import exit_after_preemption, resolve_resume
+from .preemption_callback import PreemptionCallback, _EvaluationStopped
 
 logger = logging.getLogger(__name__)
 
