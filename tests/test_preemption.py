@@ -423,3 +423,35 @@ def test_sbatch_node_part_passes_usr1_to_the_trainers_only(tmp_path):
     assert (tmp_path / "trainer_got_usr1").exists(), output
     assert (tmp_path / "launcher_done").read_text().strip() == "launcher survived, trainer status 75"
     assert "--machine_rank 0" in (tmp_path / "args").read_text()
+
+
+def test_single_process_signal_returns_with_exit_code_none(tmp_path):
+    """One process, `PreemptionCallback(exit_code=None)`: a SIGUSR1 during step 2 ends train() at step 2 with a
+    complete checkpoint-2 (no save_strategy needed), `stopped` names the signal, and the previous handler is back."""
+    from transformers import TrainerCallback
+
+    from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, PreemptionCallback, load_qlora_model
+
+    path = build_tiny_model(tmp_path / "llama", "llama")
+    ids = torch.randint(3, 256, (16, 16), generator=torch.Generator().manual_seed(0))
+
+    class SignalAtStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    before = signal.getsignal(signal.SIGUSR1)
+    args = FSDPQLoRATrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+        save_strategy="no", auto_resume=True,
+    )  # fmt: skip
+    stop = PreemptionCallback(exit_code=None)
+    trainer = FSDPQLoRATrainer(
+        model=load_qlora_model(str(path), gradient_checkpointing=False), args=args,
+        train_dataset=[{"input_ids": r, "labels": r} for r in ids], callbacks=[stop, SignalAtStep2()],
+    )  # fmt: skip
+    trainer.train()
+    assert stop.stopped == signal.SIGUSR1 and trainer.state.global_step == 2
+    assert (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").is_file()
+    assert json.loads((tmp_path / "out" / "preempted.json").read_text())["step"] == 2
+    assert signal.getsignal(signal.SIGUSR1) == before
