@@ -122,7 +122,7 @@ class PreemptionCallback(TrainerCallback):
             with open(os.path.join(args.output_dir, PREEMPTED_MARKER), "w") as f:
                 json.dump({"checkpoint": self.checkpoint, "step": state.global_step, "reason": why}, f)
             logger.warning(
-                "hf_fsdp_qlora: %s: saved %s (adapter, optimizer, scheduler, RNG, data position) at step %d of %d; "
+                "hf_fsdp_qlora: %s: saved %s (weights, optimizer, scheduler, RNG, data position) at step %d of %d; "
                 "%s. Run the same command with auto_resume to continue.",
                 why,
                 self.checkpoint,
