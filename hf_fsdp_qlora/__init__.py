@@ -24,6 +24,8 @@ _EXPORTS = {
     "FSDPQLoRACallback": "train.callbacks",
     "FSDPQLoRATrainingArguments": "train.training_args",
     "SampleGenerationsCallback": "train.generation",
+    "PreemptionCallback": "train.preemption_callback",
+    "PREEMPTED_EXIT_CODE": "train.preemption",
     "generate_under_fsdp": "train.generation",
     "prepare_for_evaluation": "train.generation",
     "save_adapter": "train.checkpoint",

@@ -334,6 +334,17 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         canary="tests/test_eval_generate.py::test_stock_trainer_evaluate_before_training_is_the_upstream_bug",
     ),
     Workaround(
+        key="preemption_trainer_hooks",
+        upstream="transformers <= 5.23 (no preemption handling; accelerate#3400)",
+        works_around="a scheduler's signal ends training without a checkpoint; a callback cannot end an evaluation",
+        where=(
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.train",
+            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.evaluate",
+        ),
+        remove_when="Trainer checkpoints on a signal agreed across ranks, and lets a callback stop an evaluation",
+        canary="tests/test_preemption.py::test_stock_trainer_structure_preemption_relies_on",
+    ),
+    Workaround(
         key="accelerator_private_lists",
         upstream="accelerate <= 1.15 (Accelerator._models, _optimizers); transformers 5.23 _is_peft_model",
         works_around="evaluation wraps the model alone: a placeholder optimizer is prepared and dropped again",

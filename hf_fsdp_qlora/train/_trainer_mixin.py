@@ -26,6 +26,8 @@ from .compile import enable_layer_compilation
 from .consistency import keep_trainable_in_training_dtype
 from .hygiene import DistinctBatchesCallback, LabelsCheckCallback, MemoryThroughputCallback
 from .offload import install_activation_offloading
+from .preemption import exit_after_preemption, resolve_resume
+from .preemption_callback import PreemptionCallback, _EvaluationStopped
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ def with_fsdp_callback(callbacks, args=None):
         ours.append(MemoryThroughputCallback())
     if not has(LabelsCheckCallback):
         ours.append(LabelsCheckCallback())
+    if not has(PreemptionCallback):
+        ours.append(PreemptionCallback())
     return ours + callbacks
 
 
@@ -171,6 +175,32 @@ class FSDPSaveMixin:
 
         # An instance attribute: only this trainer's accelerator is affected.
         accelerator.prepare_model = prepare_model_then_fix
+
+    @property
+    def preemption_callback(self) -> PreemptionCallback | None:
+        return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, PreemptionCallback)), None)
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        # auto_resume: the latest complete checkpoint in output_dir; a preempted run exits after train() has
+        # returned, so every callback's on_train_end (trackers) has run.
+        resume_from_checkpoint = resolve_resume(self.args, resume_from_checkpoint)
+        preemption = self.preemption_callback
+        if preemption is not None:
+            preemption.exit_deferred = True
+        try:
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:
+            if preemption is not None:
+                preemption.disarm()  # also when training raised: the user's handlers come back
+        if preemption is not None and preemption.stopped and preemption.exit_code is not None:
+            exit_after_preemption(preemption.exit_code)
+        return output
+
+    def evaluate(self, *args, **kwargs):
+        try:
+            return super().evaluate(*args, **kwargs)
+        except _EvaluationStopped:  # every rank stopped at the same batch to checkpoint (preemption)
+            return {}
 
     def evaluation_loop(self, *args, **kwargs):
         # evaluate()/predict() before train(): wrap the model as train() would (upstream FSDP2 raises, FSDP1's next
