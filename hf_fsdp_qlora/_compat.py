@@ -61,7 +61,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         key="cpu_fsdp_sync_options",
         upstream="accelerate <= 1.15 (FullyShardedDataParallelPlugin.__post_init__)",
         works_around='FSDP1: sync_module_states / cpu_ram_efficient_loading raise "no available devices found" on CPU',
-        where=("hf_fsdp_qlora.doctor._launch_rules.launcher_rules",),  # reported before launch, with the setting to change
+        where=(
+            "hf_fsdp_qlora.doctor._launch_rules.launcher_rules",
+        ),  # reported before launch, with the setting to change
         remove_when="the plugin accepts these options on a CPU-only machine",
         canary=_DOCTOR + "[f1_sync_on_cpu]",
     ),
@@ -408,6 +410,18 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         where=("hf_fsdp_qlora.doctor.shapes",),
         remove_when="never (a dependency): the canary watches the signature",
         canary=_C + "test_peft_internals",
+    ),
+    # -- upstream output that is noise in a normal run (filtered one message each; HF_FSDP_QLORA_VERBOSE=1 shows it) --
+    Workaround(
+        key="upstream_noise",
+        upstream="bitsandbytes 0.50 (backends/cpu/ops.py warns at import), peft <= 0.21 (PeftModel.__init__ reads "
+        "transformers 5's deprecated is_gradient_checkpointing)",
+        works_around='every rank prints "Failed to load CPU gemm_4bit_forward from kernels-community: No module '
+        "named 'kernels'\" and a FutureWarning per get_peft_model",
+        where=("hf_fsdp_qlora._quiet.quiet_upstream", "hf_fsdp_qlora._quiet.NOISE"),
+        remove_when="bitsandbytes stays silent without the optional kernels package and peft reads "
+        "is_activation_checkpointing (drop that entry of NOISE)",
+        canary="tests/test_quiet.py::test_quiet_by_default_and_verbose_shows_upstream",
     ),
 )
 

@@ -1,4 +1,4 @@
-"""The package layout: public names resolve, old module paths forward, subsystems import one way, modules stay small."""
+"""The package layout: public names resolve, subsystems import one way, modules stay small."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import ast
 import importlib
 import re
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "hf_fsdp_qlora"
@@ -61,32 +59,6 @@ def test_every_public_export_resolves():
 
     for name in hf_fsdp_qlora.__all__:
         assert getattr(hf_fsdp_qlora, name) is not None, name
-
-
-@pytest.mark.parametrize("old", sorted(__import__("hf_fsdp_qlora._moved", fromlist=["MOVED"]).MOVED))
-def test_old_module_paths_forward(old):
-    from hf_fsdp_qlora._moved import MOVED
-
-    legacy = importlib.import_module(old)
-    new = importlib.import_module(MOVED[old])
-    public = [n for n in getattr(new, "__all__", []) if not n.startswith("_")] or [
-        n for n in vars(new) if not n.startswith("_")
-    ]
-    assert public, old
-    for name in public:
-        assert getattr(legacy, name) is getattr(new, name), (old, name)
-
-
-def test_training_args_pickled_under_the_old_path_load():
-    """``training_args.bin`` written before the move names ``hf_fsdp_qlora.training_args``."""
-    import pickle
-
-    from hf_fsdp_qlora import FSDPQLoRATrainingArguments
-
-    data = pickle.dumps(FSDPQLoRATrainingArguments(output_dir="unused", report_to="none"), protocol=0)
-    assert b"hf_fsdp_qlora.train.training_args" in data
-    old = data.replace(b"hf_fsdp_qlora.train.training_args", b"hf_fsdp_qlora.training_args")
-    assert isinstance(pickle.loads(old), FSDPQLoRATrainingArguments)
 
 
 def test_subsystems_import_one_way():
