@@ -16,6 +16,10 @@ import argparse
 import json
 from pathlib import Path
 
+# Before torch/peft/transformers: the CPU fixes and the filters of upstream noise come with this import.
+from hf_fsdp_qlora import load_qlora_model
+from hf_fsdp_qlora.train.checkpoint import load_adapter_into
+
 
 def answer(model, tokenizer, prompts, max_new_tokens=16):
     """Greedy answers, one batch, left-padded; the text up to the end-of-sequence token."""
@@ -42,9 +46,6 @@ def main(argv=None):
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_fsdp_qlora import load_qlora_model
-    from hf_fsdp_qlora.train.checkpoint import load_adapter_into
 
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r["prompt"].startswith(args.questions)]
