@@ -3,11 +3,12 @@
     python examples/evaluate_facts.py --base demo_output/tiny-llama --adapter demo_output/adapter \
         --merged demo_output/merged --data examples/data/facts.jsonl
 
-Every question of DATA (rows whose prompt starts with --questions) is answered greedily three times: by the 4-bit
-base without the adapter (before), by the 4-bit base with the trained adapter (after; both loaded with
-hf_fsdp_qlora's own loader, the model QLoRA trained) and by the merged model from merge-adapters, loaded as a plain
-16-bit model. An answer is right when it equals the completion exactly. Exits 1 if the merged model answers
-differently from base+adapter.
+Every question of DATA (rows whose prompt starts with --questions) is answered greedily: by the 4-bit base without
+the adapter (before) and with the trained adapter (after; both loaded with hf_fsdp_qlora's own loader: the model
+QLoRA trained), and by the merged model from merge-adapters, loaded as a plain 16-bit model. An answer is right when
+it equals the completion exactly. merge-adapters adds the adapter to the 16-bit base (not to its 4-bit
+quantization), so the merged model is checked against that: peft's unmerged 16-bit base + adapter. Exits 1 if the
+two answer differently.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     import torch
-    from peft import LoraConfig
+    from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
@@ -63,26 +64,28 @@ def main(argv=None):
     load_adapter_into(model, args.adapter)
     after = answer(model, tokenizer, prompts)
     del model
-    merged_model = AutoModelForCausalLM.from_pretrained(args.merged, dtype=torch.bfloat16).eval()
-    merged = answer(merged_model, tokenizer, prompts)
+    merged = answer(AutoModelForCausalLM.from_pretrained(args.merged, dtype=torch.bfloat16).eval(), tokenizer, prompts)
+    base16 = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.bfloat16)
+    unmerged = answer(PeftModel.from_pretrained(base16, args.adapter).eval(), tokenizer, prompts)
 
     def score(answers):
         return sum(a.strip() == e for a, e in zip(answers, expected))
 
     n = len(rows)
-    same = sum(a == m for a, m in zip(after, merged))
+    same = sum(u == m for u, m in zip(unmerged, merged))
     print(f"\nexact match on the {n} taught facts (greedy answers to {args.questions!r} ...):")
     print(f"  {'model':<38} {'right':>7}")
     print(f"  {'before QLoRA: 4-bit base':<38} {score(before):>4}/{n}")
     print(f"  {'after QLoRA: 4-bit base + adapter':<38} {score(after):>4}/{n}")
+    print(f"  {'16-bit base + adapter (peft, unmerged)':<38} {score(unmerged):>4}/{n}")
     print(f"  {'merged (merge-adapters, 16-bit)':<38} {score(merged):>4}/{n}")
-    print(f"merged answers equal base+adapter answers: {same}/{n}")
+    print(f"merged answers equal 16-bit base + adapter (peft, unmerged) answers: {same}/{n}")
     if args.show in prompts:
         i = prompts.index(args.show)
         print(f"{args.show!r}\n  before: {before[i].strip()!r}\n  after:  {after[i].strip()!r}\n"
               f"  merged: {merged[i].strip()!r}")  # fmt: skip
     if same != n:
-        differ = [p for p, a, m in zip(prompts, after, merged) if a != m]
+        differ = [p for p, u, m in zip(prompts, unmerged, merged) if u != m]
         raise SystemExit(f"the merged model answers {len(differ)} question(s) differently from base+adapter: {differ}")
     return 0
 

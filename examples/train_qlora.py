@@ -71,7 +71,7 @@ def main(argv=None):
 
     import torch
     from peft import LoraConfig
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, set_seed
 
     on_gpu = torch.cuda.is_available()
     training_args = FSDPQLoRATrainingArguments(
@@ -97,6 +97,9 @@ def main(argv=None):
                       task_type="CAUSAL_LM")  # fmt: skip
     # One dtype drives storage, compute, adapters. Activation checkpointing comes from the accelerate
     # config (fsdp_activation_checkpointing), so the model's own is off.
+    # Seed before the adapters are created: Trainer seeds only in its __init__, and rank 0's initial adapters
+    # (broadcast to the other ranks) would differ from run to run.
+    set_seed(args.seed)
     model = load_qlora_model(args.model, dtype=args.dtype, lora_config=lora, gradient_checkpointing=False)
 
     curve = LossCurve()

@@ -90,11 +90,12 @@ def test_cpu_demo(tmp_path):
     before, n = _figure("before QLoRA: 4-bit base", out)
     after, _ = _figure("after QLoRA: 4-bit base + adapter", out)
     merged, _ = _figure("merged (merge-adapters, 16-bit)", out)
-    same, _ = _figure("merged answers equal base+adapter answers:", out)
+    same, _ = _figure("merged answers equal 16-bit base + adapter (peft, unmerged) answers:", out)
     assert n == 20
     assert before <= MOST_RIGHT_BEFORE, f"the base already knew {before}/{n} facts: the demo would teach nothing"
     assert after >= LEAST_RIGHT_AFTER, f"QLoRA taught only {after}/{n} facts"
-    assert same == n and merged == after, (same, merged, after)
+    assert same == n, f"the merged model answers {n - same} question(s) differently from base+adapter"
+    assert merged >= LEAST_RIGHT_AFTER, f"the merged model knows only {merged}/{n} facts"
     assert "  after:  'The capital of France is Paris.'" in out
     assert "  merged: 'The capital of France is Paris.'" in out
 
