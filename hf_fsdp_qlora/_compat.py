@@ -61,7 +61,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         key="cpu_fsdp_sync_options",
         upstream="accelerate <= 1.15 (FullyShardedDataParallelPlugin.__post_init__)",
         works_around='FSDP1: sync_module_states / cpu_ram_efficient_loading raise "no available devices found" on CPU',
-        where=("hf_fsdp_qlora.doctor._launch_rules.launcher_rules",),  # reported before launch, with the setting to change
+        where=(
+            "hf_fsdp_qlora.doctor._launch_rules.launcher_rules",
+        ),  # reported before launch, with the setting to change
         remove_when="the plugin accepts these options on a CPU-only machine",
         canary=_DOCTOR + "[f1_sync_on_cpu]",
     ),
@@ -419,6 +421,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         where=("hf_fsdp_qlora.doctor.shapes",),
         remove_when="never (a dependency): the canary watches the signature",
         canary=_C + "test_peft_internals",
+    ),
+    Workaround(
+        key="upstream_noise",
+        upstream="bitsandbytes 0.50 (warns at import), peft <= 0.21 (reads transformers 5's deprecated property)",
+        works_around="upstream lines with nothing to act on, on every rank (the list: hf_fsdp_qlora._quiet.NOISE)",
+        where=("hf_fsdp_qlora._quiet.quiet_upstream",),
+        remove_when="upstream stops printing an entry of NOISE (drop that entry)",
+        canary="tests/test_quiet.py::test_quiet_by_default_and_verbose_shows_upstream",
     ),
 )
 

@@ -88,7 +88,11 @@ def resolve_activation_checkpointing(trainer) -> str:
     """
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
     model = trainer.model
-    model_on = bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)))
+    # transformers 5 names it is_activation_checkpointing; reading the old alias there warns (FutureWarning)
+    if hasattr(model, "is_activation_checkpointing"):
+        model_on = bool(model.is_activation_checkpointing)
+    else:
+        model_on = bool(getattr(model, "is_gradient_checkpointing", False))
     trainer_on = _trainer_checkpointing(trainer.args)
     if plugin is not None and plugin.activation_checkpointing:
         off = []
