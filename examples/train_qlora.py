@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 # Import before TrainingArguments: on a CPU-only machine this lets accelerate run real FSDP.
-from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
+from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, finish_distributed, load_qlora_model
 from hf_fsdp_qlora.data import CompletionOnlyCollator, tokenize_completion_only
 
 
@@ -123,11 +123,9 @@ def main(argv=None):
         print(f"loss {first:.4f} -> {last:.4f}; adapter saved to {args.output}")
         png = curve.save_png(Path(args.output) / "loss_curve.png", f"QLoRA under FSDP on {Path(args.data).name}")
         print(f"loss curve plot: {png}")
-    if torch.distributed.is_initialized():  # meet before teardown: FSDP2 exits can abort otherwise
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # the ranks meet, the process group is torn down, and the process exits without gloo's occasional abort
+    finish_distributed(main())

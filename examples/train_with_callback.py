@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 # Import before TrainingArguments: on a CPU-only machine this lets accelerate run real FSDP.
-from hf_fsdp_qlora import FSDPQLoRACallback
+from hf_fsdp_qlora import FSDPQLoRACallback, finish_distributed
 from hf_fsdp_qlora.data import CompletionOnlyCollator, tokenize_completion_only
 
 
@@ -67,11 +67,9 @@ def main(argv=None):
     if trainer.is_world_process_zero():
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
         print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; adapter saved to {args.output}")
-    if torch.distributed.is_initialized():  # meet before teardown: FSDP2 exits can abort otherwise
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # the ranks meet, the process group is torn down, and the process exits without gloo's occasional abort
+    finish_distributed(main())

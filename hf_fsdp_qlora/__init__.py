@@ -26,6 +26,7 @@ _EXPORTS = {
     "SampleGenerationsCallback": "train.generation",
     "PreemptionCallback": "train.preemption_callback",
     "PREEMPTED_EXIT_CODE": "train.preemption",
+    "finish_distributed": "train.finish",
     "generate_under_fsdp": "train.generation",
     "prepare_for_evaluation": "train.generation",
     "save_adapter": "train.checkpoint",

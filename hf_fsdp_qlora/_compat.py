@@ -81,7 +81,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         works_around='"terminate called without an active exception" at interpreter exit fails a good run',
         where=(
             "hf_fsdp_qlora.cpu_rehearsal._destroy_process_group_at_exit",
-            "hf_fsdp_qlora.train.launcher._finish",
+            "hf_fsdp_qlora.train.finish.finish_distributed",
         ),
         remove_when="gloo jobs exit cleanly without destroy_process_group (intermittent: watch CI launches)",
         canary=_C + "test_teardown_internals",

@@ -168,6 +168,8 @@ def _check_command(words: list[str], where: str):
     from hf_fsdp_qlora.cli.merge import MergeCommand
 
     words = _words(words)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # VAR=value before the program
+        words = words[1:]
     head, args = words[0], words[1:]
     head = {"python3": "python"}.get(head.rstrip(";"), head.rstrip(";"))
     if head == "python" and args[:2] == ["-m", "hf_fsdp_qlora.cli"]:
@@ -188,6 +190,9 @@ def _check_command(words: list[str], where: str):
                 _check_script_options(parsed.training_script, parsed.training_script_args, where)
         elif head == "python" and args and args[0].endswith(".py"):
             _check_script_options(args[0], args[1:], where)
+        elif head in ("sbatch", "bash"):
+            script = next(a for a in args if not a.startswith("-"))
+            assert (REPO / script).is_file(), (where, script)
         elif head == "python" and args[:1] == ["-m"]:
             assert importlib.util.find_spec(args[1]), (where, args[1])
         elif head not in ("pip", "make", "git", "tee", "printf", "echo", "cd", "export", "set", "exit"):

@@ -53,27 +53,11 @@ def _exit_code(status) -> int:
 
 
 def _finish(code: int) -> None:
-    """Meet the other ranks, tear down the process group, run exit handlers, and exit with `code`."""
-    try:
-        import torch.distributed as dist
+    """Exit with `code`; the ranks meet first when the script succeeded or was preempted (all ranks exit together)."""
+    from .finish import finish_distributed
+    from .preemption import PREEMPTED_EXIT_CODE
 
-        from .preemption import PREEMPTED_EXIT_CODE
-
-        if dist.is_available() and dist.is_initialized():
-            # A failed rank may never reach a barrier (the launcher ends the others); a preempted run's ranks all
-            # exit together after their checkpoint.
-            if code in (0, PREEMPTED_EXIT_CODE):
-                dist.barrier()
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the script's own status matters more than the teardown's
-        traceback.print_exc()
-        code = code or 1
-    import atexit
-
-    atexit._run_exitfuncs()  # trackers and loggers flush as at a normal exit; only the interpreter teardown is skipped
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    finish_distributed(code, barrier=code in (0, PREEMPTED_EXIT_CODE))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -166,9 +166,9 @@ def agree(value: int) -> int:
 def exit_after_preemption(code: int = PREEMPTED_EXIT_CODE) -> None:
     """Meet the other ranks, tear the process group down and exit with `code`, skipping the interpreter teardown
     (whose gloo abort would replace the status the job script reads)."""
-    from .launcher import _finish
+    from .finish import finish_distributed
 
-    _finish(code)
+    finish_distributed(code, barrier=True)
 
 
 def resolve_resume(args, resume_from_checkpoint):
