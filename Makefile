@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two pytest-xdist workers, each test file whole in one worker (tests/conftest.py schedules them): the launches'
+# import-bound start-ups and the single-process tests then overlap on a 2-core machine. PYTEST_WORKERS=0: serial.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup test demo style quality gpu-check gpu-wheels test-floors
 
@@ -17,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 setup: $(VENV)/.installed
 
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: setup
 	OMP_NUM_THREADS=1 PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/cpu_demo.sh
