@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 
 setup: $(VENV)/.installed
 
+# The main suite, then the floors job (which also runs the GPU check's dry run, at the versions a GPU machine has).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --ignore=tests/test_gpu_check.py $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-floors
 
 demo: setup
 	OMP_NUM_THREADS=1 PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/cpu_demo.sh

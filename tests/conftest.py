@@ -17,9 +17,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # processes (marked distributed), else 5 s.
 _SECONDS = {
     "test_recipes.py": 300, "test_trainer_fsdp.py": 60, "test_throughput_benchmark.py": 60,
-    "test_speed_options.py": 55, "test_demo.py": 50, "test_semantics_dist.py": 45, "test_checkpoints.py": 40,
+    "test_speed_options.py": 55, "test_semantics_dist.py": 45, "test_checkpoints.py": 40,
     "test_semantics_pref.py": 40, "test_doctor.py": 35, "test_cpu_rehearsal.py": 25, "test_eval_generate.py": 25,
     "test_low_ram.py": 20, "test_sharding.py": 20, "test_multinode.py": 20, "test_bad_input.py": 20,
+    "test_preemption.py": 110, "test_demo.py": 75, "test_chunked_loss.py": 50, "test_readme.py": 50,
+    "test_error_index.py": 30, "test_quiet.py": 30, "test_train_imports.py": 20, "test_docs.py": 15,
 }  # fmt: skip
 
 
