@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two pytest-xdist workers, each test file whole in one worker (tests/conftest.py schedules them): the launches'
+# import-bound start-ups and the single-process tests then overlap on a 2-core machine. PYTEST_WORKERS=0: serial.
+PYTEST_WORKERS ?= 2
 
-.PHONY: setup test demo style quality
+.PHONY: setup test demo style quality gpu-check gpu-wheels test-floors
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +19,10 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 
 setup: $(VENV)/.installed
 
+# The main suite, then the floors job (which also runs the GPU check's dry run, at the versions a GPU machine has).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --ignore=tests/test_gpu_check.py $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-floors
 
 demo: setup
 	OMP_NUM_THREADS=1 PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/cpu_demo.sh
@@ -27,3 +32,34 @@ style: setup
 
 quality: setup
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
+
+# The GPU check (docs/gpu-check.md). On a GPU machine: `make gpu-check` (GPU_PY: the machine's python with CUDA torch;
+# STAGES picks stages, OUT the report folder). `make gpu-check DRY_RUN=1`: every stage at tiny shape on CPU.
+GPU_PY ?= python3
+STAGES ?= tests,correctness,memory,speed,capacity
+ifdef DRY_RUN
+gpu-check: setup
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.gpu --dry-run --stages $(STAGES) $(if $(OUT),--out $(OUT))
+else
+gpu-check:
+	$(GPU_PY) -m benchmarks.gpu --stages $(STAGES) $(if $(OUT),--out $(OUT))
+endif
+
+# The wheels the bare GPU machine lacks, into .whl/ (ignored; the device tool carries it), and the device command.
+gpu-wheels: setup
+	$(PY) -m benchmarks.gpu.wheels
+
+# The floors job: a fast subset of the suite with the lowest versions we declare (constraints-floors.txt), installed
+# with --no-deps over the main venv into .venv-floors/ (a --target overlay put first on PYTHONPATH).
+FLOORS := .venv-floors
+# transformers 5.17 needs huggingface_hub < 2 (the GPU machine has 1.33), which imports httpx; the main venv has neither.
+FLOORS_EXTRA := huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.19.post1
+FLOORS_TESTS ?= tests/test_gpu_check.py tests/test_floors.py tests/test_doctor.py::test_check_setup_is_public
+$(FLOORS)/.installed: constraints-floors.txt $(VENV)/.installed
+	rm -rf $(FLOORS)
+	$(PY) -m pip install --quiet --no-deps --no-compile --target $(FLOORS) \
+		$$($(PY) benchmarks/floors.py constraints-floors.txt) $(FLOORS_EXTRA)
+	touch $@
+
+test-floors: setup $(FLOORS)/.installed
+	HF_FSDP_QLORA_FLOORS=1 OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(FLOORS)) $(PY) -m pytest -p no:cacheprovider $(FLOORS_TESTS)

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# The CPU demo (README's `make demo`): build a tiny Llama + tokenizer locally, fine-tune it with QLoRA
-# under real FSDP2 on 2 CPU processes, show the loss falling, save the adapter, then merge it into the
-# 16-bit base with merge-adapters (streamed, shard by shard) and check the merged model against peft.
+# The CPU demo (README's `make demo`): a tiny Llama learns the language of the data by a short full pre-training
+# (single process: "The capital of X is Y." about 60 other countries), then QLoRA under real FSDP2 on 2 CPU
+# processes teaches it 20 capitals it does not know. It prints exact match on those facts before and after, writes
+# the loss curve as a PNG beside the adapter, merges the adapter into the 16-bit base with merge-adapters and
+# checks that the merged model answers as base+adapter does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${DEMO_OUTPUT:-demo_output}
+SEED=${DEMO_SEED:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+DATA=examples/data
 
-python examples/build_tiny_model.py --data examples/data/capitals.jsonl --output "$OUT/tiny-llama"
-accelerate launch --config_file accelerate_configs/cpu_fsdp2_rehearsal.yaml \
-    examples/train_qlora.py --model "$OUT/tiny-llama" --data examples/data/capitals.jsonl --output "$OUT/adapter"
+python examples/build_tiny_model.py --data $DATA/world.jsonl $DATA/facts.jsonl --pretrain $DATA/world.jsonl \
+    --pretrain-steps 250 --seed "$SEED" --output "$OUT/tiny-llama" --force
+accelerate launch --config_file accelerate_configs/cpu_fsdp2_rehearsal.yaml examples/train_qlora.py \
+    --model "$OUT/tiny-llama" --data $DATA/facts.jsonl --output "$OUT/adapter" --seed "$SEED" \
+    --epochs 12 --lr 5e-3 --logging-steps 4
 merge-adapters --base "$OUT/tiny-llama" --adapter "$OUT/adapter" --output "$OUT/merged" --force --no-progress
-python examples/check_merged.py --base "$OUT/tiny-llama" --adapter "$OUT/adapter" --merged "$OUT/merged"
-echo "demo done: adapter in $OUT/adapter, merged model in $OUT/merged"
+python examples/evaluate_facts.py --base "$OUT/tiny-llama" --adapter "$OUT/adapter" --merged "$OUT/merged" \
+    --data $DATA/facts.jsonl
+echo "demo done: adapter in $OUT/adapter, loss curve in $OUT/adapter/loss_curve.png, merged model in $OUT/merged"

@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
+from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, finish_distributed, load_qlora_model
 from hf_fsdp_qlora.data import CompletionOnlyCollator, padding_waste, tokenize_completion_only
 
 TEMPLATE = (
@@ -65,11 +65,9 @@ def main(argv=None):
     )  # fmt: skip
     trainer.train()
     trainer.save_model(args.output)
-    if torch.distributed.is_initialized():  # meet before teardown: FSDP2 exits can abort otherwise
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # the ranks meet, the process group is torn down, and the process exits without gloo's occasional abort
+    finish_distributed(main())

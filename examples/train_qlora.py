@@ -7,7 +7,8 @@
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_rehearsal.yaml examples/train_qlora.py \
         --model demo_output/tiny-llama --data examples/data/capitals.jsonl --output demo_output/adapter
 
-The data is JSONL with "prompt" and "completion"; the loss is taken on completion tokens only.
+The data is JSONL with "prompt" and "completion"; the loss is taken on completion tokens only. The main process
+prints the loss curve and writes it as a PNG beside the adapter (OUTPUT/loss_curve.png, with matplotlib).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 from pathlib import Path
 
 # Import before TrainingArguments: on a CPU-only machine this lets accelerate run real FSDP.
-from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
+from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, finish_distributed, load_qlora_model
 from hf_fsdp_qlora.data import CompletionOnlyCollator, tokenize_completion_only
 
 
@@ -36,6 +37,22 @@ class LossCurve:
 
         self.callback = _Callback()
 
+    def save_png(self, path: Path, title: str) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on a training machine
+        from matplotlib import pyplot as plt
+
+        steps, losses = zip(*self.points)
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        ax.plot(steps, losses, marker="o", markersize=3)
+        ax.set(xlabel="step", ylabel="training loss", title=title)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,11 +65,13 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--logging-steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     import torch
     from peft import LoraConfig
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, set_seed
 
     on_gpu = torch.cuda.is_available()
     training_args = FSDPQLoRATrainingArguments(
@@ -61,12 +80,12 @@ def main(argv=None):
         num_train_epochs=args.epochs,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
-        logging_steps=5,
+        logging_steps=args.logging_steps,
         save_strategy="no",
         report_to=[],
         bf16=on_gpu and args.dtype == "bfloat16",
         use_cpu=not on_gpu,
-        seed=0,
+        seed=args.seed,
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
@@ -78,6 +97,9 @@ def main(argv=None):
                       task_type="CAUSAL_LM")  # fmt: skip
     # One dtype drives storage, compute, adapters. Activation checkpointing comes from the accelerate
     # config (fsdp_activation_checkpointing), so the model's own is off.
+    # Seed before the adapters are created: Trainer seeds only in its __init__, and rank 0's initial adapters
+    # (broadcast to the other ranks) would differ from run to run.
+    set_seed(args.seed)
     model = load_qlora_model(args.model, dtype=args.dtype, lora_config=lora, gradient_checkpointing=False)
 
     curve = LossCurve()
@@ -99,11 +121,11 @@ def main(argv=None):
             print(f"  {step:4d}: {loss:.4f}  " + "#" * int(loss * 8))
         first, last = curve.points[0][1], curve.points[-1][1]
         print(f"loss {first:.4f} -> {last:.4f}; adapter saved to {args.output}")
-    if torch.distributed.is_initialized():  # meet before teardown: FSDP2 exits can abort otherwise
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        png = curve.save_png(Path(args.output) / "loss_curve.png", f"QLoRA under FSDP on {Path(args.data).name}")
+        print(f"loss curve plot: {png}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # the ranks meet, the process group is torn down, and the process exits without gloo's occasional abort
+    finish_distributed(main())

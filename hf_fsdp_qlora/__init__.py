@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from . import _logging, _moved
+from . import _logging, _quiet
 from . import distributed as _distributed
 
 __version__ = "0.1.0.dev0"
@@ -21,9 +21,12 @@ _EXPORTS = {
     "load_qlora_model": "loading.qlora",
     "FSDPQLoRATrainer": "train.trainer",
     "FSDPQLoRASFTTrainer": "train.sft_trainer",
-    "FSDPQLoRACallback": "train.callbacks",
+    "FSDPQLoRACallback": "train.trainer_hook",  # importing it installs the Trainer hook
     "FSDPQLoRATrainingArguments": "train.training_args",
     "SampleGenerationsCallback": "train.generation",
+    "PreemptionCallback": "train.preemption_callback",
+    "PREEMPTED_EXIT_CODE": "train.preemption",
+    "finish_distributed": "train.finish",
     "generate_under_fsdp": "train.generation",
     "prepare_for_evaluation": "train.generation",
     "save_adapter": "train.checkpoint",
@@ -59,7 +62,9 @@ def __dir__():
 
 
 _logging.configure()
-_moved.install()  # old module paths (hf_fsdp_qlora.checkpoint, ...) keep working
+# Precise filters (one message of one upstream logger or warning each; HF_FSDP_QLORA_VERBOSE=1 turns them off).
+# Here, not in our trainers: `from transformers import Trainer` imports bitsandbytes, which prints while importing.
+_quiet.quiet_upstream()
 
 # A script launched for FSDP (`accelerate launch` with an FSDP config exports ACCELERATE_USE_FSDP) that only does
 # `import hf_fsdp_qlora` gets the CPU rehearsal hook too: without it accelerate silently trains plain DDP on CPU

@@ -1,4 +1,96 @@
+import functools
 import os
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# --- pytest-xdist (`make test` runs `-n 2 --dist loadfile`) ---------------------------------------------------
+# Each test file runs whole in one worker, so its module-scoped launches run once; the files that share the
+# session's launches (they define SHARED_TRAIN_SCENARIOS) run together in one worker, so those launches run once
+# too. The slowest files start first: a long file started last would leave the other worker idle at the end.
+# Seconds on an idle 2-core machine, roughly (pytest --durations); a file not listed counts 30 s if it launches
+# processes (marked distributed), else 5 s.
+_SECONDS = {
+    "test_recipes.py": 300, "test_trainer_fsdp.py": 60, "test_throughput_benchmark.py": 60,
+    "test_speed_options.py": 55, "test_semantics_dist.py": 45, "test_checkpoints.py": 40,
+    "test_semantics_pref.py": 40, "test_doctor.py": 35, "test_cpu_rehearsal.py": 25, "test_eval_generate.py": 25,
+    "test_low_ram.py": 20, "test_sharding.py": 20, "test_multinode.py": 20, "test_bad_input.py": 20,
+    "test_preemption.py": 110, "test_demo.py": 75, "test_chunked_loss.py": 50, "test_readme.py": 50,
+    "test_error_index.py": 30, "test_quiet.py": 30, "test_train_imports.py": 20, "test_docs.py": 15,
+}  # fmt: skip
+
+
+@functools.cache
+def _file_facts(path: Path) -> tuple[bool, float]:
+    """(shares the session's launches, rough seconds it takes) of a test file."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return False, 0.0
+    guess = 30.0 if "pytest.mark.distributed" in text else 5.0
+    return "SHARED_TRAIN_SCENARIOS" in text, float(_SECONDS.get(path.name, guess))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    root = config.rootpath
+
+    def files(scope):
+        return scope.removeprefix("shared:").split("+")
+
+    class HeaviestFirst(OrderedDict):
+        def popitem(self, last=True):
+            if last:
+                return super().popitem(last=True)
+            scope = max(self, key=lambda s: sum(_file_facts(root / f)[1] for f in files(s)))
+            return scope, self.pop(scope)
+
+    class Scheduling(LoadFileScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = HeaviestFirst()
+
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            if not _file_facts(root / path)[0]:
+                return path
+            shared = sorted(p for p in root.glob("tests/test_*.py") if _file_facts(p)[0])
+            return "shared:" + "+".join(str(p.relative_to(root)) for p in shared)
+
+    return Scheduling(config, log)
+
+
+@pytest.fixture(scope="session")
+def shared_models(tmp_path_factory):
+    """One folder for the tiny models (tests/tiny_models.py) of the shared launches, built on demand."""
+    return tmp_path_factory.mktemp("shared_models")
+
+
+@pytest.fixture(scope="session")
+def shared_launch(request, tmp_path_factory, shared_models):
+    """`get(version)`: the one FSDP{version} launch of every selected module's SHARED_TRAIN_SCENARIOS
+    (see dist_utils.shared_scenarios_launch), made on first use: (models dir, out dir, per-rank results, process)."""
+    from dist_utils import shared_scenarios_launch
+
+    made = {}
+
+    def get(version):
+        if version not in made:
+            try:
+                made[version] = shared_scenarios_launch(request.session, tmp_path_factory, shared_models, version)
+            except Exception as err:  # noqa: BLE001 - a failed launch fails every module sharing it, once
+                made[version] = err
+        if isinstance(made[version], Exception):
+            raise made[version]
+        return made[version]
+
+    return get

@@ -86,12 +86,13 @@ def read_results(out_dir: Path) -> dict:
     return results
 
 
-def launch_scenarios(tmp_path_factory, name, scenarios, script="train_scenarios.py", version=2):
-    """Build the tiny models `scenarios` ({key: (arch, kind)}) need, run them in one 2-rank accelerate launch
-    with the shipped CPU rehearsal config, and return (models dir, out dir, per-rank results, the process)."""
+def launch_scenarios(tmp_path_factory, name, scenarios, script="train_scenarios.py", version=2, models=None):
+    """Build the tiny models `scenarios` ({key: (arch, kind)}) need (in `models`, or a new folder), run them in
+    one 2-rank accelerate launch with the shipped CPU rehearsal config, and return (models dir, out dir, per-rank
+    results, the process)."""
     from tiny_models import build_tiny_model
 
-    models = tmp_path_factory.mktemp("models")
+    models = Path(models) if models else tmp_path_factory.mktemp("models")
     for arch in {arch for arch, _ in scenarios.values()}:
         build_tiny_model(models / arch, arch)
     out = tmp_path_factory.mktemp(name) / "run"
@@ -103,6 +104,35 @@ def launch_scenarios(tmp_path_factory, name, scenarios, script="train_scenarios.
     )  # fmt: skip
     check(proc)
     return models, out, read_results(out), proc
+
+
+def shared_scenarios_launch(session, tmp_path_factory, models, version):
+    """ONE launch per FSDP version for the trainer scenarios of every selected test module (`session.items`).
+
+    A module takes part by defining ``SHARED_TRAIN_SCENARIOS = {version: {key: (arch, kind)}}`` (keys unique across
+    modules); ``SHARED_TRAIN_ORDER`` (default 1) puts a module's scenarios earlier (test_trainer_fsdp's first
+    scenario must be the first of its launch). The worker is low_ram_worker.py, train_scenarios.py plus its
+    `lowram` kinds. Each launch costs its ranks ~10 s of imports on 2 cores before any work: this spares one
+    launch per contributing module. Returns what :func:`launch_scenarios` returns.
+    """
+    modules = []
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "SHARED_TRAIN_SCENARIOS") and module not in modules:
+            modules.append(module)
+    scenarios = {}
+    for module in sorted(modules, key=lambda m: getattr(m, "SHARED_TRAIN_ORDER", 1)):
+        for key, spec in module.SHARED_TRAIN_SCENARIOS.get(version, {}).items():
+            assert scenarios.get(key, spec) == spec, f"scenario key {key!r} used twice: {scenarios[key]} vs {spec}"
+            scenarios[key] = spec
+    return launch_scenarios(
+        tmp_path_factory,
+        f"shared_fsdp{version}",
+        scenarios,
+        script="low_ram_worker.py",
+        version=version,
+        models=models,
+    )
 
 
 def assert_first_logits_equal(model, out, name, first_batch, batch_size):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import accelerate_launch, check, read_results
 from tiny_models import build_tiny_model
 
@@ -37,11 +36,39 @@ def _launch(version, mode, models, out, expect_ok=True, num_processes=None):
     return proc
 
 
+@pytest.fixture(scope="module")
+def launches(models, tmp_path_factory):
+    """`get(version)`: (out, per-rank results, what the killed run left) of one launch per FSDP version, made on
+    first use: resume, then the full fine-tune; under FSDP2 also the resume after a kill. The kill needs a launch of
+    its own (rank 0 dies); what its folder held is recorded right after it, before the resume changes it."""
+    made = {}
+
+    def get(version):
+        if version in made:
+            return made[version]
+        out = tmp_path_factory.mktemp(f"resume{version}")
+        seen = None
+        if version == 2:
+            proc = _launch(2, "kill", models, out, expect_ok=False)
+            run = out / "K"
+            seen = {
+                "returncode": proc.returncode,
+                "ckpt2_adapter": (run / "checkpoint-2" / "adapter_model.safetensors").is_file(),
+                "ckpt2_state": (run / "checkpoint-2" / "trainer_state.json").is_file(),
+                "ckpt4": (run / "checkpoint-4").exists(),
+                "ckpt4_staged": (run / ".incomplete-checkpoints" / "checkpoint-4").exists(),
+            }
+        _launch(version, "resume,full,after" if version == 2 else "resume,full", models, out)
+        made[version] = out, read_results(out), seen
+        return made[version]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=[1, 2])
-def resumed(request, models, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"resume{request.param}")
-    _launch(request.param, "resume", models, out)
-    return request.param, out, read_results(out)
+def resumed(request, launches):
+    out, results, _ = launches(request.param)
+    return request.param, out, results
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -100,28 +127,25 @@ def test_saved_checkpoint_adapter_loads_with_peft(resumed, models):
     assert final and all(torch.equal(loaded[n].float(), v) for n, v in final.items())
 
 
-def test_kill_during_save_keeps_previous_checkpoint(models, tmp_path):
-    proc = _launch(2, "kill", models, tmp_path, expect_ok=False)
-    assert proc.returncode != 0  # rank 0 was SIGKILLed inside the step-4 save
-    run = tmp_path / "K"
-    assert (run / "checkpoint-2" / "adapter_model.safetensors").is_file()
-    assert (run / "checkpoint-2" / "trainer_state.json").is_file()
-    assert not (run / "checkpoint-4").exists(), "a half-written checkpoint must not look complete"
-    assert (run / ".incomplete-checkpoints" / "checkpoint-4").exists()
-    _launch(2, "after", models, tmp_path)
-    results = read_results(tmp_path)
+def test_kill_during_save_keeps_previous_checkpoint(launches):
+    out, results, seen = launches(2)
+    assert seen["returncode"] != 0  # rank 0 was SIGKILLed inside the step-4 save
+    run = out / "K"
+    assert seen["ckpt2_adapter"]
+    assert seen["ckpt2_state"]
+    assert not seen["ckpt4"], "a half-written checkpoint must not look complete"
+    assert seen["ckpt4_staged"]
     for found in results.values():
         assert found["global_step"] == 6
         assert len(found["resumed_losses"]) == 4  # resumed from checkpoint-2: steps 3..6
     assert (run / "checkpoint-4").is_dir() and (run / "checkpoint-6").is_dir()
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_full_finetune_checkpoint_forms(version, models, tmp_path):
+def test_full_finetune_checkpoint_forms(resumed):
     """Full fine-tune checkpoints: a whole safetensors model (FULL_STATE_DICT, the FSDP1 rehearsal config)
     or per-rank shards with the optimizer (SHARDED_STATE_DICT, the FSDP2 rehearsal config)."""
-    _launch(version, "full", models, tmp_path)
-    ckpt = tmp_path / "F" / "checkpoint-2"
+    version, out, _ = resumed
+    ckpt = out / "F" / "checkpoint-2"
     assert (ckpt / "trainer_state.json").is_file()
     if version == 1:
         from transformers import AutoModelForCausalLM

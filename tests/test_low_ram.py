@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dist_utils import SCRIPTS, assert_first_logits_equal, launch_scenarios, packed_digests
+from dist_utils import SCRIPTS, assert_first_logits_equal, packed_digests
 from tiny_models import build_tiny_model
 
 sys.path.insert(0, str(SCRIPTS))
@@ -27,11 +27,15 @@ SCENARIOS = {
 }
 
 
+# Run in the suite's shared FSDP2 launch (tests/conftest.py), with other modules' trainer scenarios.
+SHARED_TRAIN_SCENARIOS = {2: SCENARIOS}
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(shared_launch):
     import json
 
-    models, out, results, proc = launch_scenarios(tmp_path_factory, "low_ram", SCENARIOS, script="low_ram_worker.py")
+    models, out, results, proc = shared_launch(2)
     lowram = {
         name: {r: json.loads((out / f"lowram_{kind}_{arch}_rank{r}.json").read_text()) for r in (0, 1)}
         for name, (arch, kind) in SCENARIOS.items()

@@ -665,6 +665,10 @@ state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=Fal
 dcp.save({"model": state}, checkpoint_id=out)  # what accelerate's SHARDED_STATE_DICT save does
 dist.barrier()
 dist.destroy_process_group()
+# gloo's teardown at interpreter exit sometimes aborts ("terminate called without an active exception") even
+# after destroy_process_group (dist_utils.exit_worker): end here, with the checkpoint written.
+sys.stdout.flush(); sys.stderr.flush()
+import os; os._exit(0)
 """
 
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from dist_utils import SCRIPTS, assert_first_logits_equal, launch_scenarios
+from dist_utils import SCRIPTS, assert_first_logits_equal
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -30,8 +30,8 @@ SCENARIOS = {
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    models, out, results, _ = launch_scenarios(tmp_path_factory, "sharding", SCENARIOS)
+def run(shared_launch):
+    models, out, results, _ = shared_launch(2)
     return models, out, results
 
 
@@ -84,9 +84,13 @@ def test_planted_bytes_read_as_nan_inf_subnormal(run):
 FSDP1_SCENARIOS = {"s": ("llama_nanbytes", "st_uint8_nf4_dq"), "t": ("llama", "st_uint8_fp4_nodq")}
 
 
+# Both run in the suite's shared launches (tests/conftest.py), with other modules' trainer scenarios.
+SHARED_TRAIN_SCENARIOS = {2: SCENARIOS, 1: FSDP1_SCENARIOS}
+
+
 @pytest.fixture(scope="module")
-def run_fsdp1(tmp_path_factory):
-    models, out, results, _ = launch_scenarios(tmp_path_factory, "sharding_fsdp1", FSDP1_SCENARIOS, version=1)
+def run_fsdp1(shared_launch):
+    models, out, results, _ = shared_launch(1)
     return models, out, results
 
 

@@ -229,9 +229,10 @@ for name in ("frozen", "trained", "linear"):
 fully_shard(model, mesh=mesh)
 changed = skip_frozen_embedding_backward_gather(model)
 flags = {n: m._get_fsdp_state()._fsdp_param_groups[0].unshard_in_backward for n, m in model.named_children()}
-print(json.dumps({"changed": changed, "flags": flags}))
+print(json.dumps({"changed": changed, "flags": flags}), flush=True)
 dist.barrier()
 dist.destroy_process_group()
+os._exit(0)  # gloo's teardown at interpreter exit sometimes aborts even after destroy (dist_utils.exit_worker)
 """
 
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from dist_utils import SCRIPTS, accelerate_launch, check, read_results, torchrun
+from dist_utils import SCRIPTS, check, read_results, torchrun
 from tiny_models import ARCHS, build_tiny_model
 
 sys.path.insert(0, str(SCRIPTS))
@@ -33,15 +33,24 @@ CLASSIC_FSDP1 = [
 CLASSIC_FSDP2 = ["k=llama:stock_int8", "l=llama:ours_int8", "n=llama:dupbatches"]
 
 
+def _specs(scenarios):
+    return {key: tuple(spec.split(":")) for key, spec in (s.split("=") for s in scenarios)}
+
+
+# The accelerate launches run in the suite's shared launches (tests/conftest.py), first, with other modules'
+# trainer scenarios after them: scenario "a" must be the first of its launch (see the no-seed test).
+SHARED_TRAIN_SCENARIOS = {1: _specs(TRAINING + CLASSIC_FSDP1), 2: _specs(TRAINING + CLASSIC_FSDP2)}
+SHARED_TRAIN_ORDER = 0
+
+
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
+def models(shared_models):
     for arch in ARCHS:
-        build_tiny_model(root / arch, arch)
-    return root
+        build_tiny_model(shared_models / arch, arch)
+    return shared_models
 
 
-def _launch(how, version, scenarios, models, out):
+def _torchrun(version, scenarios, models, out):
     args = [
         "--models",
         str(models),
@@ -52,26 +61,28 @@ def _launch(how, version, scenarios, models, out):
         "--scenarios",
         ",".join(scenarios),
     ]
-    if how == "accelerate":
-        proc = accelerate_launch(f"cpu_fsdp{version}_rehearsal.yaml", "train_scenarios.py", *args, timeout=600)
-    else:
-        proc = torchrun("train_scenarios.py", *args, timeout=600)
-    check(proc)
+    check(torchrun("train_scenarios.py", *args, timeout=600))
     results = read_results(out)
     assert sorted(results) == [0, 1], f"expected results from 2 ranks, got {sorted(results)}"
     return results
 
 
-@pytest.fixture(scope="module")
-def fsdp1_run(models, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp1") / "run"
-    return out, _launch("accelerate", 1, TRAINING + CLASSIC_FSDP1, models, out)
+def _shared(shared_launch, version):
+    _, out, results, _ = shared_launch(version)
+    assert sorted(results) == [0, 1], f"expected results from 2 ranks, got {sorted(results)}"
+    first = next(iter(results[0]))
+    assert first == "a", f"scenario a must run first in its launch, {first!r} did"
+    return out, results
 
 
 @pytest.fixture(scope="module")
-def fsdp2_run(models, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2") / "run"
-    return out, _launch("accelerate", 2, TRAINING + CLASSIC_FSDP2, models, out)
+def fsdp1_run(models, shared_launch):
+    return _shared(shared_launch, 1)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(models, shared_launch):
+    return _shared(shared_launch, 2)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +91,7 @@ def torchrun_runs(models, tmp_path_factory):
     for version in (1, 2):
         out = tmp_path_factory.mktemp(f"torchrun{version}") / "run"
         scenarios = ["a=llama:ours_loader", "c=qwen2:callback", "d=llama:sft"]
-        runs[version] = (out, _launch("torchrun", version, scenarios, models, out))
+        runs[version] = (out, _torchrun(version, scenarios, models, out))
     return runs
 
 

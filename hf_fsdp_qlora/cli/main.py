@@ -13,12 +13,19 @@ from hf_fsdp_qlora.cli._command import UMBRELLA, Command, run_command
 from hf_fsdp_qlora.cli.config import ConfigCommand
 from hf_fsdp_qlora.cli.convert import ConvertCommand
 from hf_fsdp_qlora.cli.doctor import DoctorCommand
+from hf_fsdp_qlora.cli.explain import ExplainCommand
 from hf_fsdp_qlora.cli.merge import MergeCommand
 
 __all__ = ["COMMANDS", "build_parser", "main", "merge_adapters_main"]
 
 # In the order `hf-fsdp-qlora --help` lists them.
-COMMANDS: tuple[Command, ...] = (ConfigCommand(), MergeCommand(), ConvertCommand(), DoctorCommand())
+COMMANDS: tuple[Command, ...] = (
+    ConfigCommand(),
+    MergeCommand(),
+    ConvertCommand(),
+    DoctorCommand(),
+    ExplainCommand(),
+)
 
 
 def _add_version(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,8 @@ from .compile import enable_layer_compilation
 from .consistency import keep_trainable_in_training_dtype
 from .hygiene import DistinctBatchesCallback, LabelsCheckCallback, MemoryThroughputCallback
 from .offload import install_activation_offloading
+from .preemption import exit_after_preemption, resolve_resume
+from .preemption_callback import PreemptionCallback, _EvaluationStopped
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ def with_fsdp_callback(callbacks, args=None):
         ours.append(MemoryThroughputCallback())
     if not has(LabelsCheckCallback):
         ours.append(LabelsCheckCallback())
+    if not has(PreemptionCallback):
+        ours.append(PreemptionCallback())
     return ours + callbacks
 
 
@@ -63,6 +67,12 @@ def _set_trainer_checkpointing(args, value: bool) -> None:
     args.activation_checkpointing = value
     if hasattr(args, "gradient_checkpointing"):
         args.gradient_checkpointing = value
+
+
+def _trainer_checkpointing(args) -> bool:
+    # transformers 5.17 (our floor) has only `gradient_checkpointing`; later 5.x add `activation_checkpointing`.
+    value = getattr(args, "activation_checkpointing", None)
+    return bool(getattr(args, "gradient_checkpointing", False) if value is None else value)
 
 
 def resolve_activation_checkpointing(trainer) -> str:
@@ -78,8 +88,12 @@ def resolve_activation_checkpointing(trainer) -> str:
     """
     plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
     model = trainer.model
-    model_on = bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)))
-    trainer_on = bool(trainer.args.activation_checkpointing)
+    # transformers 5 names it is_activation_checkpointing; reading the old alias there warns (FutureWarning)
+    if hasattr(model, "is_activation_checkpointing"):
+        model_on = bool(model.is_activation_checkpointing)
+    else:
+        model_on = bool(getattr(model, "is_gradient_checkpointing", False))
+    trainer_on = _trainer_checkpointing(trainer.args)
     if plugin is not None and plugin.activation_checkpointing:
         off = []
         if trainer_on:
@@ -134,7 +148,7 @@ class FSDPSaveMixin:
             raise ValueError("save_only_model=True cannot be combined with load_best_model_at_end=True under FSDP.")
         # transformers also refuses FSDP's activation checkpointing together with the Trainer's, which trl's
         # configs turn on by default: the choice is made after the plugin exists (resolve_activation_checkpointing).
-        wants_checkpointing = bool(self.args.activation_checkpointing)
+        wants_checkpointing = _trainer_checkpointing(self.args)
         self.args.save_only_model = False
         _set_trainer_checkpointing(self.args, False)
         try:
@@ -165,6 +179,32 @@ class FSDPSaveMixin:
 
         # An instance attribute: only this trainer's accelerator is affected.
         accelerator.prepare_model = prepare_model_then_fix
+
+    @property
+    def preemption_callback(self) -> PreemptionCallback | None:
+        return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, PreemptionCallback)), None)
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        # auto_resume: the latest complete checkpoint in output_dir; a preempted run exits after train() has
+        # returned, so every callback's on_train_end (trackers) has run.
+        resume_from_checkpoint = resolve_resume(self.args, resume_from_checkpoint)
+        preemption = self.preemption_callback
+        if preemption is not None:
+            preemption.exit_deferred = True
+        try:
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        finally:
+            if preemption is not None:
+                preemption.disarm()  # also when training raised: the user's handlers come back
+        if preemption is not None and preemption.stopped and preemption.exit_code is not None:
+            exit_after_preemption(preemption.exit_code)
+        return output
+
+    def evaluate(self, *args, **kwargs):
+        try:
+            return super().evaluate(*args, **kwargs)
+        except _EvaluationStopped:  # every rank stopped at the same batch to checkpoint (preemption)
+            return {}
 
     def evaluation_loop(self, *args, **kwargs):
         # evaluate()/predict() before train(): wrap the model as train() would (upstream FSDP2 raises, FSDP1's next

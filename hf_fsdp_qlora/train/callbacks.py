@@ -1,5 +1,10 @@
 """`FSDPQLoRACallback`: our FSDP fixes for any `transformers.Trainer` (trl's DPO/GRPO/reward trainers,
-your own subclass). Our trainer classes install this same callback: there is one implementation."""
+your own subclass). Our trainer classes install this same callback: there is one implementation.
+
+Import it as ``from hf_fsdp_qlora import FSDPQLoRACallback``: that name comes through
+:mod:`~hf_fsdp_qlora.train.trainer_hook`, which also installs the ``Trainer.__init__`` hook a stock trainer needs.
+This module stays below the hook (the hook and the trainer mixin import it, never the other way round).
+"""
 
 from __future__ import annotations
 
@@ -9,22 +14,19 @@ from transformers import TrainerCallback
 
 from .._bnb_cpu import disable_cpu_repack_in_model
 from .._logging import human_size
-from .consistency import make_fsdp_consistent
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..distributed import fsdp_requested_by_launch
 from ..errors import FSDPNotEngagedError
-from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge, skip_frozen_embedding_backward_gather
 from ..loading.low_ram import verify_partial_rows
-from .trainer_hook import install_trainer_hook
+from .consistency import make_fsdp_consistent
+from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge, skip_frozen_embedding_backward_gather
 
 __all__ = ["FSDPQLoRACallback"]
 
 logger = logging.getLogger(__name__)
 
-# Installed at import, before the user's TrainingArguments builds accelerate's state (see cpu_rehearsal), and
-# before the user's Trainer is built (see trainer_hook: a Trainer built with this callback gets our behaviour).
+# Installed at import, before the user's TrainingArguments builds accelerate's state (see cpu_rehearsal).
 enable_cpu_fsdp()
-install_trainer_hook()
 
 
 def engagement_summary(model, version: int, found: dict) -> str:

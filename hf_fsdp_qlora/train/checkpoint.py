@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -274,6 +275,24 @@ def load_adapter_into(model, adapter_dir: str | os.PathLike) -> int:
         options = StateDictOptions(full_state_dict=True, strict=False, cpu_offload=on_accelerator)
         set_model_state_dict(model, state_dict, options=options)
     return len(state_dict)
+
+
+def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest complete ``checkpoint-N`` folder directly in `output_dir`, or None.
+
+    Complete: named ``checkpoint-<step>`` (our staging folder's checkpoints never are) and holding
+    ``trainer_state.json``, which the Trainer writes last - so a checkpoint a stock Trainer left half-written when
+    killed is skipped too.
+    """
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    steps = {}
+    for entry in folder.iterdir():
+        match = re.fullmatch(r"checkpoint-(\d+)", entry.name)
+        if match and entry.is_dir() and (entry / "trainer_state.json").is_file():
+            steps[int(match.group(1))] = entry
+    return str(steps[max(steps)]) if steps else None
 
 
 def directory_size(path: str | os.PathLike) -> int:

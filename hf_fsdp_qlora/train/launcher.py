@@ -22,6 +22,10 @@ import runpy
 import sys
 import traceback
 
+# The environment switches of unchanged scripts, read here only (the launcher edge).
+AUTO_RESUME_ENV = "HF_FSDP_QLORA_AUTO_RESUME"
+STOP_AFTER_ENV = "HF_FSDP_QLORA_STOP_AFTER"
+
 USAGE = """usage: python -m hf_fsdp_qlora.run SCRIPT.py [SCRIPT_ARGS...]
        python -m hf_fsdp_qlora.run -m MODULE [SCRIPT_ARGS...]
 
@@ -31,6 +35,11 @@ accelerate, e.g.:
 
   accelerate launch --config_file "$(hf-fsdp-qlora config fsdp2_qlora)" -m hf_fsdp_qlora.run \\
       "$(python -c 'import trl.scripts.sft as s; print(s.__file__)')" --model_name_or_path ... --use_peft --load_in_4bit
+
+Preemption (docs/preemption.md): on SIGTERM or SIGUSR1 every rank saves one checkpoint at the next optimizer step
+and exits with status 75 (and leaves OUTPUT_DIR/preempted.json). Environment:
+  HF_FSDP_QLORA_AUTO_RESUME=1        resume from the latest complete checkpoint in output_dir (fresh when none)
+  HF_FSDP_QLORA_STOP_AFTER=HH:MM:SS  checkpoint and exit the same way after this much wall-clock time
 """
 
 
@@ -44,23 +53,11 @@ def _exit_code(status) -> int:
 
 
 def _finish(code: int) -> None:
-    """Meet the other ranks, tear down the process group, run exit handlers, and exit with `code`."""
-    try:
-        import torch.distributed as dist
+    """Exit with `code`; the ranks meet first when the script succeeded or was preempted (all ranks exit together)."""
+    from .finish import finish_distributed
+    from .preemption import PREEMPTED_EXIT_CODE
 
-        if dist.is_available() and dist.is_initialized():
-            if code == 0:  # a failed rank may never reach a barrier; the launcher ends the others
-                dist.barrier()
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the script's own status matters more than the teardown's
-        traceback.print_exc()
-        code = code or 1
-    import atexit
-
-    atexit._run_exitfuncs()  # trackers and loggers flush as at a normal exit; only the interpreter teardown is skipped
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    finish_distributed(code, barrier=code in (0, PREEMPTED_EXIT_CODE))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,6 +76,17 @@ def main(argv: list[str] | None = None) -> None:
         if not os.path.isfile(target):
             print(f"hf_fsdp_qlora.run: no such script: {target!r}\n\n" + USAGE, file=sys.stderr)
             sys.exit(2)
+
+    from .preemption import set_launch_defaults
+
+    try:
+        set_launch_defaults(
+            auto_resume=os.environ.get(AUTO_RESUME_ENV, "").strip().lower() in ("1", "true", "yes"),
+            stop_after=os.environ.get(STOP_AFTER_ENV) or None,
+        )
+    except ValueError as err:
+        print(f"hf_fsdp_qlora.run: {STOP_AFTER_ENV}: {err}", file=sys.stderr)
+        sys.exit(2)
 
     from ..cpu_rehearsal import enable_cpu_fsdp
     from .trainer_hook import install_trainer_hook

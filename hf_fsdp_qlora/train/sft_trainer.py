@@ -5,6 +5,10 @@ from __future__ import annotations
 from trl import SFTTrainer
 
 from ._trainer_mixin import FSDPSaveMixin
+from .trainer_hook import install_trainer_hook
+
+# Our callbacks reach our trainers through the Trainer.__init__ hook, the same code every route uses.
+install_trainer_hook()
 
 __all__ = ["FSDPQLoRASFTTrainer"]
 

@@ -14,6 +14,10 @@ class with the mixin in front, at the start of ``Trainer.__init__``:
 The subclass keeps the class's name and is an instance of the user's class (``isinstance(t, DPOTrainer)`` holds).
 Installing the hook wraps ``Trainer.__init__`` once; it changes nothing for a trainer built without our callback
 unless ``adopt_all`` was asked for.
+
+Imports go one way: ``callbacks`` <- ``_trainer_mixin`` <- ``trainer_hook``. The public name
+``hf_fsdp_qlora.FSDPQLoRACallback`` is resolved through this module, so importing the callback installs the hook
+before the user's Trainer is built.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from __future__ import annotations
 import functools
 import inspect
 
-__all__ = ["install_trainer_hook", "adopted_class"]
+from ._trainer_mixin import FSDPSaveMixin, with_fsdp_callback
+from .callbacks import FSDPQLoRACallback
+
+__all__ = ["FSDPQLoRACallback", "adopted_class", "install_trainer_hook"]
 
 _INSTALLED = False
 _ADOPT_ALL = False
@@ -30,8 +37,6 @@ _CLASSES: dict[type, type] = {}
 
 def adopted_class(cls: type) -> type:
     """`cls` with our behaviour: `cls` itself if it already has it, else a cached subclass with the mixin first."""
-    from ._trainer_mixin import FSDPSaveMixin
-
     if issubclass(cls, FSDPSaveMixin):
         return cls
     if cls not in _CLASSES:
@@ -44,8 +49,6 @@ def adopted_class(cls: type) -> type:
 
 
 def _has_our_callback(callbacks) -> bool:
-    from .callbacks import FSDPQLoRACallback
-
     return any(isinstance(cb, FSDPQLoRACallback) or cb is FSDPQLoRACallback for cb in callbacks or ())
 
 
@@ -63,8 +66,6 @@ def install_trainer_hook(adopt_all: bool = False) -> None:
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        from ._trainer_mixin import FSDPSaveMixin, with_fsdp_callback
-
         try:
             bound = signature.bind_partial(self, *args, **kwargs)
         except TypeError:  # let the original raise its own error for a wrong call
@@ -78,3 +79,8 @@ def install_trainer_hook(adopt_all: bool = False) -> None:
 
     Trainer.__init__ = __init__
     _INSTALLED = True
+
+
+# `from hf_fsdp_qlora import FSDPQLoRACallback` imports this module: a Trainer built with the callback then gets
+# our behaviour (what the callback cannot fix happens inside Trainer.__init__, before any callback event).
+install_trainer_hook()

@@ -52,6 +52,29 @@ class FSDPQLoRATrainingArguments(TrainingArguments):
             "inductor needs a C++ compiler."
         },
     )
+    auto_resume: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume train() from the latest complete checkpoint in output_dir, or start fresh when there is "
+            "none, so a preempted job resumes with the same command (unchanged scripts under "
+            "`-m hf_fsdp_qlora.run`: HF_FSDP_QLORA_AUTO_RESUME=1)."
+        },
+    )
+    stop_after: str | None = field(
+        default=None,
+        metadata={
+            "help": "Wall-clock budget from the start of train(), HH:MM:SS: then every rank saves one checkpoint at "
+            "the next optimizer step and the process exits with status 75, as on a preemption signal (for clusters "
+            "that kill without warning; under `-m hf_fsdp_qlora.run`: HF_FSDP_QLORA_STOP_AFTER)."
+        },
+    )
+    preemption_signals: str = field(
+        default="SIGTERM,SIGUSR1",
+        metadata={
+            "help": "Signals that make every rank save one checkpoint at the next optimizer step and exit with "
+            "status 75 (comma-separated; '' for none). Handlers installed before train() are still called."
+        },
+    )
     activation_offloading: bool = field(
         default=False,
         metadata={
@@ -78,6 +101,10 @@ class FSDPQLoRATrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        from .preemption import parse_signals, parse_stop_after
+
+        parse_stop_after(self.stop_after)  # bad input fails here, not hours later
+        parse_signals(self.preemption_signals)
         if self.loss_chunk_size < 1:
             raise ValueError(
                 f"loss_chunk_size={self.loss_chunk_size}: must be at least 1 token; use {DEFAULT_LOSS_CHUNK_SIZE} (the "

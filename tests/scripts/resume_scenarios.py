@@ -1,6 +1,6 @@
 """Worker for checkpoint/resume tests: adapter-only checkpoints under FSDP, exact resume, crash safety.
 
-Modes:
+Modes (several, comma-separated, run in turn in one launch; `kill` only alone):
   resume  - run A: 6 steps, checkpoint every 3; run B: fresh model, resume from A's checkpoint-3, 3 more
             steps; run C: save_only_model=True (no optimizer state). Writes losses and final adapters.
   kill    - 6 steps, checkpoint every 2; rank 0 is SIGKILLed in the middle of the step-4 save.
@@ -42,13 +42,22 @@ def main():
     parser.add_argument("--models", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--fsdp-version", type=int, required=True)
-    parser.add_argument("--mode", choices=["resume", "kill", "after", "full"], required=True)
+    parser.add_argument("--mode", required=True, help="resume, kill, after, full; several comma-separated")
     args = parser.parse_args()
-    out, version, path = Path(args.out), args.fsdp_version, str(Path(args.models) / "llama")
+    modes = args.mode.split(",")
+    unknown = set(modes) - {"resume", "kill", "after", "full"}
+    if unknown or ("kill" in modes and len(modes) > 1):
+        parser.error(f"--mode: {args.mode!r}: choose from resume, after, full (comma-separated) or kill alone")
     torch.use_deterministic_algorithms(True)
-    common = dict(save_strategy="steps", seed=7)
     found = {}
-    if args.mode == "resume":
+    for mode in modes:  # each mode writes its own folder (A-C, F, K) and result keys
+        run_mode(mode, Path(args.out), args.fsdp_version, str(Path(args.models) / "llama"), found)
+    finish_worker(Path(args.out), found)  # results on disk, barrier, teardown, exit
+
+
+def run_mode(mode, out, version, path, found):
+    common = {"save_strategy": "steps", "seed": 7}
+    if mode == "resume":
         a = make_trainer(path, out / "A", version, steps=6, save_steps=3, **common)
         a.train()
         found["A_losses"] = a.losses
@@ -63,7 +72,7 @@ def main():
         finish(c, version)
         if dist.get_rank() == 0:
             torch.save({"A": wa, "B": wb}, out / "weights.pt")
-    elif args.mode == "kill":
+    elif mode == "kill":
         t = make_trainer(path, out / "K", version, steps=6, save_steps=2, **common)
         original = t._save_rng_state
 
@@ -75,7 +84,7 @@ def main():
 
         t._save_rng_state = save_rng_then_die
         t.train()
-    elif args.mode == "full":
+    elif mode == "full":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
@@ -88,7 +97,6 @@ def main():
         found["resumed_losses"] = t.losses
         found["global_step"] = t.state.global_step
         finish(t, version)
-    finish_worker(out, found)  # results on disk, barrier, teardown, exit
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""The two sizes the GPU check runs at: ``gpu`` (Llama 3.1 8B shape on one H100) and ``dry`` (tiny, on CPU).
+
+Every number a stage uses comes from here, so the dry run exercises exactly the code the GPU run does.
+"""
+
+from __future__ import annotations
+
+GIB = 2**30
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
+# Larger shapes for the capacity stage, built quantized in memory (their bf16 checkpoints exceed the disk).
+LLAMA_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
+LLAMA_34B = {"hidden_size": 8192, "intermediate_size": 22016, "num_hidden_layers": 48, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "vocab_size": 32000}  # fmt: skip
+LLAMA_13B = {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40, "num_attention_heads": 40,
+             "num_key_value_heads": 40, "vocab_size": 32000}  # fmt: skip
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
+TINY_WIDE = {**TINY, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3}
+
+# bf16 tolerance for a loss against the no-FSDP run's loss at the same step: FSDP's mixed precision casts and
+# reduces in a different order (FSDP1 also casts buffers), which moves a bf16 loss by ~1e-3 relative per step.
+LOSS_RTOL = 0.02
+MEMORY_GOAL = 0.10  # the doctor's plan within 10% of the measured peak
+H100_BF16_FLOPS = 989e12  # dense bf16 peak of an H100 SXM, for MFU
+
+PROFILES = {
+    "gpu": {
+        "shape": LLAMA_8B, "shape_name": "llama3.1-8b", "lora_r": 16, "lr": 1e-3,
+        "correctness": {"seq": 1024, "batch": 1, "steps": 4},
+        "memory": {"seqs": (2048, 8192), "steps": 2},
+        "speed": {"seq": 2048, "batch": 1, "steps": 10, "warmup": 3, "rounds": 2},
+        "capacity_shapes": [("llama3.1-70b", LLAMA_70B), ("codellama-34b", LLAMA_34B), ("llama2-13b", LLAMA_13B)],
+        "capacity_seq": {"caps": {"24GB": 24 * 10**9, "80GB": 80 * 10**9}, "low": 2048, "high": 131072,
+                         "step": 1024, "seconds": 100},
+        "budget_s": 540, "threads": 8,
+        # seconds of each stage's share of the budget left after the model is built
+        "weights": {"tests": 2, "correctness": 4, "memory": 3, "speed": 5, "capacity": 4},
+    },
+    "dry": {
+        "shape": TINY, "shape_name": "tiny", "lora_r": 4, "lr": 1e-2,
+        "correctness": {"seq": 32, "batch": 2, "steps": 3},
+        "memory": {"seqs": (32, 64), "steps": 2},
+        "speed": {"seq": 32, "batch": 2, "steps": 3, "warmup": 1, "rounds": 1},
+        "capacity_shapes": [("tiny-wide", TINY_WIDE), ("tiny", TINY)],
+        "capacity_seq": {"caps": {"small": 300_000, "large": 600_000}, "low": 32, "high": 256, "step": 32,
+                         "seconds": 60},
+        "budget_s": 900, "threads": 1,
+        "weights": {"tests": 1, "correctness": 1, "memory": 1, "speed": 1, "capacity": 1},
+    },
+}  # fmt: skip

@@ -1,0 +1,193 @@
+"""Preemption-safe training: a signal (or a deadline) becomes one agreed checkpoint at the next optimizer step.
+
+This module holds the settings, the signal flag, the agreement and the exit; it imports no transformers, so
+``python -m hf_fsdp_qlora.run`` reads its environment switches cheaply. The callback is in
+:mod:`hf_fsdp_qlora.train.preemption_callback`.
+
+A scheduler (SLURM at a time limit or a preemption) sends SIGTERM or the signal named by ``--signal`` to some
+processes, then kills the job. A rank that saved alone would deadlock the others in its next collective, so the
+signal handler only raises a flag; :class:`~hf_fsdp_qlora.PreemptionCallback` agrees on it across ranks with one
+small all-reduce (MAX of an int) per optimizer step, then every rank writes the same complete checkpoint through
+the trainer's own (crash-safe) checkpoint code and the process exits with :data:`PREEMPTED_EXIT_CODE`. The same
+command with ``auto_resume`` then continues from that checkpoint, bit for bit.
+
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import threading
+
+from ..distributed import collective_device, is_distributed, is_main_process
+
+__all__ = [
+    "DEADLINE",
+    "PREEMPTED_EXIT_CODE",
+    "PREEMPTED_MARKER",
+    "SignalFlag",
+    "agree",
+    "exit_after_preemption",
+    "launch_defaults",
+    "parse_signals",
+    "parse_stop_after",
+    "resolve_resume",
+    "set_launch_defaults",
+]
+
+logger = logging.getLogger(__name__)
+
+# EX_TEMPFAIL (sysexits.h): "temporary failure, the user is invited to retry". Distinct from a crash (1), a bad
+# command line (2) and a death by signal (128+N), so a job script can tell "checkpointed, run me again" apart.
+PREEMPTED_EXIT_CODE = 75
+# `accelerate launch` (torch elastic) turns any worker status into its own 1, so the main process also leaves this
+# file in output_dir for a job script to find; the next train() of the run removes it.
+PREEMPTED_MARKER = "preempted.json"
+DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
+DEADLINE = 1  # agreed value for "stop_after passed"; signal numbers are larger and win the MAX
+
+# What `python -m hf_fsdp_qlora.run` read from the environment (the only place environment variables are read).
+_LAUNCH_DEFAULTS = {"auto_resume": False, "stop_after": None}
+
+
+def launch_defaults() -> dict:
+    """What the launcher set: ``{"auto_resume": bool, "stop_after": str | None}``."""
+    return dict(_LAUNCH_DEFAULTS)
+
+
+def set_launch_defaults(auto_resume: bool = False, stop_after: str | None = None) -> None:
+    """Defaults for trainers whose arguments lack our fields (unchanged scripts run by ``-m hf_fsdp_qlora.run``)."""
+    parse_stop_after(stop_after)
+    _LAUNCH_DEFAULTS.update(auto_resume=bool(auto_resume), stop_after=stop_after)
+
+
+def parse_stop_after(value) -> float | None:
+    """Seconds in a ``[D-]HH:MM:SS`` wall-clock budget (SLURM's time format), or None for no deadline.
+
+    Raises:
+        ValueError: not of that form, or zero.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    match = re.fullmatch(r"(?:(\d+)-)?(\d+):([0-5]\d):([0-5]\d)", str(value).strip())
+    if match is None:
+        raise ValueError(
+            f"stop_after={value!r} is not a wall-clock budget: use HH:MM:SS (or D-HH:MM:SS), e.g. "
+            "stop_after='11:50:00' for a 12-hour job with 10 minutes left for the checkpoint."
+        )
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+    if total <= 0:
+        raise ValueError(f"stop_after={value!r} is a zero budget: give the time the run may train, e.g. '11:50:00'.")
+    return float(total)
+
+
+def parse_signals(value) -> tuple[signal.Signals, ...]:
+    """Signals from ``"SIGTERM,SIGUSR1"`` / ``"TERM,USR1"`` / a list of names or numbers; ``""`` or ``"none"``: none.
+
+    Raises:
+        ValueError: an unknown signal, or one no process can catch (SIGKILL, SIGSTOP).
+    """
+    if value is None:
+        value = DEFAULT_SIGNALS
+    items = [s.strip() for s in value.split(",")] if isinstance(value, str) else list(value)
+    found = []
+    for item in items:
+        if item in ("", "none", "None"):
+            continue
+        try:
+            if isinstance(item, int) or str(item).isdigit():
+                sig = signal.Signals(int(item))
+            else:
+                name = str(item).upper()
+                sig = signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"preemption_signals: unknown signal {item!r}; use names such as 'SIGTERM,SIGUSR1' (the default)."
+            ) from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(
+                f"preemption_signals: {sig.name} cannot be caught by any process; use SIGTERM or SIGUSR1 "
+                "(sbatch --signal=USR1@600 sends SIGUSR1 ten minutes before the time limit)."
+            )
+        if sig not in found:
+            found.append(sig)
+    return tuple(found)
+
+
+class SignalFlag:
+    """Raise a flag on the given signals; nothing else happens in the handler (a save there would run on one
+    rank only, in the middle of whatever collective was interrupted)."""
+
+    def __init__(self, signals=DEFAULT_SIGNALS):
+        self.signals = parse_signals(signals)
+        self.received = 0  # the first signal's number; 0 while none came
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> bool:
+        """Install the handler (main thread only, as Python requires); returns whether it was installed."""
+        if self._previous:
+            return True
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("hf_fsdp_qlora: training runs outside the main thread: no preemption signal handler")
+            return False
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def _handle(self, signum, frame):
+        self.received = self.received or signum
+        previous = self._previous.get(signum)
+        if callable(previous):  # chain to the handler that was there before (SIG_DFL/SIG_IGN are not callable)
+            previous(signum, frame)
+
+    def restore(self) -> None:
+        """Put the previous handlers back (where ours is still the one installed)."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+
+def agree(value: int) -> int:
+    """Collective: the largest `value` over all ranks (one all-reduce of one int); `value` itself when alone."""
+    if not is_distributed():
+        return value
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def exit_after_preemption(code: int = PREEMPTED_EXIT_CODE) -> None:
+    """Meet the other ranks, tear the process group down and exit with `code`, skipping the interpreter teardown
+    (whose gloo abort would replace the status the job script reads)."""
+    from .finish import finish_distributed
+
+    finish_distributed(code, barrier=True)
+
+
+def resolve_resume(args, resume_from_checkpoint):
+    """What ``train()`` resumes from: the caller's choice, else (with auto_resume) the latest complete checkpoint
+    in ``output_dir``, else nothing. Removes the previous run's :data:`PREEMPTED_MARKER` in any case."""
+    # Whatever this run does, the marker of the previous one is stale now (a job script would requeue on it).
+    marker = os.path.join(os.path.realpath(args.output_dir), PREEMPTED_MARKER)
+    if is_main_process() and os.path.isfile(marker):
+        os.remove(marker)
+    if resume_from_checkpoint not in (None, False):
+        return resume_from_checkpoint
+    if not (getattr(args, "auto_resume", False) or _LAUNCH_DEFAULTS["auto_resume"]):
+        return resume_from_checkpoint
+    from .checkpoint import latest_complete_checkpoint
+
+    found = latest_complete_checkpoint(args.output_dir)
+    if is_main_process():
+        logger.warning(
+            "hf_fsdp_qlora: auto_resume: %s",
+            f"resuming from {found}" if found else f"no complete checkpoint in {args.output_dir}: starting fresh",
+        )
+    return found

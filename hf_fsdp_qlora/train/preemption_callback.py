@@ -1,0 +1,146 @@
+"""`PreemptionCallback`: a signal on any rank, or a passed deadline, becomes one agreed checkpoint and an exit.
+
+Where the flag raised by :class:`~hf_fsdp_qlora.train.preemption.SignalFlag` is looked at:
+
+* the end of every optimizer step (``on_step_end``): one all-reduce; a stop saves at this step;
+* between gradient-accumulation micro-steps: nowhere. The checkpoint must sit at an optimizer-step boundary for
+  the resume to be exact, so nothing can be done earlier, and an all-reduce per micro-step would multiply the cost
+  by the accumulation count. The flag set mid-accumulation is read at the end of that step;
+* each evaluation batch (``on_prediction_step``, only during ``train()``): one all-reduce per batch; a stop ends the
+  evaluation early (that evaluation's metrics are dropped) and saves at the step it belongs to;
+* after each checkpoint write (``on_save``): a signal that arrived during the write let it complete; this
+  checkpoint is then the preemption checkpoint, and nothing is written twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+from transformers import TrainerCallback
+
+from ..distributed import is_main_process
+from .preemption import (
+    DEADLINE,
+    PREEMPTED_EXIT_CODE,
+    PREEMPTED_MARKER,
+    SignalFlag,
+    agree,
+    exit_after_preemption,
+    launch_defaults,
+    parse_signals,
+    parse_stop_after,
+)
+
+__all__ = ["PreemptionCallback"]
+
+logger = logging.getLogger(__name__)
+
+
+class _EvaluationStopped(Exception):
+    """Raised on every rank at the same evaluation batch; the trainer's ``evaluate`` returns no metrics."""
+
+
+class PreemptionCallback(TrainerCallback):
+    """Turn a signal on any rank, or a passed ``stop_after`` deadline, into one agreed checkpoint and an exit.
+
+    Installed by every route (our trainers, a Trainer given :class:`~hf_fsdp_qlora.FSDPQLoRACallback`, and
+    ``-m hf_fsdp_qlora.run``). Settings come from the arguments given here, else from
+    :class:`~hf_fsdp_qlora.FSDPQLoRATrainingArguments` (``preemption_signals``, ``stop_after``), else from the
+    launcher's environment.
+
+    Args:
+        signals: signals that request a checkpoint-and-exit (default SIGTERM and SIGUSR1).
+        stop_after: a ``HH:MM:SS`` budget from the start of ``train()``.
+        exit_code: the process's exit status after the checkpoint; None: ``train()`` returns instead and
+            :attr:`stopped` says why.
+    """
+
+    def __init__(self, signals=None, stop_after: str | None = None, exit_code: int | None = PREEMPTED_EXIT_CODE):
+        self._signals, self._stop_after, self.exit_code = signals, stop_after, exit_code
+        if signals is not None:
+            parse_signals(signals)
+        parse_stop_after(stop_after)
+        self.flag: SignalFlag | None = None
+        self.stopped = 0  # the agreed reason: a signal number, or 1 for the deadline
+        self.checkpoint: str | None = None
+        self.exit_deferred = False  # set by our trainers, which exit after train() returns
+        self._budget = self._start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        signals = self._signals if self._signals is not None else getattr(args, "preemption_signals", None)
+        stop_after = self._stop_after or getattr(args, "stop_after", None) or launch_defaults()["stop_after"]
+        self._budget, self._start = parse_stop_after(stop_after), time.monotonic()
+        self.stopped, self.checkpoint = 0, None
+        if self.flag is None:
+            self.flag = SignalFlag(signals)
+            self.flag.install()
+
+    def _local(self) -> int:
+        if self.flag is not None and self.flag.received:
+            return self.flag.received
+        if self._budget is not None and time.monotonic() - self._start >= self._budget:
+            return DEADLINE
+        return 0
+
+    def _stop(self, reason: int, control) -> None:
+        self.stopped = reason
+        control.should_training_stop = True
+        control.should_evaluate = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.flag is None or self.stopped:
+            return
+        reason = agree(self._local())
+        if reason:
+            self._stop(reason, control)
+            control.should_save = True
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        # Only inside train(), and not when something reads this evaluation's metrics (best model, plateau LR).
+        if self.flag is None or self.stopped or args.metric_for_best_model is not None:
+            return
+        reason = agree(self._local())
+        if reason:
+            self._stop(reason, control)
+            control.should_save = True
+            raise _EvaluationStopped
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.flag is None or self.checkpoint is not None:
+            return
+        reason = self.stopped or agree(self._local())  # a signal during a periodic write: that write is the one
+        if not reason:
+            return
+        self._stop(reason, control)
+        self.checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if is_main_process():
+            why = "the stop_after deadline" if reason == DEADLINE else signal.Signals(reason).name
+            with open(os.path.join(args.output_dir, PREEMPTED_MARKER), "w") as f:
+                json.dump({"checkpoint": self.checkpoint, "step": state.global_step, "reason": why}, f)
+            logger.warning(
+                "hf_fsdp_qlora: %s: saved %s (weights, optimizer, scheduler, RNG, data position) at step %d of %d; "
+                "%s. Run the same command with auto_resume to continue.",
+                why,
+                self.checkpoint,
+                state.global_step,
+                state.max_steps,
+                f"exiting with status {self.exit_code}" if self.exit_code is not None else "train() returns",
+            )
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.stopped:  # the loop breaks into the epoch-end hooks: no evaluation or save of a partial epoch
+            control.should_save = control.should_evaluate = False
+
+    def disarm(self) -> None:
+        if self.flag is not None:
+            self.flag.restore()
+            self.flag = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.disarm()
+        if self.stopped and self.exit_code is not None and not self.exit_deferred:
+            exit_after_preemption(self.exit_code)

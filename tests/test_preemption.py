@@ -1,0 +1,457 @@
+"""Preemption-safe training (issue 20): a signal or a deadline becomes one agreed checkpoint, and the same command
+resumes it bit for bit.
+
+Per FSDP version, a chain of launches of ONE command on one output_dir (2 CPU ranks, gloo, real FSDP1/FSDP2, 10
+steps of 2 micro-steps); the last launch also trains the uninterrupted baseline from scratch in a fresh folder (one
+launch fewer). Every fault hits ONE rank only:
+
+  FSDP1, FSDPQLoRATrainer + auto_resume=True:
+    SIGTERM between micro-steps of a seeded random step -> SIGTERM in evaluation -> a genuine external SIGUSR1 from
+    this process while a checkpoint is being written -> SIGKILL in the middle of a write -> runs to the end
+  FSDP2, a plain Trainer script under `-m hf_fsdp_qlora.run` with HF_FSDP_QLORA_AUTO_RESUME=1:
+    SIGUSR1 between micro-steps of a seeded random step -> SIGTERM in evaluation -> SIGTERM inside a write ->
+    the stop_after deadline -> runs to the end
+
+After each stop: the job ended within GRACE_S of the signal, both ranks exited with status 75, the checkpoint is
+complete and the latest one, the marker names it. At the end: every micro-step loss any run computed equals the
+baseline's, and the final adapter equals the baseline's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import BIN, CONFIGS, REPO, SCRIPTS, _env, free_port, read_results
+from tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.distributed
+
+GRACE_S = 30  # torch elastic's and SLURM's default wait between SIGTERM and SIGKILL
+WORKER = SCRIPTS / "preempt_worker.py"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_model(root / "llama", "llama")
+    return root
+
+
+class Chain:
+    def __init__(self, version, route, models, root):
+        self.version, self.route, self.models, self.root = version, route, models, root
+        self.out, self.record = root / "run", root / "record"
+        self.walls = {}
+
+    def command(self, run, fault, baseline_out=None):
+        launcher = ["-m", "hf_fsdp_qlora.run", str(WORKER)] if self.route == "plain" else [str(WORKER)]
+        return [
+            str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / f"cpu_fsdp{self.version}_rehearsal.yaml"),
+            "--main_process_port", str(free_port()), *launcher,
+            "--models", str(self.models), "--out", str(self.out), "--record", str(self.record),
+            "--route", self.route, "--run", run, "--fsdp-version", str(self.version), "--fault", fault,
+            *(["--baseline-out", str(baseline_out)] if baseline_out else []),
+        ]  # fmt: skip
+
+    def env(self, **extra):
+        env = {"HF_FSDP_QLORA_AUTO_RESUME": "1"} if self.route == "plain" else {}
+        return _env({**env, **extra})
+
+    def launch(self, run, fault="none", env=None, external=None, baseline_out=None):
+        (self.record / "signal_time").unlink(missing_ok=True)
+        started = time.time()
+        proc = subprocess.Popen(
+            self.command(run, fault, baseline_out), env=self.env(**(env or {})), cwd=str(REPO),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        if external is not None:  # a genuine signal from outside, to one rank's pid, while it writes a checkpoint
+            pid_file = self.record / "pid_wait"
+            deadline = time.time() + 240
+            while not pid_file.exists() and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+            assert pid_file.exists(), proc.communicate()[0][-4000:]
+            time.sleep(0.1)
+            (self.record / "signal_time").write_text(repr(time.time()))
+            os.kill(int(pid_file.read_text()), external)
+            pid_file.unlink()
+        output, _ = proc.communicate(timeout=300)
+        ended = time.time()
+        self.walls[run] = ended - started
+        signalled = self.record / "signal_time"
+        took = ended - float(signalled.read_text()) if signalled.exists() else None
+        return proc.returncode, output, took
+
+    def expect_stop(self, run, fault, step, env=None, external=None):
+        rc, output, took = self.launch(run, fault, env=env, external=external)
+        assert rc != 0, output[-4000:]
+        # Both ranks exited with the documented status (accelerate launch itself reports 1).
+        assert output.count("exitcode  : 75") == 2, output[-4000:]
+        assert took is not None and took < GRACE_S, took
+        ckpt = self.out / f"checkpoint-{step}"
+        for name in ("adapter_model.safetensors", "optimizer_gathered.pt", "scheduler.pt", "trainer_state.json"):
+            assert (ckpt / name).is_file(), (run, name, output[-3000:])
+        assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file()
+        later = [p.name for p in self.out.glob("checkpoint-*") if int(p.name.split("-")[1]) > step]
+        assert not later, later
+        assert json.loads((self.out / "preempted.json").read_text())["step"] == step
+        assert f"saved {ckpt}" in output and "exiting with status 75" in output
+        return took
+
+    def starts(self):
+        runs = {}
+        for line in (self.record / "losses_rank0.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            if "start_step" in entry:
+                runs[entry["run"]] = entry["start_step"]
+        return runs
+
+
+def _losses(record, rank):
+    found = {}
+    for line in (record / f"losses_rank{rank}.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        if "loss" in entry:
+            found.setdefault((entry["run"], entry["step"]), []).append(entry["loss"])
+    return found
+
+
+def _check_against_baseline(chain):
+    for rank in (0, 1):
+        recorded = _losses(chain.record, rank)
+        base = {step: v for (run, step), v in recorded.items() if run == "base"}
+        assert sorted(base) == list(range(1, 11)) and all(len(v) == 2 for v in base.values())
+        seen = set()
+        for (run, step), values in recorded.items():
+            if run == "base":
+                continue
+            # A run stopped mid-step, or killed after computing steps it had not checkpointed, recomputes them.
+            assert values == base[step][: len(values)], (rank, run, step, values, base[step])
+            if len(values) == 2:
+                seen.add(step)
+        assert seen == set(base), (rank, sorted(seen))
+    final, expected = torch.load(chain.record / "adapter_end.pt"), torch.load(chain.record / "adapter_base.pt")
+    assert final.keys() == expected.keys() and final
+    for name, value in expected.items():
+        assert torch.equal(final[name], value), name
+
+
+def _run_chain(version, route, models, root, seed):
+    chain = Chain(version, route, models, root)
+    rng = random.Random(seed)
+    took = {}
+    # 1: one rank, between the micro-steps of a seeded random step: the checkpoint is that step's.
+    k, victim = rng.randint(1, 3), rng.randint(0, 1)
+    sig = "SIGTERM" if version == 1 else "SIGUSR1"
+    took["substep"] = chain.expect_stop("r1", f"substep:{k}:{victim}:{sig}", step=k)
+    # 2: in evaluation (steps 3, 6): stopped early, the checkpoint is the evaluation's step.
+    evaluated = 3 if k < 3 else 6
+    took["eval"] = chain.expect_stop("r2", f"eval:{rng.randint(0, 1)}:SIGTERM", step=evaluated)
+    # 3: during a periodic write (every 2 steps): that write completes and is the one; nothing is written twice.
+    written = evaluated + 1 if evaluated % 2 else evaluated + 2
+    if version == 1:
+        took["write"] = chain.expect_stop("r3", f"external:{rng.randint(0, 1)}", step=written, external=signal.SIGUSR1)
+        # 4: SIGKILL of one rank mid-write: the previous checkpoint stays the latest complete one.
+        rc, output, took["kill"] = chain.launch("r4", f"kill:{rng.randint(0, 1)}")
+        assert rc != 0 and took["kill"] < GRACE_S, took  # the surviving rank does not hang in a collective
+        assert (chain.out / ".incomplete-checkpoints" / f"checkpoint-{written + 2}").is_dir()
+        assert not (chain.out / f"checkpoint-{written + 2}").exists()
+        resumed_at = written
+    else:
+        took["write"] = chain.expect_stop("r3", f"save:{rng.randint(0, 1)}:SIGTERM", step=written)
+        # 4: the deadline: rank 0's first step outlasts stop_after; every rank stops at that step.
+        took["deadline"] = chain.expect_stop(
+            "r4", "deadline:2.5", step=written + 1, env={"HF_FSDP_QLORA_STOP_AFTER": "00:00:02"}
+        )
+        resumed_at = written + 1
+    # 5: the same command runs to the end; then, in the same launch, the uninterrupted baseline on a fresh folder.
+    rc, output, _ = chain.launch("end", baseline_out=root / "base")
+    assert rc == 0, output[-6000:]
+    assert not (chain.out / "preempted.json").exists()
+    found = read_results(chain.record)[0]
+    engaged = found["end"]["engaged"]
+    assert (engaged["flat_params"] if version == 1 else engaged["fsdp2_modules"]) > 0, engaged
+    assert found["end"]["global_step"] == found["base"]["global_step"] == 10
+    assert chain.starts() == {"r1": 0, "r2": k, "r3": evaluated, "r4": written, "end": resumed_at, "base": 0}
+    _check_against_baseline(chain)
+    print(f"FSDP{version} signal->exit s: " + ", ".join(f"{n} {t:.1f}" for n, t in took.items()))
+    print(f"FSDP{version} launch wall s: " + ", ".join(f"{n} {t:.1f}" for n, t in chain.walls.items()))
+
+
+def test_preemption_chain_fsdp1_trainer(models, tmp_path):
+    _run_chain(1, "trainer", models, tmp_path, seed=int(os.environ.get("PREEMPT_SEED", "11")))
+
+
+def test_preemption_chain_fsdp2_plain_trainer_via_run(models, tmp_path):
+    _run_chain(2, "plain", models, tmp_path, seed=int(os.environ.get("PREEMPT_SEED", "12")))
+
+
+# ---- fast single-process checks ----
+
+
+def test_stock_trainer_structure_preemption_relies_on():
+    """Canary (_compat.py "preemption_trainer_hooks"): the stock loop calls on_step_end before deciding to save,
+    saves when control.should_save is set after an evaluation, calls on_save after the write and
+    on_prediction_step per evaluation batch, and reaches evaluate() through _evaluate."""
+    import inspect
+
+    from transformers import Trainer, TrainerCallback
+
+    names = Trainer._maybe_log_save_evaluate.__code__.co_names
+    assert {"should_evaluate", "_evaluate", "should_save", "_save_checkpoint", "on_save"} <= set(names)
+    assert "on_prediction_step" in Trainer.evaluation_loop.__code__.co_names
+    assert "evaluate" in Trainer._evaluate.__code__.co_names
+    loop = inspect.getsource(Trainer._run_epoch)
+    assert loop.index("on_step_end") < loop.index("_maybe_log_save_evaluate") < loop.index("on_substep_end")
+    assert list(inspect.signature(Trainer.train).parameters)[:3] == ["self", "resume_from_checkpoint", "trial"]
+    assert not any("signal" in name.lower() for name in vars(TrainerCallback))  # still nothing upstream
+
+
+def test_signal_flag_chains_and_restores():
+    from hf_fsdp_qlora.train.preemption import SignalFlag
+
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        before = signal.getsignal(signal.SIGUSR1)
+        flag = SignalFlag("SIGUSR1")
+        assert flag.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert flag.received == signal.SIGUSR1 and seen == [signal.SIGUSR1]  # ours raised the flag, theirs ran
+        flag.restore()
+        assert signal.getsignal(signal.SIGUSR1) is before
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_signal_flag_ignored_default_is_not_called_and_threads_are_refused():
+    import threading
+
+    from hf_fsdp_qlora.train.preemption import SignalFlag
+
+    previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        flag = SignalFlag("USR2")
+        assert flag.install()
+        os.kill(os.getpid(), signal.SIGUSR2)  # SIG_IGN is not chained to (and SIG_DFL would kill us)
+        time.sleep(0.01)
+        assert flag.received == signal.SIGUSR2
+        flag.restore()
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+        outcome = []
+        thread = threading.Thread(target=lambda: outcome.append(SignalFlag("USR2").install()))
+        thread.start()
+        thread.join()
+        assert outcome == [False]  # Python allows handlers in the main thread only: no error, no handler
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_latest_complete_checkpoint(tmp_path):
+    from hf_fsdp_qlora.train.checkpoint import latest_complete_checkpoint
+
+    assert latest_complete_checkpoint(tmp_path / "missing") is None
+    assert latest_complete_checkpoint(tmp_path) is None
+    for step, complete in ((2, True), (10, True), (9, True), (12, False)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    staged = tmp_path / ".incomplete-checkpoints" / "checkpoint-14"
+    staged.mkdir(parents=True)
+    (staged / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-20").write_text("a file")
+    (tmp_path / "checkpoint-x").mkdir()
+    assert latest_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")  # numeric, not string order
+
+
+@pytest.mark.parametrize(
+    "value, seconds", [("11:50:00", 42600), ("0:00:05", 5), ("1-00:00:01", 86401), (None, None), ("", None)]
+)
+def test_stop_after_parsing(value, seconds):
+    from hf_fsdp_qlora.train.preemption import parse_stop_after
+
+    assert parse_stop_after(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["90", "1:60:00", "00:00:00", "1h", "-1:00:00"])
+def test_stop_after_bad_input(value):
+    from hf_fsdp_qlora.train.preemption import parse_stop_after
+
+    with pytest.raises(ValueError, match=r"stop_after=.*'11:50:00'"):
+        parse_stop_after(value)
+
+
+def test_signals_parsing_and_bad_input():
+    from hf_fsdp_qlora.train.preemption import parse_signals
+
+    assert parse_signals(None) == (signal.SIGTERM, signal.SIGUSR1)
+    assert parse_signals("term, usr1,SIGTERM") == (signal.SIGTERM, signal.SIGUSR1)
+    assert parse_signals("") == () and parse_signals(["SIGUSR2"]) == (signal.SIGUSR2,)
+    with pytest.raises(ValueError, match="SIGKILL cannot be caught.*SIGUSR1"):
+        parse_signals("SIGTERM,SIGKILL")
+    with pytest.raises(ValueError, match="unknown signal 'SIGFOO'"):
+        parse_signals("SIGFOO")
+
+
+def test_training_arguments_refuse_bad_settings(tmp_path):
+    from hf_fsdp_qlora import FSDPQLoRATrainingArguments
+
+    with pytest.raises(ValueError, match="stop_after='12h'"):
+        FSDPQLoRATrainingArguments(output_dir=str(tmp_path), stop_after="12h", use_cpu=True)
+    with pytest.raises(ValueError, match="SIGSTOP cannot be caught"):
+        FSDPQLoRATrainingArguments(output_dir=str(tmp_path), preemption_signals="SIGSTOP", use_cpu=True)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_resolve_resume(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_fsdp_qlora.train.preemption import PREEMPTED_MARKER, resolve_resume
+
+    args = SimpleNamespace(output_dir=str(tmp_path), auto_resume=True)
+    assert resolve_resume(args, None) is None  # nothing to resume: start fresh
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    (tmp_path / PREEMPTED_MARKER).write_text("{}")
+    assert resolve_resume(args, None) == str(tmp_path / "checkpoint-4")
+    assert not (tmp_path / PREEMPTED_MARKER).exists()  # the requeued run owns the folder again
+    assert resolve_resume(args, "elsewhere") == "elsewhere"  # an explicit choice wins
+    (tmp_path / PREEMPTED_MARKER).write_text("{}")
+    assert resolve_resume(SimpleNamespace(output_dir=str(tmp_path)), None) is None  # auto_resume off
+    assert not (tmp_path / PREEMPTED_MARKER).exists()
+
+
+def test_launcher_refuses_a_bad_deadline_and_documents_the_switches(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    bad = subprocess.run(
+        [str(BIN / "python"), "-m", "hf_fsdp_qlora.run", str(script)], check=False, capture_output=True, text=True,
+        timeout=120,
+        env=_env({"HF_FSDP_QLORA_STOP_AFTER": "2 hours"}),
+    )  # fmt: skip
+    assert bad.returncode == 2 and "HF_FSDP_QLORA_STOP_AFTER" in bad.stderr and "HH:MM:SS" in bad.stderr
+    usage = subprocess.run(
+        [str(BIN / "python"), "-m", "hf_fsdp_qlora.run", "--help"], check=False, capture_output=True, text=True
+    )
+    assert "HF_FSDP_QLORA_AUTO_RESUME=1" in usage.stdout and "status 75" in usage.stdout
+
+
+SBATCH = REPO / "examples" / "slurm" / "train_qlora.sbatch"
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_sbatch_dry_run_launch_line(nodes, tmp_path):
+    env = {
+        "DRY_RUN": "1", "SLURM_JOB_NUM_NODES": str(nodes), "GPUS_PER_NODE": "8", "MASTER_ADDR": "node01",
+        "OUTPUT_DIR": str(tmp_path / "run"), "STOP_AFTER": "11:50:00", "PATH": f"{BIN}:{os.environ['PATH']}",
+    }  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(SBATCH)], check=False, capture_output=True, text=True, env=_env(env), timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "HF_FSDP_QLORA_AUTO_RESUME=1" in lines[0] and "HF_FSDP_QLORA_STOP_AFTER=11:50:00" in lines[0]
+    assert lines[1].startswith(f"srun --kill-on-bad-exit=0 --nodes={nodes} --ntasks-per-node=1 bash ")
+    node_lines = [line for line in lines if line.startswith("node ")]
+    assert len(node_lines) == nodes
+    config = "fsdp2_qlora_multinode.yaml" if nodes > 1 else "fsdp2_qlora.yaml"
+    for rank, line in enumerate(node_lines):
+        words = line.split(": ", 1)[1].split()
+        assert words[:2] == ["accelerate", "launch"]
+        opts = dict(zip(words[2:-5:2], words[3:-5:2], strict=True))
+        assert Path(opts["--config_file"]).name == config and Path(opts["--config_file"]).is_file()
+        assert opts["--num_machines"] == str(nodes) and opts["--num_processes"] == str(8 * nodes)
+        assert opts["--machine_rank"] == str(rank) and opts["--main_process_ip"] == "node01"
+        assert words[-5:] == [
+            "-m",
+            "hf_fsdp_qlora.run",
+            "examples/train_qlora.py",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ]
+    assert "preempted.json" in lines[-1]
+    syntax = subprocess.run(["bash", "-n", str(SBATCH)], check=False, capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+
+
+STUB_LAUNCHER = """#!/bin/bash
+# Stands in for `accelerate launch`: records its arguments, starts one "trainer" child and reports its status.
+echo "$@" > "$STUB_DIR/args"
+python3 -c '
+import os, signal, sys, time
+stub = os.environ["STUB_DIR"]
+signal.signal(signal.SIGUSR1, lambda *a: (open(stub + "/trainer_got_usr1", "w").close(), os._exit(75)))
+open(stub + "/trainer_ready", "w").close()
+time.sleep(60)
+os._exit(3)
+' &
+wait $!
+echo "launcher survived, trainer status $?" > "$STUB_DIR/launcher_done"
+"""
+
+
+def test_sbatch_node_part_passes_usr1_to_the_trainers_only(tmp_path):
+    """The per-node wrapper (NODE_ONLY=1 runs it without srun): a SIGUSR1 it receives reaches the trainer processes,
+    while the launcher between them, which would die of it, ignores it."""
+    stub_bin = tmp_path / "bin"
+    stub_bin.mkdir()
+    (stub_bin / "accelerate").write_text(STUB_LAUNCHER)
+    (stub_bin / "accelerate").chmod(0o755)
+    env = _env({
+        "NODE_ONLY": "1", "SLURM_NODEID": "0", "STUB_DIR": str(tmp_path), "OUTPUT_DIR": str(tmp_path / "run"),
+        "PATH": f"{stub_bin}:{BIN}:{os.environ['PATH']}",
+    })  # fmt: skip
+    wrapper = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while not (tmp_path / "trainer_ready").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "trainer_ready").exists(), wrapper.communicate(timeout=5)[0]
+    wrapper.send_signal(signal.SIGUSR1)
+    output = wrapper.communicate(timeout=30)[0].decode()
+    assert wrapper.returncode == 0, (
+        output,
+        sorted(p.name for p in tmp_path.iterdir()),
+    )  # the stub launcher exits 0 after reporting, as its last command
+    assert (tmp_path / "trainer_got_usr1").exists(), output
+    assert (tmp_path / "launcher_done").read_text().strip() == "launcher survived, trainer status 75"
+    assert "--machine_rank 0" in (tmp_path / "args").read_text()
+
+
+def test_single_process_signal_returns_with_exit_code_none(tmp_path):
+    """One process, `PreemptionCallback(exit_code=None)`: a SIGUSR1 during step 2 ends train() at step 2 with a
+    complete checkpoint-2 (no save_strategy needed), `stopped` names the signal, and the previous handler is back."""
+    from transformers import TrainerCallback
+
+    from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, PreemptionCallback, load_qlora_model
+
+    path = build_tiny_model(tmp_path / "llama", "llama")
+    ids = torch.randint(3, 256, (16, 16), generator=torch.Generator().manual_seed(0))
+
+    class SignalAtStep2(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    before = signal.getsignal(signal.SIGUSR1)
+    args = FSDPQLoRATrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+        save_strategy="no", auto_resume=True,
+    )  # fmt: skip
+    stop = PreemptionCallback(exit_code=None)
+    trainer = FSDPQLoRATrainer(
+        model=load_qlora_model(str(path), gradient_checkpointing=False), args=args,
+        train_dataset=[{"input_ids": r, "labels": r} for r in ids], callbacks=[stop, SignalAtStep2()],
+    )  # fmt: skip
+    trainer.train()
+    assert stop.stopped == signal.SIGUSR1 and trainer.state.global_step == 2
+    assert (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").is_file()
+    assert json.loads((tmp_path / "out" / "preempted.json").read_text())["step"] == 2
+    assert signal.getsignal(signal.SIGUSR1) == before

@@ -1,0 +1,131 @@
+"""Every command block of README.md runs on CPU in its rehearsal form, so none can drift.
+
+Each block is preceded by an HTML comment giving its CPU form (see tests/readme_blocks.py): the same program,
+script and options on the shipped CPU rehearsal config, a tiny model built locally once for the module, and a
+step or two. The forms run in README order in one workspace (the merge reads the adapter route 1 wrote).
+`make demo` and `make test` are not run here (tests/test_demo.py runs the demo); their targets must exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+
+import pytest
+from dist_utils import BIN, REPO, _env, free_port
+from readme_blocks import blocks, node_exists, options, program, scripts, shell_commands
+
+README = REPO / "README.md"
+BLOCKS = blocks(README)
+RUN_KINDS = ("command", "as-written")
+
+
+def _id(block):
+    return f"line{block.line}"
+
+
+def test_every_command_block_says_how_it_is_tested():
+    assert len(BLOCKS) >= 8, [b.where for b in BLOCKS]
+    missing = [b.where for b in BLOCKS if b.kind not in ("command", "as-written", "tested-by", "make-targets",
+                                                          "excerpt-of")]  # fmt: skip
+    assert not missing, f"README blocks without a <!-- cpu-rehearsal: ... --> comment before them: {missing}"
+
+
+def test_readme_stays_short():
+    assert len(README.read_text().splitlines()) <= 150
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "command"], ids=_id)
+def test_cpu_form_runs_the_same_program_script_and_options(block):
+    """The CPU form names the README command's program, script and every option it uses."""
+    cpu = [w for words in shell_commands(block.arg) for w in words]
+    cpu_programs = {program(words) for words in shell_commands(block.arg)}
+    for words in shell_commands(block.body):
+        assert program(words) in cpu_programs, (block.where, program(words), cpu_programs)
+        assert scripts(words) <= scripts(cpu), (block.where, scripts(words) - scripts(cpu))
+        assert options(words) <= options(cpu), (block.where, options(words) - options(cpu))
+
+
+def test_tested_by_nodes_exist():
+    for block in BLOCKS:
+        if block.kind == "tested-by":
+            assert node_exists(block.arg), (block.where, block.arg)
+
+
+def test_make_targets_exist():
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), flags=re.MULTILINE))
+    named = [words[1] for b in BLOCKS if b.kind == "make-targets" for words in shell_commands(b.body)]
+    assert named and set(named) <= targets, (named, targets)
+
+
+def test_python_excerpts_are_in_scripts_the_readme_runs():
+    ran = {s for b in BLOCKS if b.kind == "command" for words in shell_commands(b.arg) for s in scripts(words)}
+    for block in BLOCKS:
+        if block.kind != "excerpt-of":
+            continue
+        assert block.arg in ran, f"{block.where}: {block.arg} is not run by any README command's CPU form"
+        source = (REPO / block.arg).read_text().splitlines()
+        position = 0
+        for line in (line for line in block.body.splitlines() if line.strip()):
+            assert line in source[position:], f"{block.where}: not a line of {block.arg} (in order): {line!r}"
+            position = source.index(line, position) + 1
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from recipe_fixtures import build_chat_dataset, build_recipe_model
+
+    work = tmp_path_factory.mktemp("readme")
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "examples" / "build_tiny_model.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    builder.main(["--data", str(REPO / "examples/data/capitals.jsonl"), "--output", str(work / "tiny")])
+    return {
+        "WORK": str(work),
+        "TINY": str(work / "tiny"),
+        "RECIPE_MODEL": str(build_recipe_model(work / "recipe")),
+        "CHAT_DATA": str(build_chat_dataset(work / "chat")),
+    }
+
+
+@pytest.fixture(scope="module")
+def rehearsals(workspace):
+    """Run every CPU form in README order; {line: completed process}."""
+    done = {}
+    for block in BLOCKS:
+        if block.kind not in RUN_KINDS:
+            continue
+        script = block.arg if block.kind == "command" else block.body
+        env = _env({**workspace, "PORT": str(free_port()), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+        done[block.line] = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script], check=False, cwd=str(REPO), env=env, capture_output=True, text=True,
+            timeout=420,
+        )  # fmt: skip
+    return done
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind in RUN_KINDS], ids=_id)
+def test_cpu_form_succeeds(block, rehearsals, workspace):
+    proc = rehearsals[block.line]
+    assert proc.returncode == 0, f"{block.where}\n{proc.stdout[-3000:]}\n----- stderr -----\n{proc.stderr[-6000:]}"
+    text = proc.stdout + proc.stderr
+    if "accelerate launch" in block.arg:  # a green launch proves nothing: FSDP must have engaged on both ranks
+        assert re.search(r"FSDP2 engaged on 2 rank\(s\)", text), text[-3000:]
+    for folder in re.findall(r'--output(?:_dir)? "\$WORK/([\w-]+)"', block.arg):
+        written = os.listdir(os.path.join(workspace["WORK"], folder))
+        assert any(name.endswith(".safetensors") for name in written), (block.where, folder, written)
+    if "explain" in block.arg:
+        assert "cannot-flatten-integer" in proc.stdout
+
+
+def test_relative_links_resolve():
+    """README links into docs/ and examples/ (mkdocs checks the links inside docs/, not the README's)."""
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 10, local
+    missing = [link for link in local if not (REPO / link).exists()]
+    assert not missing, missing
