@@ -26,6 +26,7 @@ class Workaround:
 _C = "tests/test_compat.py::"
 _LAUNCHED = _C + "test_launched_stock_canaries"  # one 2-rank gloo launch, several stock behaviours
 _DOCTOR = "tests/test_doctor.py::test_doctor_agrees_with_reality"  # real stock failures, rehearsed on 2 ranks
+_MIXIN = "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin"  # our trainer mixin, where many workarounds live
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     # -- accelerate: FSDP on CPU (the CPU rehearsal) --
@@ -179,7 +180,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         works_around='fp32 LoRA recomputed under checkpointing: "CheckpointError: ... different metadata"',
         where=(
             "hf_fsdp_qlora.train.consistency.keep_trainable_in_training_dtype",
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._follow_wrapping",
+            f"{_MIXIN}._follow_wrapping",
         ),
         remove_when="accelerate stops upcasting trainable FlatParameters (or FSDP1 goes)",
         canary=_LAUNCHED,
@@ -263,7 +264,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         upstream="transformers <= 5.23 (create_accelerator_and_postprocess), trl <= 1.16 default on",
         works_around="FSDP's and the Trainer's activation checkpointing both on raises \"can't both be set to True\"",
         where=(
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.create_accelerator_and_postprocess",
+            f"{_MIXIN}.create_accelerator_and_postprocess",
             "hf_fsdp_qlora.train._trainer_mixin.resolve_activation_checkpointing",
             "hf_fsdp_qlora.train._trainer_mixin._set_trainer_checkpointing",
         ),
@@ -274,7 +275,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         key="save_only_model_sharded",
         upstream="transformers <= 5.23 (create_accelerator_and_postprocess)",
         works_around="save_only_model=True with SHARDED_STATE_DICT is refused, though our saves gather the adapter",
-        where=("hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.create_accelerator_and_postprocess",),
+        where=(f"{_MIXIN}.create_accelerator_and_postprocess",),
         remove_when="transformers allows the combination (or our saves go)",
         canary=_LAUNCHED,
     ),
@@ -283,7 +284,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         upstream="transformers <= 5.23 / peft <= 0.21 / accelerate#4206",
         works_around="stock FSDP saves: nothing (SHARDED), a crash (FSDP2 FULL) or an empty adapter (FSDP1 nested)",
         where=(
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.save_model",
+            f"{_MIXIN}.save_model",
             "hf_fsdp_qlora.train.checkpoint.save_adapter",
         ),
         remove_when="peft's save_pretrained and Trainer.save_model under FSDP write the gathered adapter",
@@ -293,10 +294,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         key="checkpoint_staging",
         upstream="transformers <= 5.23 (_save_checkpoint writes into the final folder)",
         works_around="a run killed mid-save leaves a checkpoint-N that resume_from_checkpoint=True picks up",
-        where=(
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._get_output_dir",
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._save_checkpoint",
-        ),
+        where=(f"{_MIXIN}._get_output_dir", f"{_MIXIN}._save_checkpoint"),
         remove_when="transformers writes checkpoints atomically",
         canary=_C + "test_trainer_private_methods",
     ),
@@ -305,8 +303,8 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         upstream="accelerate <= 1.15 (FSDP1 optimizer load aliased exp_avg to exp_avg_sq; FSDP1 FULL save segfaults)",
         works_around="resumed FSDP1 runs diverged after one step; adapter runs checkpoint an empty model state",
         where=(
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._save_optimizer_and_scheduler",
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._load_optimizer_and_scheduler",
+            f"{_MIXIN}._save_optimizer_and_scheduler",
+            f"{_MIXIN}._load_optimizer_and_scheduler",
             "hf_fsdp_qlora.train.checkpoint.gather_optimizer_state",
         ),
         remove_when="accelerate's FSDP optimizer save/load round-trips exactly on CPU and GPU",
@@ -318,7 +316,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         upstream="transformers <= 5.23 (_load_from_checkpoint expects an FSDP model state; transformers#28320)",
         works_around="resuming an adapter-only checkpoint under FSDP restarts the adapter silently",
         where=(
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin._load_from_checkpoint",
+            f"{_MIXIN}._load_from_checkpoint",
             "hf_fsdp_qlora.train.checkpoint.load_adapter_into",
         ),
         remove_when="stock resume restores a peft adapter under FSDP",
@@ -329,11 +327,19 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         upstream="transformers <= 5.23 (#39961, #48841)",
         works_around="evaluate() before train(): FSDP2 raises; FSDP1 then builds no optimizer in train()",
         where=(
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.evaluation_loop",
+            f"{_MIXIN}.evaluation_loop",
             "hf_fsdp_qlora.train.generation.prepare_for_evaluation",
         ),
         remove_when="stock evaluation_loop prepares model and optimizer together under FSDP",
         canary="tests/test_eval_generate.py::test_stock_trainer_evaluate_before_training_is_the_upstream_bug",
+    ),
+    Workaround(
+        key="chunked_loss_head_forward",
+        upstream="transformers <= 5.23: Trainer.compute_loss / ForCausalLMLoss need the full logits",
+        works_around="[batch x seq x vocab] logits + fp32 copy + grad: the head's forward is a chunked loss for one call",
+        where=(f"{_MIXIN}.compute_loss", f"{_MIXIN}.prediction_step", "hf_fsdp_qlora.train.loss._fused_head"),
+        remove_when="transformers computes the causal-LM loss from the hidden states in chunks itself",
+        canary="tests/test_chunked_loss.py::test_compute_loss_num_items_and_all_masked",
     ),
     Workaround(
         key="preemption_trainer_hooks",

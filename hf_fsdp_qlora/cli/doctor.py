@@ -17,6 +17,7 @@ import json
 
 from hf_fsdp_qlora.cli._command import Command, CommandError
 from hf_fsdp_qlora.cli._options import FLOAT_DTYPES, dtype_type
+from hf_fsdp_qlora.train.loss_paths import LOSS_PATHS
 
 __all__ = ["DoctorCommand"]
 
@@ -59,6 +60,7 @@ def _settings(args: argparse.Namespace) -> dict:
         "lora_dropout": args.lora_dropout,
         "lora_target_modules": targets,
         "trainer": args.trainer,
+        "loss_path": args.loss_path,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
         "eval_batch_size": args.eval_batch_size,
@@ -157,6 +159,14 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
             choices=("hf_fsdp_qlora", "transformers", "accelerate"),
             default="hf_fsdp_qlora",
             help="who runs the loop: our trainers (default), a stock transformers/trl Trainer, or a plain accelerate loop",
+        )
+        parser.add_argument(
+            "--loss-path",
+            choices=LOSS_PATHS,
+            help="whose loss holds the logits: ours (our trainers and routes: chunked, one chunk of logits), sft (trl "
+            "SFTTrainer: fused LM head tiles), stock (a Trainer without our mixin, or chunked_loss=False: full logits "
+            "+ fp32 copy + gradient), dpo (trl DPOTrainer: fused head over chosen+rejected). Default: ours with "
+            "--trainer hf_fsdp_qlora, else stock",
         )
         parser.add_argument("--seq-len", type=_positive, default=2048, help="tokens per sample (default 2048)")
         parser.add_argument("--batch-size", type=_positive, default=1, help="per_device_train_batch_size (default 1)")

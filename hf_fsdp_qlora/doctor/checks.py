@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..train.loss_paths import LOSS_PATHS
 from ._launch_rules import (
     checkpoint_rules,
     checkpointing_rules,
@@ -119,6 +120,8 @@ def _build_setup(model, accelerate_config, fsdp_plugin, settings: dict) -> RunSe
         setup.fsdp.transformer_cls_to_wrap = [c for c in classes.split(",") if c] if classes else None
     if setup.trainer not in TRAINERS:
         raise SetupInputError(f"trainer={setup.trainer!r}: use 'hf_fsdp_qlora', 'transformers' or 'accelerate'.")
+    if setup.loss_path is not None and setup.loss_path not in LOSS_PATHS:
+        raise SetupInputError(f"loss_path={setup.loss_path!r}: use one of {', '.join(map(repr, LOSS_PATHS))}.")
     if setup.full_finetune and setup.quantization:
         raise SetupInputError(
             "A full fine-tune trains every weight: it cannot load them quantized. Drop load_in_4bit/8bit."

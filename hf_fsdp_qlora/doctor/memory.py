@@ -20,8 +20,10 @@ Parts, per GPU (bytes), in the order they are reported:
   With ``activation_offloading`` the tensors saved outside checkpointed regions (each layer's input, or every
   saved tensor without checkpointing) wait in host RAM (``host["activations_offloaded"]``); the GPU keeps one
   layer's saved tensors as backward brings them back (or recomputes them), and the transients.
-* ``logits_loss``: the logits and the fp32 log-softmax transformers computes for the loss (its vocabulary is
-  what makes Llama 3 long sequences expensive).
+* ``logits_loss``: the logits and the loss's fp32 working memory, as the run's loss path holds them
+  (:mod:`hf_fsdp_qlora.train.loss_paths`): ``stock`` (a Trainer without our mixin) the whole ``batch x seq x vocab``
+  logits, their fp32 copy and log-softmax/gradient; ``ours`` one chunk of them plus the labelled hidden states;
+  ``sft``/``dpo`` one tile of trl's fused LM head (DPO also doubles the tokens of the activations).
 * ``dequant_workspace``: the largest quantized weight dequantized for one matmul.
 * ``runtime_overhead``: CUDA context, cuBLAS workspace, NCCL buffers (a fixed 1 GiB).
 
@@ -38,6 +40,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..dtype_names import dtype_bytes
+from ..train.loss_paths import logits_bytes, sequences_factor
 from .setup import RunSetup
 from .shapes import ModelShape
 
@@ -200,8 +203,12 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     quant = None if setup.full_finetune else setup.quantization
     lora = not setup.full_finetune
     mixed = setup.effective_mixed_precision != "no"
-    tokens = setup.batch_size * setup.seq_len
+    loss_path = setup.effective_loss_path
+    # DPO runs chosen and rejected sequences through the model in one forward: twice the tokens.
+    tokens = setup.batch_size * setup.seq_len * sequences_factor(loss_path)
     notes: list[str] = []
+    if loss_path == "dpo":
+        notes.append("DPO: chosen and rejected sequences run together, twice batch x seq tokens per forward")
 
     storage_floating = setup.storage not in ("uint8", "int8")
     # The one dtype our trainer casts every non-quantized parameter to (see hf_fsdp_qlora.dtypes).
@@ -309,7 +316,7 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         on_gpu = tokens * per_layer + transient
         offloaded_activations = max(0.0, activations - on_gpu)
         activations -= offloaded_activations
-    logits = tokens * shape.vocab_size * max(act + (4 if act < 4 else 0) + 4, 12)
+    logits = logits_bytes(loss_path, tokens, shape.vocab_size, act, shape.hidden_size)
     workspace = max((lin.numel for lin in shape.linears if lin.quantized), default=0) * act if quant else 0
 
     parts = {

@@ -83,6 +83,9 @@ class RunSetup:
     lora_target_modules: str | list[str] = "all-linear"
     device_map: str | None = None
     trainer: str = "hf_fsdp_qlora"
+    # Whose loss computes the logits: "ours", "sft", "stock" or "dpo" (hf_fsdp_qlora.train.loss_paths); None: ours
+    # with trainer="hf_fsdp_qlora", stock otherwise.
+    loss_path: str | None = None
     gradient_checkpointing: bool = (
         False  # TrainingArguments.activation_checkpointing (formerly gradient_checkpointing)
     )
@@ -117,6 +120,12 @@ class RunSetup:
         if self.adapter_dtype:
             return self.adapter_dtype
         return self.dtype if self.trainer == "hf_fsdp_qlora" else "float32"
+
+    @property
+    def effective_loss_path(self) -> str:
+        from ..train.loss_paths import default_loss_path
+
+        return self.loss_path or default_loss_path(self.trainer)
 
     @property
     def world_size(self) -> int:

@@ -214,6 +214,24 @@ class FSDPSaveMixin:
         prepare_for_evaluation(self)
         return super().evaluation_loop(*args, **kwargs)
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # The chunked loss where the trainer keeps transformers' stock one (see hf_fsdp_qlora.train.loss).
+        from .loss import chunked_loss_reason, compute_chunked_loss
+
+        if chunked_loss_reason(self, inputs, return_outputs) is None:
+            return compute_chunked_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # A loss-only evaluation takes the chunked loss; predict() / compute_metrics get the model's logits.
+        self.hf_fsdp_qlora_loss_only = bool(prediction_loss_only)
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            self.hf_fsdp_qlora_loss_only = False
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         if not getattr(self, "is_fsdp_enabled", False):
             return super().save_model(output_dir, _internal_call=_internal_call)

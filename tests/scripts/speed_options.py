@@ -74,7 +74,7 @@ def run(name, path, out):
     args = FSDPQLoRATrainingArguments(
         output_dir=str(out / name), per_device_train_batch_size=ts.BATCH, max_steps=2, learning_rate=1e-2,
         logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, dataloader_drop_last=True, bf16=True,
-        seed=0, **OPTIONS[name],
+        seed=0, chunked_loss=False, **OPTIONS[name],  # the stock loss: the test compares the forward's full logits
     )  # fmt: skip
     trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=ts.TokenDataset(), callbacks=[FirstLogits()])
     offloading = getattr(trainer.model, "_hf_fsdp_qlora_offloading", None)
