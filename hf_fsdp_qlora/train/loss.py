@@ -164,14 +164,22 @@ def _head_of(trainer, model):
     return (head.module if isinstance(head, FullyShardedDataParallel) else head), unwrapped
 
 
+# The trainer mixin (train/_trainer_mixin.py) imports this module; it is found in a trainer's MRO by its module.
+_MIXIN_MODULE = __name__.rpartition(".")[0] + "._trainer_mixin"
+
+
+def _after_mixin(trainer) -> tuple[type, ...]:
+    """The classes of `trainer`'s MRO after our mixin (all of them when the mixin is absent)."""
+    mro = type(trainer).__mro__
+    at = next((i for i, cls in enumerate(mro) if cls.__module__ == _MIXIN_MODULE), -1)
+    return mro[at + 1 :]
+
+
 def _overrides_compute_loss(trainer) -> bool:
     """True when a class between our mixin and transformers.Trainer defines its own compute_loss (trl's trainers)."""
     from transformers import Trainer
 
-    from ._trainer_mixin import FSDPSaveMixin
-
-    mro = type(trainer).__mro__
-    for cls in mro[mro.index(FSDPSaveMixin) + 1 :]:
+    for cls in _after_mixin(trainer):
         if "compute_loss" in vars(cls):
             return cls is not Trainer
     return False
@@ -180,15 +188,9 @@ def _overrides_compute_loss(trainer) -> bool:
 def trainer_loss_path(trainer) -> str:
     """The :data:`~hf_fsdp_qlora.train.loss_paths.LOSS_PATHS` name of the loss `trainer` computes in training."""
     if _overrides_compute_loss(trainer):
-        name = type(trainer).__mro__[type(trainer).__mro__.index(_mixin()) + 1].__name__
+        name = _after_mixin(trainer)[0].__name__
         return "dpo" if "DPO" in name else "sft" if "SFT" in name else "own"
     return "stock" if chunked_loss_reason(trainer) else "ours"
-
-
-def _mixin():
-    from ._trainer_mixin import FSDPSaveMixin
-
-    return FSDPSaveMixin
 
 
 def chunked_loss_reason(trainer, inputs: dict | None = None, return_outputs: bool = False) -> str | None:
