@@ -15,6 +15,7 @@ A fenced ``bash`` or ``python`` block is preceded by an HTML comment (invisible 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import shlex
 from dataclasses import dataclass
@@ -122,3 +123,18 @@ def node_exists(node: str) -> bool:
         return False
     tree = ast.parse(path.read_text(encoding="utf-8"))
     return any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.walk(tree))
+
+
+def resolve_name(name: str):
+    """The object a dotted ``hf_fsdp_qlora.X.Y`` shown in README or docs names: the longest importable module
+    prefix, then attributes (AttributeError names what the text shows but the package lacks)."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ModuleNotFoundError:
+            continue
+    for attr in parts[cut:]:
+        obj = getattr(obj, attr)
+    return obj

@@ -18,7 +18,7 @@ import sys
 import pytest
 import yaml
 from dist_utils import BIN, REPO, _env
-from readme_blocks import blocks, node_exists, options, shell_commands
+from readme_blocks import blocks, node_exists, options, resolve_name, shell_commands
 
 DOCS = REPO / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
@@ -87,33 +87,20 @@ def test_every_shipped_config_has_its_section_with_its_values():
         assert f"hf-fsdp-qlora config {path.stem}" in match.group(1)
 
 
-def _resolve(name: str):
-    parts = name.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-            break
-        except ModuleNotFoundError:
-            continue
-    for attr in parts[cut:]:
-        obj = getattr(obj, attr)  # AttributeError names what the docs show but the package lacks
-    return obj
-
-
-def test_python_names_in_docs_resolve():
+def test_python_names_in_docsresolve_name():
     import hf_fsdp_qlora
 
     text = "".join(page.read_text() for page in PAGES)
     names = sorted(set(re.findall(r"\bhf_fsdp_qlora(?:\.\w+)+", text)))
     assert len(names) >= 10, names
     for name in names:
-        _resolve(name)
+        resolve_name(name)
     for block in (b for b in BLOCKS if b.lang == "python"):
         tree = ast.parse(block.body, filename=block.where)  # SyntaxError names the block
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_fsdp_qlora"):
                 for alias in node.names:
-                    _resolve(f"{node.module}.{alias.name}")
+                    resolve_name(f"{node.module}.{alias.name}")
     backticked = set(re.findall(r"`(FSDPQLoRA\w+|\w+Callback|load_qlora_model|generate_under_fsdp)`", text))
     for name in backticked:
         assert name in hf_fsdp_qlora.__all__ or name in ("TrainerCallback",), name

@@ -28,19 +28,12 @@ ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(ROOT / "benchmarks"), str(ROOT)]
 
 import torch
+from _throughput_worker import _vm_kib  # benchmarks/ is on sys.path (above)
 
 import hf_fsdp_qlora  # noqa: F401  (CPU rehearsal hook before any accelerate state exists)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-
-
-def _vm_kib(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
 
 
 def dataset(sc: dict, vocab: int, world: int) -> list[dict]:
