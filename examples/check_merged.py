@@ -34,7 +34,7 @@ def main(argv=None):
     if diff > 0.05 * scale:
         raise SystemExit("the merged model does not reproduce base+adapter: merge is wrong")
     out = merged.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    print(f"{args.prompt!r} -> {tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)!r}")
+    print(f"{args.prompt!r} -> {tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)!r}")
     return 0
 
 

@@ -71,5 +71,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # the ranks meet, the process group is torn down, and the process exits without gloo's occasional abort
+    # the process group is torn down and the process exits without gloo's occasional abort; this rank does not
+    # wait for the others (a tail one rank runs alone may outlast the collective timeout)
     finish_distributed(main())

@@ -10,7 +10,7 @@ fall back to DDP) and gives every ``transformers.Trainer`` the script builds - S
 subclass - the behaviour of :class:`~hf_fsdp_qlora.FSDPQLoRATrainer` (see :mod:`hf_fsdp_qlora.train.trainer_hook`).
 The script then runs as ``__main__`` with ``sys.argv`` = ``[SCRIPT, ARGS...]``.
 
-Afterwards the ranks meet at a barrier and the process group is destroyed, and the process exits with the
+Afterwards the process group is destroyed (without waiting for the other ranks), and the process exits with the
 script's status without the interpreter's teardown: torch's gloo teardown at exit sometimes aborts ("terminate
 called without an active exception") after a successful run, and ``accelerate launch`` would report a failure.
 """
@@ -43,21 +43,13 @@ and exits with status 75 (and leaves OUTPUT_DIR/preempted.json). Environment:
 """
 
 
-def _exit_code(status) -> int:
-    if status is None:
-        return 0
-    if isinstance(status, int):
-        return status
-    print(status, file=sys.stderr)  # sys.exit("message") prints the message and exits 1
-    return 1
-
-
 def _finish(code: int) -> None:
-    """Exit with `code`; the ranks meet first when the script succeeded or was preempted (all ranks exit together)."""
+    """Exit with `code`. Only a preempted run's ranks meet first (they stopped together); a finished rank leaves
+    at once, whatever tail another rank still runs (see :mod:`hf_fsdp_qlora.train.finish`)."""
     from .finish import finish_distributed
     from .preemption import PREEMPTED_EXIT_CODE
 
-    finish_distributed(code, barrier=code in (0, PREEMPTED_EXIT_CODE))
+    finish_distributed(code, barrier=code == PREEMPTED_EXIT_CODE)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
     except SystemExit as stop:
-        code = _exit_code(stop.code)
+        from .finish import exit_status
+
+        code = exit_status(stop.code)
     except BaseException:  # noqa: BLE001 - printed as Python would, then the exit status says it failed
         traceback.print_exc()
         code = 1
