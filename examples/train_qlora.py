@@ -54,7 +54,7 @@ class LossCurve:
         return path
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="local directory or Hub id of a causal LM")
     parser.add_argument("--data", required=True, help="JSONL file with prompt/completion")
@@ -67,7 +67,11 @@ def main(argv=None):
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     import torch
     from peft import LoraConfig

@@ -1,7 +1,17 @@
-"""The SLURM recipe (examples/slurm/train_qlora.sbatch): its printed launch lines and its per-node signal path."""
+"""The SLURM recipe (examples/slurm/train_qlora.sbatch), run as a plain bash script with the SLURM variables set here.
+
+- its printed launch lines (DRY_RUN), and its default SCRIPT_ARGS accepted by its default SCRIPT;
+- its per-node wrapper passes SIGUSR1 to the trainers only (a stub launcher);
+- a stale preempted.json does not requeue a job that fails before training (a stub launcher);
+- the whole job for real: two "nodes" on localhost (LOCAL_NODES=1, one CPU rank each, real FSDP2 on gloo), trl's
+  own sft.py as SCRIPT, SIGUSR1 to the batch script -> one checkpoint -> the requeue taken (REQUEUE_CMD records it)
+  -> the same command resumes and ends with the uninterrupted run's adapter.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -9,9 +19,21 @@ import time
 from pathlib import Path
 
 import pytest
-from dist_utils import BIN, REPO, _env
+from dist_utils import BIN, REPO, _env, free_port
 
 SBATCH = REPO / "examples" / "slurm" / "train_qlora.sbatch"
+RECORD_REQUEUE = """#!/bin/bash
+echo "$@" >> "$(dirname "$0")/requeued"
+"""
+
+
+def _requeue_recorder(folder: Path) -> Path:
+    """A REQUEUE_CMD that records each call (its arguments, a line each) in folder/requeued."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "requeue"
+    script.write_text(RECORD_REQUEUE)
+    script.chmod(0o755)
+    return script
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
@@ -33,20 +55,25 @@ def test_sbatch_dry_run_launch_line(nodes, tmp_path):
     for rank, line in enumerate(node_lines):
         words = line.split(": ", 1)[1].split()
         assert words[:2] == ["accelerate", "launch"]
-        opts = dict(zip(words[2:-5:2], words[3:-5:2], strict=True))
+        opts = dict(zip(words[2:-9:2], words[3:-9:2], strict=True))
         assert Path(opts["--config_file"]).name == config and Path(opts["--config_file"]).is_file()
         assert opts["--num_machines"] == str(nodes) and opts["--num_processes"] == str(8 * nodes)
         assert opts["--machine_rank"] == str(rank) and opts["--main_process_ip"] == "node01"
-        assert words[-5:] == [
-            "-m",
-            "hf_fsdp_qlora.run",
-            "examples/train_qlora.py",
-            "--output_dir",
-            str(tmp_path / "run"),
-        ]
-    assert "preempted.json" in lines[-1]
+        assert words[-9:-6] == ["-m", "hf_fsdp_qlora.run", "examples/train_qlora.py"]
+        # The defaults are the arguments of their script: it gets past its argparse (it stopped there).
+        args = _train_qlora_parser()(words[-6:])
+        assert (args.model, args.data, args.output) == ("meta-llama/Llama-3.1-8B", "examples/data/capitals.jsonl",
+                                                        str(tmp_path / "run"))  # fmt: skip
+    assert "preempted.json" in lines[-1] and lines[-1].endswith(": scontrol requeue")
     syntax = subprocess.run(["bash", "-n", str(SBATCH)], check=False, capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
+
+
+def _train_qlora_parser():
+    spec = importlib.util.spec_from_file_location("train_qlora_example", REPO / "examples" / "train_qlora.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.parse_args
 
 
 STUB_LAUNCHER = """#!/bin/bash
@@ -90,3 +117,130 @@ def test_sbatch_node_part_passes_usr1_to_the_trainers_only(tmp_path):
     assert (tmp_path / "trainer_got_usr1").exists(), output
     assert (tmp_path / "launcher_done").read_text().strip() == "launcher survived, trainer status 75"
     assert "--machine_rank 0" in (tmp_path / "args").read_text()
+
+
+FAILING_LAUNCHER = """#!/bin/bash
+# Stands in for `accelerate launch` of a job that fails while loading (before train() could remove the marker).
+echo "node $SLURM_NODEID: out of memory while loading" >&2
+exit 1
+"""
+
+
+def test_sbatch_stale_marker_does_not_requeue_a_failing_job(tmp_path):
+    """A preempted.json from an earlier job is removed before the launch: a job that then fails before training
+    ends with its failure, not with a requeue (before: requeued up to MAX_REQUEUES times)."""
+    stub_bin = tmp_path / "bin"
+    stub_bin.mkdir()
+    (stub_bin / "accelerate").write_text(FAILING_LAUNCHER)
+    (stub_bin / "accelerate").chmod(0o755)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "preempted.json").write_text(json.dumps({"checkpoint": str(out / "checkpoint-4"), "step": 4}))
+    env = _env({
+        "LOCAL_NODES": "1", "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2", "SLURM_RESTART_COUNT": "3",
+        "GPUS_PER_NODE": "1", "OUTPUT_DIR": str(out), "REQUEUE_CMD": str(_requeue_recorder(tmp_path / "rq")),
+        "PATH": f"{stub_bin}:{BIN}:{os.environ['PATH']}",
+    })  # fmt: skip
+    proc = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60, check=False)
+    found = {
+        "status": proc.returncode,
+        "requeued": (tmp_path / "rq" / "requeued").is_file(),
+        "marker": (out / "preempted.json").exists(),
+        "nodes failed": sorted(line for line in proc.stderr.splitlines() if "out of memory" in line),
+    }
+    assert found == {
+        "status": 1, "requeued": False, "marker": False,
+        "nodes failed": [f"node {n}: out of memory while loading" for n in (0, 1)],
+    }, (proc.stdout, proc.stderr)  # fmt: skip
+
+
+# ---- the whole job, for real ----
+
+MAX_STEPS = 6
+
+
+def _trl_sft() -> str:
+    import trl.scripts.sft
+
+    return trl.scripts.sft.__file__
+
+
+def _job_env(tmp_path, name, models, data, requeue):
+    out = tmp_path / name
+    sft_args = [
+        "--model_name_or_path", str(models), "--dataset_name", str(data), "--output_dir", str(out),
+        "--use_peft", "--load_in_4bit", "--max_steps", str(MAX_STEPS), "--per_device_train_batch_size", "2",
+        "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--learning_rate", "1e-3",
+    ]  # fmt: skip
+    return out, _env({
+        "LOCAL_NODES": "1", "SLURM_JOB_ID": f"{name}-4242", "SLURM_JOB_NUM_NODES": "2", "GPUS_PER_NODE": "1",
+        "CONFIG_NAME": "cpu_fsdp2_rehearsal", "MAIN_PORT": str(free_port()), "OUTPUT_DIR": str(out),
+        "SCRIPT": _trl_sft(), "SCRIPT_ARGS": " ".join(sft_args), "REQUEUE_CMD": str(requeue),
+        "PYTHONUNBUFFERED": "1", "PATH": f"{BIN}:{os.environ['PATH']}",
+    })  # fmt: skip
+
+
+def _adapter(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+@pytest.mark.distributed
+def test_sbatch_job_preempted_requeued_and_resumed_on_two_local_nodes(tmp_path):
+    from recipe_fixtures import build_chat_dataset, build_recipe_model
+
+    models, data = build_recipe_model(tmp_path / "model"), build_chat_dataset(tmp_path / "chat")
+    requeue = _requeue_recorder(tmp_path / "rq")
+    out, env = _job_env(tmp_path, "run", models, data, requeue)
+    ref_out, ref_env = _job_env(tmp_path, "reference", models, data, requeue)
+    walls, started = {}, time.time()
+    # The uninterrupted reference job runs beside the interrupted one (one launch's wall time fewer).
+    with (tmp_path / "reference.log").open("w") as log:
+        reference = subprocess.Popen(["bash", str(SBATCH)], env=ref_env, cwd=str(REPO), stdout=log,
+                                     stderr=subprocess.STDOUT)  # fmt: skip
+    job = subprocess.Popen(["bash", str(SBATCH)], env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines, signalled = [], None
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if signalled is None and "'loss'" in line:  # step 1 is logged: training runs; SLURM's warning now
+                job.send_signal(signal.SIGUSR1)
+                signalled = time.time()
+        job.wait(timeout=60)
+        walls["interrupted"] = time.time() - started
+        reference.wait(timeout=600)
+        walls["reference"] = time.time() - started
+    finally:
+        job.kill()
+        reference.kill()
+    output = "".join(lines)
+    assert signalled is not None, output[-6000:]
+    assert job.returncode == 0, output[-6000:]  # requeued: the batch script itself ends well
+    assert output.count("exitcode  : 75") == 2, output[-6000:]  # both ranks, one per node, stopped for a requeue
+    marker = json.loads((out / "preempted.json").read_text())
+    step = marker["step"]
+    checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert 1 <= step < MAX_STEPS and checkpoints == [f"checkpoint-{step}"], (marker, checkpoints)
+    assert (out / checkpoints[0] / "trainer_state.json").is_file()
+    assert "requeueing job run-4242" in output
+    assert (tmp_path / "rq" / "requeued").read_text().split() == ["run-4242"]
+    assert reference.returncode == 0, (tmp_path / "reference.log").read_text()[-6000:]
+
+    # The requeued job: the same command (SLURM counts the restart), resumed from the checkpoint to the end.
+    resumed = subprocess.run(["bash", str(SBATCH)], env={**env, "SLURM_RESTART_COUNT": "1"}, cwd=str(REPO),
+                             capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    walls["resumed"] = time.time() - started
+    text = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, text[-6000:]
+    assert f"resuming from {out / checkpoints[0]}" in text, text[-6000:]
+    assert not (out / "preempted.json").exists()
+    assert (tmp_path / "rq" / "requeued").read_text().split() == ["run-4242"]  # no second requeue
+    assert "hf_fsdp_qlora: FSDP2 engaged on 2 rank(s)" in text
+
+    final, expected = _adapter(out), _adapter(ref_out)
+    assert final.keys() == expected.keys() and final
+    diff = max(float((final[k].float() - expected[k].float()).abs().max()) for k in final)
+    print(f"checkpoint at step {step}; resumed adapter vs uninterrupted: max |diff| {diff:.3g}; walls s {walls}")
+    assert diff == 0.0
