@@ -8,8 +8,12 @@ Scenarios, in order:
   a checkpoint at step 2;
 * ``resume``: the same run resumed from ``ours``' step-2 checkpoint (must end bit-equal to ``ours``);
 * ``sft``: :class:`FSDPQLoRASFTTrainer` with ``peft_config=LoraConfig(use_dora=True)`` (trl builds the peft model);
+* ``stock``: a stock ``transformers.Trainer`` alone (FSDP1 only: the upstream failure, recorded);
 * ``callback``: a stock ``transformers.Trainer`` with :class:`FSDPQLoRACallback`;
-* ``ac``: ``ours`` with activation checkpointing (FSDP's under a launch, the model's single-process).
+* ``ac``: ``ours`` with activation checkpointing (``load_qlora_model``'s default), applied once as the trainer
+  chooses: FSDP's own under the FSDP2 config, the model's under FSDP1's and single-process;
+* with ``--trl ARGS...``, last: trl's ``sft.py`` from the installed trl package, run by the function behind
+  ``python -m hf_fsdp_qlora.run`` (``--use_peft --use_dora --load_in_4bit`` among ARGS).
 
 Each rank writes rank<N>.json: per-step losses averaged over ranks (the global batch's mean: samples have equal
 length, no padding), engagement, the FSDP units that hold DoRA's modules; the saved adapters stay on disk.
@@ -18,6 +22,7 @@ length, no padding), engagement, the FSDP units that hold DoRA's modules; the sa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import traceback
 from pathlib import Path
@@ -87,6 +92,9 @@ def build(kind, path, out, single):
             peft_config=dora_config(),
             train_dataset=base.sft_dataset(),
         )
+    if kind == "stock":  # upstream alone: a stock Trainer, no callback (under FSDP1 it fails in the first forward)
+        model = load_qlora_model(path, lora_config=dora_config(), gradient_checkpointing=False)
+        return Trainer(model=model, args=args_for(out, single), train_dataset=base.TokenDataset())
     if kind == "callback":
         model = base.user_loaded(path, peft=False)
         from peft import get_peft_model
@@ -95,22 +103,16 @@ def build(kind, path, out, single):
         return base._recording(Trainer)(
             model=model, args=args_for(out, single), train_dataset=base.TokenDataset(), callbacks=[FSDPQLoRACallback()]
         )
-    ac = kind == "ac"
-    extra = {}
-    if ac and single:  # FSDP's activation checkpointing under a launch (the trainer turns it on), the model's here
-        extra = {"gradient_checkpointing": True}
-    model = load_qlora_model(path, lora_config=dora_config(), gradient_checkpointing=False)
-    save = {} if ac else {"save_strategy": "steps", "save_steps": 2}
-    return base.LossRecorder(model=model, args=args_for(out, single, **save, **extra), train_dataset=base.TokenDataset())
+    # `ac`: load_qlora_model's default gradient_checkpointing=True. Under a launch the trainer applies it once:
+    # FSDP's own under the FSDP2 rehearsal config (fsdp_activation_checkpointing: true), the model's under FSDP1's.
+    model = load_qlora_model(path, lora_config=dora_config(), gradient_checkpointing=kind == "ac")
+    save = {} if kind == "ac" else {"save_strategy": "steps", "save_steps": 2}
+    return base.LossRecorder(model=model, args=args_for(out, single, **save), train_dataset=base.TokenDataset())
 
 
 def run(kind, path, out, single, version):
     result = {}
     name = "ours" if kind == "resume" else kind
-    if kind == "ac" and not single:
-        from accelerate.state import AcceleratorState
-
-        AcceleratorState().fsdp_plugin.activation_checkpointing = True
     trainer = build(name, path, out / kind, single)
     resume = str(out / "ours" / "checkpoint-2") if kind == "resume" else None
     trainer.train(resume_from_checkpoint=resume)
@@ -120,9 +122,11 @@ def run(kind, path, out, single, version):
     result["engagement"] = cb.engagement if cb else None
     result["units"] = dora_units(trainer.model)
     result["magnitude_params"] = sum("lora_magnitude_vector" in n for n, _ in trainer.model.named_parameters())
-    if kind == "ac":
-        result["ac_wrapped"] = sum("_checkpoint_wrapped_module" in n for n, _ in trainer.model.named_modules())
-        result["gradient_checkpointing"] = bool(getattr(trainer.model, "is_gradient_checkpointing", False))
+    # Layers checkpointed: FSDP's CheckpointWrapper, or transformers' flag on each layer (the model's own).
+    result["checkpointed"] = sum(
+        "CheckpointWrapper" in type(m).__name__ or getattr(m, "gradient_checkpointing", False) is True
+        for m in trainer.model.modules()
+    )
     adapter = out / kind / "adapter"
     if not hasattr(trainer, "fsdp_callback"):  # a stock Trainer: save with our function
         from hf_fsdp_qlora.train.checkpoint import save_adapter
@@ -143,6 +147,7 @@ def main():
     parser.add_argument("--fsdp-version", type=int, default=0)
     parser.add_argument("--single", action="store_true", help="one plain process, batch 4: the oracle")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--trl", nargs=argparse.REMAINDER, default=[], help="then trl's sft.py with these arguments")
     args = parser.parse_args()
     # train_scenarios adds TrainingArguments.fsdp unless accelerate launched it: the oracle runs without FSDP.
     base.LAUNCHED_BY_ACCELERATE = base.LAUNCHED_BY_ACCELERATE or args.single
@@ -153,12 +158,21 @@ def main():
         try:
             results[kind] = run(kind, args.model, out, args.single, args.fsdp_version)
             results[kind]["ok"] = True
-        except Exception as err:  # recorded for the test to assert on
+        except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
             results[kind] = {"ok": False, "error": f"{type(err).__name__}: {str(err)[:2000]}",
                              "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
             print(f"[rank{base.rank()}] scenario {kind} failed:\n{traceback.format_exc()}", flush=True)
             base.reset_accelerate()
-    finish_worker(out, results)
+    if not args.trl:
+        finish_worker(out, results)  # results on disk, barrier, teardown, exit
+    (out / f"rank{base.rank()}.json").write_text(json.dumps(results, indent=1, default=str))
+    # Last, trl's own sft.py as `python -m hf_fsdp_qlora.run SFT.py ARGS` runs it: the same function, in this
+    # process (the scenarios above reset accelerate's state), which ends the process with the script's status.
+    import trl.scripts.sft
+
+    from hf_fsdp_qlora.train.launcher import main as run_script
+
+    run_script([trl.scripts.sft.__file__, *args.trl])
 
 
 if __name__ == "__main__":
