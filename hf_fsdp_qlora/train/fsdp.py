@@ -14,6 +14,7 @@ __all__ = [
     "fsdp_version",
     "configure_plugin",
     "fsdp_engagement",
+    "fsdp_unit_kinds",
     "assert_fsdp_engaged",
     "guard_sharded_merge",
     "match_amp_forward",
@@ -180,6 +181,20 @@ def fsdp_engagement(model) -> dict:
         "fsdp2_modules": sum(isinstance(m, FSDPModule) for m in modules),
         "dtensor_params": sum(isinstance(p, DTensor) for p in model.parameters()),
     }
+
+
+def fsdp_unit_kinds(model) -> dict[str, int]:
+    """How many FSDP1 / FSDP2 units wrap each module class of `model` ({"LlamaDecoderLayer": 32, ...})."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (FSDP, FSDPModule)):
+            inner = module.module if isinstance(module, FSDP) else module
+            name = type(inner).__name__.removeprefix("FSDP")
+            kinds[name] = kinds.get(name, 0) + 1
+    return kinds
 
 
 def assert_fsdp_engaged(model, version: int) -> dict:

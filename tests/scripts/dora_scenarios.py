@@ -34,6 +34,7 @@ from dist_utils import finish_worker
 
 import hf_fsdp_qlora  # noqa: F401  (installs the CPU rehearsal hook before TrainingArguments)
 from hf_fsdp_qlora import FSDPQLoRACallback, load_qlora_model
+from hf_fsdp_qlora.train.fsdp import fsdp_unit_kinds
 
 STEPS = 4
 SCENARIOS = ("ours", "resume", "sft", "callback", "ac")
@@ -60,20 +61,6 @@ def global_losses(local: list[float]) -> list[float]:
         dist.all_reduce(losses)
         losses /= world()
     return losses.tolist()
-
-
-def dora_units(model) -> dict:
-    """Which FSDP units hold DoRA's magnitude vectors and the LoRA A/B layers (the FSDP1 failure's cause)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    kinds: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, (FSDP, FSDPModule)):
-            inner = module.module if isinstance(module, FSDP) else module
-            name = type(inner).__name__.removeprefix("FSDP")
-            kinds[name] = kinds.get(name, 0) + 1
-    return kinds
 
 
 def build(kind, path, out, single):
@@ -120,7 +107,7 @@ def run(kind, path, out, single, version):
     result["distributed_type"] = str(trainer.accelerator.state.distributed_type)
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FSDPQLoRACallback)), None)
     result["engagement"] = cb.engagement if cb else None
-    result["units"] = dora_units(trainer.model)
+    result["units"] = fsdp_unit_kinds(trainer.model)  # FSDP1: DoRA magnitudes, lora_A/B own units
     result["magnitude_params"] = sum("lora_magnitude_vector" in n for n, _ in trainer.model.named_parameters())
     # Layers checkpointed: FSDP's CheckpointWrapper, or transformers' flag on each layer (the model's own).
     result["checkpointed"] = sum(
