@@ -167,6 +167,15 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         canary=_DOCTOR + "[f1_origfalse_accel]",
     ),
     Workaround(
+        key="fsdp1_dora_flat_shard",
+        upstream="peft <= 0.21 (DoraLinearLayer.get_lora_weight reads lora_A.weight.shape[1]) with torch FSDP1",
+        works_around='DoRA under FSDP1: lora_A is its own unit, its weight a 1-D shard: "IndexError: tuple index '
+        'out of range"',
+        where=("hf_fsdp_qlora.train.dora.size_dora_identity_from_layer", "hf_fsdp_qlora.train.fsdp.configure_plugin"),
+        remove_when="peft sizes DoRA's identity from the layer (in_features), or FSDP1 goes",
+        canary="tests/test_dora.py::test_stock_trainer_fails_under_fsdp1",
+    ),
+    Workaround(
         key="fsdp2_amp_forward",
         upstream="accelerate <= 1.15 (prepare_model: autocast + fp32 outputs for DDP/FSDP1, not FSDP2)",
         works_around="bf16 logits under FSDP2 only: preference losses differ from DDP and FSDP1",

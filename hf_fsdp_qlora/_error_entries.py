@@ -292,4 +292,25 @@ ENTRIES = (
         "tests": (_DOCTOR,),
         "test_text": "There are currently no available devices found",
     },
+    {
+        "id": "dora-fsdp1-index-error",
+        "title": "DoRA under FSDP1: tuple index out of range",
+        "text": "IndexError: tuple index out of range\n"
+        '  File ".../peft/tuners/lora/dora.py", in get_lora_weight\n'
+        "    x_eye = torch.eye(lora_A.weight.shape[1], device=lora_A.weight.device, dtype=lora_A.weight.dtype)",
+        "pattern": r"tuple index out of range[\s\S]*get_lora_weight|get_lora_weight[\s\S]*tuple index out of range",
+        "cause": "DoRA (`LoraConfig(use_dora=True)`) under FSDP1. transformers installs peft's FSDP1 wrap policy, which "
+        "makes each `lora_A`/`lora_B` Linear and each DoRA magnitude its own FSDP unit; DoRA's forward reads "
+        "`lora_A.weight.shape[1]` before `lora_A` runs, when that weight is a 1-D flat shard. Every rank fails in "
+        "the first forward. FSDP2 and single-process training are not affected.",
+        "ours": "Before wrapping, our trainers, the callback and `-m hf_fsdp_qlora.run` make each DoRA layer read the "
+        "width from `lora_A.in_features` (peft's computation otherwise, and peft's units, so no extra memory); the "
+        "losses then equal the single-process run's (see [Adapters and checkpoints](adapters-and-checkpoints.md#dora)).",
+        "stock_fix": "Use FSDP2 (`fsdp_version: 2`), or add `FSDPQLoRACallback()` to the trainer's callbacks.",
+        "tests": (
+            "tests/test_dora.py::test_stock_trainer_fails_under_fsdp1",
+            "tests/test_dora.py::test_dora_trains_like_single_process",
+        ),
+        "test_text": "tuple index out of range",
+    },
 )

@@ -23,6 +23,7 @@ _SECONDS = {
     "test_preemption.py": 110, "test_demo.py": 75, "test_chunked_loss.py": 50, "test_readme.py": 50,
     "test_error_index.py": 30, "test_quiet.py": 30, "test_train_imports.py": 20, "test_docs.py": 15,
     "test_slurm_recipe.py": 70, "test_finish.py": 20,
+    "test_dora.py": 120,
 }  # fmt: skip
 
 

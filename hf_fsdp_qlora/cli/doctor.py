@@ -58,6 +58,7 @@ def _settings(args: argparse.Namespace) -> dict:
         "double_quant": not args.no_double_quant,
         "lora_r": args.lora_r,
         "lora_dropout": args.lora_dropout,
+        "use_dora": args.use_dora,
         "lora_target_modules": targets,
         "trainer": args.trainer,
         "loss_path": args.loss_path,
@@ -151,6 +152,7 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
         parser.add_argument("--no-double-quant", action="store_true", help="bnb_4bit_use_double_quant=False")
         parser.add_argument("--lora-r", type=_positive, default=16, help="LoRA rank (default 16)")
         parser.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA dropout (default 0.05)")
+        parser.add_argument("--use-dora", action="store_true", help="LoraConfig(use_dora=True): plan DoRA's memory")
         parser.add_argument(
             "--lora-target-modules", default="all-linear", help="'all-linear' or comma-separated names"
         )

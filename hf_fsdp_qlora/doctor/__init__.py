@@ -18,7 +18,7 @@ a removal or a change of meaning bumps ``schema_version``::
       "setup": {                       # the resolved inputs
         "model": str, "quantization": "4bit" | "8bit" | null, "full_finetune": bool,
         "dtype": str, "quant_storage": str | null, "compute_dtype": str, "adapter_dtype": str | null,
-        "lora_r": int, "trainer": "hf_fsdp_qlora" | "transformers" | "accelerate",
+        "lora_r": int, "use_dora": bool, "trainer": "hf_fsdp_qlora" | "transformers" | "accelerate",
         "loss_path": "ours" | "sft" | "stock" | "dpo",
         "seq_len": int, "batch_size": int, "gradient_checkpointing": bool, "optimizer": str,
         "num_gpus": int, "gpu_memory": int | null (bytes), "device_map": str | null, "mixed_precision": str,

@@ -182,6 +182,13 @@ def _layer_activation_bytes(shape: ModelShape, setup: RunSetup, act: int, lora: 
         ins = shape.lora_in_features()
         dropout = (act + 1) * sum(ins) if setup.lora_dropout > 0 else 0  # dropout output + mask per adapter
         extra = (dropout + act * setup.lora_r * len(ins)) / shape.num_layers
+        if setup.use_dora:  # DoRA saves the base output and the LoRA output of each adapted Linear for backward
+            extra += (
+                2
+                * act
+                * sum(lin.out_features for lin in shape.linears if lin.lora and lin.layer is not None)
+                / shape.num_layers
+            )
     return norms + attention + mlp + extra
 
 
@@ -230,6 +237,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     else:
         packed = qstate = 0
     trainable = shape.total_params if setup.full_finetune else shape.lora_params(setup.lora_r)
+    if setup.use_dora and lora:  # DoRA's magnitude vectors train beside A and B
+        trainable += shape.dora_params()
 
     # Master dtype of the trainable parameters (accelerate's upcasts; see the module docstring).
     master = adapter_dtype if lora else setup.dtype
@@ -272,7 +281,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         {"adamw": 2 * master_b, "adamw_8bit": 2, "sgd": 0}.get(setup.optimizer, 2 * master_b) * trainable / shard
     )
     if setup.optimizer != "sgd":  # AdamW's fp32 `step` counter, one per trainable tensor on every rank
-        optimizer += 4 * (2 * sum(lin.lora for lin in shape.linears) if lora else shape.num_tensors)
+        per_adapted = 3 if setup.use_dora else 2  # A, B (and DoRA's magnitude)
+        optimizer += 4 * (per_adapted * sum(lin.lora for lin in shape.linears) if lora else shape.num_tensors)
     if fsdp.version is None:
         gradients *= 2  # DDP's gradient buckets hold a second copy
 
@@ -318,6 +328,9 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         activations -= offloaded_activations
     logits = logits_bytes(loss_path, tokens, shape.vocab_size, act, shape.hidden_size)
     workspace = max((lin.numel for lin in shape.linears if lin.quantized), default=0) * act if quant else 0
+    if setup.use_dora and lora:
+        workspace = max(workspace, shape.dora_workspace() * act)
+        notes.append("DoRA: each adapted Linear's weight is dequantized for its norm in every forward")
 
     parts = {
         "base_quantized": base_quantized,

@@ -80,6 +80,7 @@ class RunSetup:
     double_quant: bool = True
     lora_r: int = 16
     lora_dropout: float = 0.05
+    use_dora: bool = False  # LoraConfig(use_dora=True): magnitude vectors, and a weight norm in every forward
     lora_target_modules: str | list[str] = "all-linear"
     device_map: str | None = None
     trainer: str = "hf_fsdp_qlora"
@@ -373,6 +374,7 @@ def facts_from_model(model) -> dict:
     odd = sorted(d for d in frozen_dtypes if d != reference)
     if odd:
         facts["norm_dtype"] = odd[0]
+    facts["use_dora"] = any("lora_magnitude_vector" in n for n, _ in plain)
     facts["full_finetune"] = kind is None and bool(adapters) and not any("lora_" in n for n, _ in plain)
     device_map = getattr(model, "hf_device_map", None)
     if device_map is None and hasattr(model, "get_base_model"):

@@ -65,6 +65,18 @@ class ModelShape:
     def lora_in_features(self) -> list[int]:
         return [lin.in_features for lin in self.linears if lin.lora and lin.layer is not None]
 
+    def dora_params(self) -> int:
+        """DoRA's magnitude vectors: one element per output of each adapted Linear."""
+        return sum(lin.out_features for lin in self.linears if lin.lora)
+
+    def dora_workspace(self) -> int:
+        """Elements DoRA's forward holds at once for its largest adapted Linear (peft's DoraLinearLayer): the
+        dequantized weight, ``B @ A``, its scaled copy and their sum (each out x in) for the weight norm, and the
+        identity matrix (in x in) it runs through lora_A and lora_B to form ``B @ A``."""
+        return max(
+            (lin.in_features * (lin.in_features + 4 * lin.out_features) for lin in self.linears if lin.lora), default=0
+        )
+
     def per_layer(self, what: str) -> int:
         """numel of the largest decoder layer's quantizable linears (``"linear"``) or other params (``"other"``)."""
         if self.num_layers == 0:

@@ -19,7 +19,13 @@ from ..distributed import fsdp_requested_by_launch
 from ..errors import FSDPNotEngagedError
 from ..loading.low_ram import verify_partial_rows
 from .consistency import make_fsdp_consistent
-from .fsdp import assert_fsdp_engaged, fsdp_version, guard_sharded_merge, skip_frozen_embedding_backward_gather
+from .fsdp import (
+    assert_fsdp_engaged,
+    fsdp_unit_kinds,
+    fsdp_version,
+    guard_sharded_merge,
+    skip_frozen_embedding_backward_gather,
+)
 
 __all__ = ["FSDPQLoRACallback"]
 
@@ -32,16 +38,10 @@ enable_cpu_fsdp()
 def engagement_summary(model, version: int, found: dict) -> str:
     """One line for the log: what FSDP wrapped, and how many parameter bytes this rank holds of the whole."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    kinds: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, (FSDP, FSDPModule)):
-            inner = module.module if isinstance(module, FSDP) else module
-            name = type(inner).__name__.removeprefix("FSDP")
-            kinds[name] = kinds.get(name, 0) + 1
+    kinds = fsdp_unit_kinds(model)
     units = ", ".join(f"{count} {name}" for name, count in sorted(kinds.items(), key=lambda kv: -kv[1]))
     local = total = 0
     if version == 1:

@@ -8,11 +8,13 @@ import logging
 import torch
 
 from ..errors import FSDPNotEngagedError, UnsupportedSetupError
+from .dora import size_dora_identity_from_layer
 
 __all__ = [
     "fsdp_version",
     "configure_plugin",
     "fsdp_engagement",
+    "fsdp_unit_kinds",
     "assert_fsdp_engaged",
     "guard_sharded_merge",
     "match_amp_forward",
@@ -90,7 +92,9 @@ def configure_plugin(plugin, model, dtype: torch.dtype) -> list[str]:
       ``plugin.set_mixed_precision`` (transformers' ``update_fsdp_plugin_peft``) are routed to the same
       rule, so the policy cannot be undone between here and wrapping;
     * FSDP1: ``use_orig_params=True``, because a unit that holds frozen base weights and trainable
-      adapters fails with "Must flatten tensors with uniform requires_grad when use_orig_params=False".
+      adapters fails with "Must flatten tensors with uniform requires_grad when use_orig_params=False";
+    * FSDP1 with DoRA: DoRA's layers size their identity matrix from ``lora_A``'s layer, not from its weight,
+      which is a flat shard outside its own unit (:mod:`hf_fsdp_qlora.train.dora`).
 
     Returns:
         Human-readable notes of what was changed, for the log.
@@ -117,6 +121,9 @@ def configure_plugin(plugin, model, dtype: torch.dtype) -> list[str]:
         if len(requires_grad) > 1 and not plugin.use_orig_params:
             plugin.use_orig_params = True
             notes.append("FSDP1 use_orig_params False -> True (frozen base and trainable adapters share units)")
+        dora_layers = size_dora_identity_from_layer(model)
+        if dora_layers:
+            notes.append(f"FSDP1 DoRA: {dora_layers} layers read lora_A's width from the layer, not its flat shard")
     for note in notes:
         logger.info("hf_fsdp_qlora: %s", note)
     return notes
@@ -174,6 +181,20 @@ def fsdp_engagement(model) -> dict:
         "fsdp2_modules": sum(isinstance(m, FSDPModule) for m in modules),
         "dtensor_params": sum(isinstance(p, DTensor) for p in model.parameters()),
     }
+
+
+def fsdp_unit_kinds(model) -> dict[str, int]:
+    """How many FSDP1 / FSDP2 units wrap each module class of `model` ({"LlamaDecoderLayer": 32, ...})."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (FSDP, FSDPModule)):
+            inner = module.module if isinstance(module, FSDP) else module
+            name = type(inner).__name__.removeprefix("FSDP")
+            kinds[name] = kinds.get(name, 0) + 1
+    return kinds
 
 
 def assert_fsdp_engaged(model, version: int) -> dict:
