@@ -274,10 +274,11 @@ ENTRIES = (
         "title": "'weight' must be 2-D",
         "text": "RuntimeError: 'weight' must be 2-D",
         "pattern": r"'weight' must be 2-D",
-        "context": r"FullyShardedDataParallel|torch[/\\]distributed[/\\]fsdp|summon_full_params|_fsdp_wrapped_module",
+        "context": r"\bFSDP\b|FullyShardedDataParallel|torch[/\\]distributed[/\\]fsdp|fsdp_config",
         "other_causes": "DeepSpeed ZeRO-3 partitions the embedding the same way (generate outside "
-        "`deepspeed.zero.GatheredParameters`). It is this entry when the traceback goes through FSDP "
-        "(`FullyShardedDataParallel`, `torch/distributed/fsdp`).",
+        "`deepspeed.zero.GatheredParameters`), and the traceback of either names neither: `generate` is reached "
+        "through the wrapper's attribute forwarding. It is this entry when the log shows FSDP (accelerate's "
+        "`Distributed environment: FSDP`, a `FullyShardedDataParallel` frame, an `fsdp_config`).",
         "cause": "`model.generate` on an FSDP1-wrapped model bypasses the root unit's forward, so the embeddings and "
         "LM head it holds stay flattened and sharded (1-D).",
         "ours": "`generate_under_fsdp(model, ...)` gathers the root unit only (`summon_full_params(recurse=False)` "

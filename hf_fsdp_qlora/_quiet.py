@@ -62,9 +62,9 @@ NOISE: tuple[LoggedNoise | WarnedNoise, ...] = (
         category=FutureWarning,
         message=r"`is_gradient_checkpointing` is deprecated",
         module=r"transformers\.modeling_utils$",
-        callers=("peft",),
-        why="peft <= 0.21 (PeftModel.__init__) still reads transformers 5's deprecated alias on every get_peft_model; "
-        "nothing for the user to change",
+        callers=("peft", "trl"),
+        why="peft <= 0.21 (PeftModel.__init__) still reads transformers 5's deprecated alias on every get_peft_model, "
+        "and trl <= 1.16 in unwrap_model_for_generation; nothing for the user to change",
     ),
     WarnedNoise(
         category=FutureWarning,
