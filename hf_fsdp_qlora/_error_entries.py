@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+# Each pattern holds every wording a supported or commonly used version prints for the failure: torch <= 2.0 said
+# "`FlatParameter` requires uniform dtype" / "Integer parameters are unsupported" where torch >= 2.1 says "Must flatten
+# tensors with uniform dtype" / "Cannot flatten integer dtype tensors"; transformers 4.x said "can't be set to True
+# simultaneously" where 5.x says "can't both be set to True". A `context` is what makes the cause certain in a log
+# whose message has other causes too (`other_causes` says which, and how to tell them apart).
+_REQUIRE_GRAD = r"[Oo]nly Tensors of floating point (?:and complex )?dtype can require gradients"
 _DOCTOR = "tests/test_doctor.py::test_doctor_agrees_with_reality"
 _CLASSIC = "tests/test_trainer_fsdp.py::test_fsdp1_classic_failures"
 
@@ -10,7 +16,13 @@ ENTRIES = (
         "id": "cannot-flatten-integer",
         "title": "Cannot flatten integer dtype tensors",
         "text": "ValueError: Cannot flatten integer dtype tensors",
-        "pattern": r"Cannot flatten integer dtype tensors",
+        "pattern": rf"Cannot flatten integer dtype tensors|Integer parameters are unsupported|{_REQUIRE_GRAD}",
+        "context": r"Cannot flatten integer dtype tensors|Integer parameters are unsupported|Params4bit|load_in_4bit"
+        r"|quant_storage",
+        "other_causes": "`Only Tensors of floating point and complex dtype can require gradients` is raised for any "
+        "integer tensor made trainable. Under FSDP with a quantized base it is this entry (accelerate#2813, "
+        "bitsandbytes#1232: 4-bit weights stored as `uint8` while FSDP loads or wraps them) or an 8-bit base ([8-bit models "
+        "under FSDP](#8bit-under-fsdp)); the traceback names `Params4bit` or `load_in_4bit` when it is this one.",
         "cause": "FSDP1 flattens every parameter of a unit into one floating-point FlatParameter. bitsandbytes stores "
         "4-bit weights packed in `uint8` by default (`bnb_4bit_quant_storage`; trl's `--load_in_4bit` keeps that "
         "default), and an 8-bit base holds `int8` weights: neither can be flattened.",
@@ -28,7 +40,7 @@ ENTRIES = (
         "id": "uniform-dtype",
         "title": "Must flatten tensors with uniform dtype",
         "text": "ValueError: Must flatten tensors with uniform dtype but got torch.bfloat16 and torch.float32",
-        "pattern": r"Must flatten tensors with uniform dtype",
+        "pattern": r"Must flatten tensors with uniform dtype|`?FlatParameter`? requires uniform dtype",
         "cause": "One FSDP1 unit holds parameters of two dtypes: peft's default `autocast_adapter_dtype=True` makes "
         "the LoRA weights float32 beside a bfloat16 base, and `prepare_model_for_kbit_training` upcasts norms and "
         "embeddings to float32.",
@@ -44,7 +56,7 @@ ENTRIES = (
         "id": "uniform-requires-grad",
         "title": "Must flatten tensors with uniform requires_grad",
         "text": "ValueError: Must flatten tensors with uniform `requires_grad` when `use_orig_params=False`",
-        "pattern": r"Must flatten tensors with uniform `?requires_grad",
+        "pattern": r"Must flatten tensors with uniform `?requires_grad|`?FlatParameter`? requires uniform `?requires_grad",
         "cause": "A transformer-layer FSDP1 unit holds frozen base weights and trainable LoRA weights, and "
         "`use_orig_params=False` needs one `requires_grad` per FlatParameter.",
         "ours": "Our trainers set `use_orig_params=True` for FSDP1 before wrapping (the doctor's "
@@ -59,8 +71,14 @@ ENTRIES = (
         "text": "AttributeError: 'Parameter' object has no attribute 'CB'\n"
         "ValueError: Cannot flatten integer dtype tensors   (FSDP1)\n"
         "RuntimeError: Creating a Parameter from an instance of type Int8Params requires that detach() returns "
-        "an instance of the same type   (accelerate's FSDP2 path)",
-        "pattern": r"has no attribute 'CB'|instance of type Int8Params",
+        "an instance of the same type   (accelerate's FSDP2 path)\n"
+        "RuntimeError: Only Tensors of floating point and complex dtype can require gradients   (FSDP loading)",
+        "pattern": rf"has no attribute 'CB'|instance of type Int8Params|{_REQUIRE_GRAD}",
+        "context": r"has no attribute 'CB'|Int8Params|Linear8bitLt|load_in_8bit",
+        "other_causes": "`Only Tensors of floating point and complex dtype can require gradients` is raised for any "
+        "integer tensor made trainable: under FSDP, an 8-bit base (its `int8` weights) or a 4-bit base stored as "
+        "`uint8` (see [Cannot flatten integer dtype tensors](#cannot-flatten-integer)). The traceback names "
+        "`Int8Params`, `Linear8bitLt` or `load_in_8bit` when it is this one.",
         "cause": "An 8-bit (`load_in_8bit=True`) base keeps int8 weights and their scales on bitsandbytes' `Int8Params`: "
         "FSDP1 cannot flatten them, and FSDP2's sharding replaces the parameter and loses the `CB`/`SCB` state.",
         "ours": "Refused before wrapping with `UnsupportedSetupError` naming `load_in_4bit=True` (the doctor's "
@@ -74,7 +92,13 @@ ENTRIES = (
         "id": "m1-m2-same-dtype",
         "title": "expected m1 and m2 to have the same dtype",
         "text": "RuntimeError: expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16",
-        "pattern": r"expected m1 and m2 to have the same dtype|expected mat1 and mat2 to have the same dtype",
+        "pattern": r"expected m1 and m2 to have the same dtype|expected mat1 and mat2 to have the same dtype"
+        r"|mat1 and mat2 must have the same dtype|expected scalar type \w+ but found \w+",
+        "context": r"peft[/\\]tuners[/\\]lora|lora_[AB]",
+        "other_causes": "Any matmul of two dtypes raises it (torch >= 2.1 on CPU: `expected m1 and m2 ...`, on CUDA: "
+        "`mat1 and mat2 must have the same dtype`; torch <= 2.0: `expected scalar type BFloat16 but found Float`): "
+        "inputs or a head in float32 beside a bfloat16 model, a custom layer without autocast. It is this entry when "
+        "the failing frame is in peft's LoRA layer (`peft/tuners/lora/`).",
         "cause": "float32 LoRA weights (peft's default `autocast_adapter_dtype=True`) beside a bfloat16 base under "
         "`Trainer` + FSDP1: transformers sets FSDP's mixed precision to the 4-bit storage dtype, so the adapter's "
         "matmul meets a bfloat16 input.",
@@ -89,6 +113,12 @@ ENTRIES = (
         "text": "RuntimeError: Expected all tensors to be on the same device, but found at least two devices, cuda:0 "
         "and cpu!",
         "pattern": r"Expected all tensors to be on the same device",
+        "context": r"merge_and_unload|_unload_and_optionally_merge|merge_adapter",
+        "other_causes": "Most often it is not a merge: inputs left on the CPU while the model is on a GPU "
+        "(`batch = {k: v.to(model.device) ...}`), a `device_map` that split the model, a tensor created inside a "
+        "custom layer without `device=`. It is this entry when the traceback goes through `merge_and_unload` (torch "
+        "2.x wordings: `... but found at least two devices, cuda:0 and cpu!` and, newer, `... but got mat2 is on "
+        "cpu, different from other tensors on cuda:0`).",
         "cause": "`merge_and_unload` merges the live model in place: a base spread over GPU and CPU "
         '(`device_map="auto"`, FSDP CPU offload) or an adapter loaded on another device than its base puts the '
         "two operands of one update on two devices. On an FSDP2-sharded model the merge fails with "
@@ -110,7 +140,8 @@ ENTRIES = (
         "title": "Collective timeout (NCCL watchdog)",
         "text": "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=..., OpType=ALLGATHER, ...) "
         "ran for 1800012 milliseconds before timing out.",
-        "pattern": r"Watchdog caught collective operation timeout|collective operation timeout|Timeout\(ms\)=\d+",
+        "pattern": r"Watchdog caught collective operation timeout|collective operation timeout|Timeout\(ms\)=\d+"
+        r"|Timed out waiting \d+ms for (?:recv|send) operation",
         "cause": "One rank works alone longer than the collective timeout (saving a large checkpoint, gathering a "
         "full state dict, evaluating on rank 0 only) while the others wait in a collective. transformers' "
         "default `ddp_timeout` is 1800 s.",
@@ -146,7 +177,13 @@ ENTRIES = (
         "title": "CUDA out of memory in a full fine-tune",
         "text": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total capacity "
         "of 23.55 GiB of which ...",
-        "pattern": r"CUDA out of memory|OutOfMemoryError",
+        "pattern": r"CUDA out of memory|HIP out of memory|OutOfMemoryError",
+        "other_causes": "Any run that does not fit prints it (`torch.cuda.OutOfMemoryError` in torch 1.13-2.4, "
+        "`torch.OutOfMemoryError` from 2.5). This entry's cause is certain only for a full fine-tune (every "
+        "parameter trains, no LoRA) without activation checkpointing. Under QLoRA it is mostly the activations and "
+        "the logits (sequence length x batch x vocabulary), an eval batch larger than the training one, or a 4-bit "
+        "base left unsharded (`uint8` storage under FSDP2): `hf-fsdp-qlora doctor` with the run's settings gives "
+        "the memory per GPU, part by part.",
         "cause": "A full fine-tune without activation checkpointing keeps every layer's activations for the "
         "backward, on top of the weights, gradients and two fp32 Adam states per parameter.",
         "ours": "`hf-fsdp-qlora doctor --full-finetune --gpu-memory 24GB` plans the memory per GPU before launch "
@@ -178,7 +215,12 @@ ENTRIES = (
         "id": "all-labels-masked",
         "title": "NaN loss from all -100 labels",
         "text": "{'loss': 'nan', 'grad_norm': 'nan', 'learning_rate': ..., 'epoch': ...}",
-        "pattern": r"'loss': '?nan|NoLabelsError|Every label in .* is -100",
+        "pattern": r"'loss': '?nan|\"loss\": NaN|NoLabelsError|Every label in .* is -100",
+        "context": r"NoLabelsError|Every label in .* is -100",
+        "other_causes": "A NaN loss also comes from overflow: float16 without loss scaling, a learning rate too high, "
+        "inf or NaN in the inputs or the weights (then the first steps' losses are finite and `grad_norm` grows "
+        "first). It is this entry when a batch has no label but -100: our `LabelsCheckCallback` says so with "
+        "`NoLabelsError`; on the stock stack, count `(batch['labels'] != -100).sum()` per batch.",
         "cause": "Every label of the batch is -100 (the ignore index): `max_length` truncated every completion "
         "away, or a completion-only collator masked everything. The mean cross entropy over zero tokens is "
         "0/0 = nan (or 0), and nothing is learned.",
@@ -198,7 +240,7 @@ ENTRIES = (
         "text": "ValueError: `fsdp_config['activation_checkpointing']` (FSDP's own activation checkpointing) and the "
         "`activation_checkpointing` training argument can't both be set to True. Use FSDP's activation "
         "checkpointing when using FSDP.",
-        "pattern": r"can't both be set to True",
+        "pattern": r"can't both be set to True|can't be set to True simultaneously",
         "cause": "trl's configs default to `gradient_checkpointing=True`, and the shipped FSDP2 configs set "
         "`fsdp_activation_checkpointing: true`: `Trainer.__init__` raises before any callback runs.",
         "ours": "Applied exactly once: when the accelerate config asks for FSDP's, that one is kept and the "
@@ -232,6 +274,11 @@ ENTRIES = (
         "title": "'weight' must be 2-D",
         "text": "RuntimeError: 'weight' must be 2-D",
         "pattern": r"'weight' must be 2-D",
+        "context": r"\bFSDP\b|FullyShardedDataParallel|torch[/\\]distributed[/\\]fsdp|fsdp_config",
+        "other_causes": "DeepSpeed ZeRO-3 partitions the embedding the same way (generate outside "
+        "`deepspeed.zero.GatheredParameters`), and the traceback of either names neither: `generate` is reached "
+        "through the wrapper's attribute forwarding. It is this entry when the log shows FSDP (accelerate's "
+        "`Distributed environment: FSDP`, a `FullyShardedDataParallel` frame, an `fsdp_config`).",
         "cause": "`model.generate` on an FSDP1-wrapped model bypasses the root unit's forward, so the embeddings and "
         "LM head it holds stay flattened and sharded (1-D).",
         "ours": "`generate_under_fsdp(model, ...)` gathers the root unit only (`summon_full_params(recurse=False)` "

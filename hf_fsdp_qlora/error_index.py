@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ._error_entries import ENTRIES
 
-__all__ = ["ERRORS", "KnownError", "find_known_errors", "render_markdown"]
+__all__ = ["ERRORS", "KnownError", "find_known_errors", "is_certain", "render_markdown"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class KnownError:
         tests: pytest node ids that back the entry (reproduce the stock text where a CPU can, and show ours passes).
         test_text: a part of ``text`` that the backing tests' files contain; None where a CPU cannot reproduce it.
         cpu: why a CPU cannot reproduce the stock text (None where it can).
+        context: a regular expression that, found in the same log, makes this cause certain.
+        other_causes: the other causes of the same message and how to tell them apart. When set, a log that
+            matches `pattern` but not `context` gets this entry as a possible cause, not as the cause.
     """
 
     id: str
@@ -43,6 +46,8 @@ class KnownError:
     tests: tuple[str, ...]
     test_text: str | None = None
     cpu: str | None = None
+    context: str | None = None
+    other_causes: str | None = None
 
     @property
     def anchor(self) -> str:
@@ -55,6 +60,14 @@ ERRORS: tuple[KnownError, ...] = tuple(KnownError(**entry) for entry in ENTRIES)
 def find_known_errors(log: str) -> list[KnownError]:
     """The entries whose pattern occurs in `log` (a log file or a pasted traceback), in index order."""
     return [entry for entry in ERRORS if re.search(entry.pattern, log, flags=re.MULTILINE)]
+
+
+def is_certain(entry: KnownError, log: str) -> bool:
+    """Whether `entry`'s cause is certain for `log` (which matches its pattern): its message has no other known
+    cause, or the log also holds the entry's context (e.g. the ``merge_and_unload`` frame of a device mismatch)."""
+    if entry.other_causes is None:
+        return True
+    return entry.context is not None and re.search(entry.context, log, flags=re.MULTILINE) is not None
 
 
 def _tests_line(entry: KnownError) -> str:
@@ -74,7 +87,8 @@ def render_markdown() -> str:
         "Start from the message you saw. `hf-fsdp-qlora explain LOG` (or `... | hf-fsdp-qlora explain -`) finds",
         "these entries in a log or a pasted traceback. Each entry gives the exact text, the cause, what this",
         "package does about it, and the setting to change if you stay on the stock stack. Every entry is backed by",
-        "the tests it names.",
+        "the tests it names. Where the same message has other causes, the entry says how to tell them apart, and",
+        "`explain` reports the entry as a possible cause unless the log holds what makes it certain.",
         "",
     ]
     lines += [f"- [{entry.title}](#{entry.id})" for entry in ERRORS]
@@ -89,6 +103,7 @@ def render_markdown() -> str:
             "",
             f"**Cause:** {entry.cause}",
             "",
+            *([f"**Same message, other causes:** {entry.other_causes}", ""] if entry.other_causes else []),
             f"**What hf_fsdp_qlora does:** {entry.ours}",
             "",
             f"**On the stock stack:** {entry.stock_fix}",

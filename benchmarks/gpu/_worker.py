@@ -14,6 +14,7 @@ FSDPQLoRATrainer), ``stock`` (benchmarks/_throughput_worker.py's stock recipe + 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -152,9 +153,14 @@ def train(sc: dict, spec: dict, model) -> dict:
     found["distributed_type"] = str(trainer.accelerator.state.distributed_type)
     if CUDA:
         torch.cuda.reset_peak_memory_stats()
-    with SavedBytes() as saved:
+    # A Python hook runs for every tensor autograd saves: only the CPU stand-in for a memory peak turns it on, never
+    # a timed GPU run (``saved_tensor_hooks`` in the result says which).
+    counting = bool(sc.get("count_saved")) and not CUDA
+    with SavedBytes() if counting else contextlib.nullcontext() as saved:
         trainer.train()
-    found["saved_for_backward_bytes_per_step"] = saved.bytes // sc["steps"]
+    found["saved_tensor_hooks"] = counting
+    if counting:
+        found["saved_for_backward_bytes_per_step"] = saved.bytes // sc["steps"]
     if "t0" in found and "t1" in found:
         seconds = found.pop("t1") - found.pop("t0")
         found["s_per_step"] = seconds / (sc["steps"] - warmup)
@@ -182,9 +188,7 @@ def live_adapter(model) -> dict:
     if fsdp1:
         ctx = FSDP.summon_full_params(model, writeback=False)
     else:
-        from contextlib import nullcontext
-
-        ctx = nullcontext()
+        ctx = contextlib.nullcontext()
     out = {}
     with ctx:
         for name, p in model.named_parameters():

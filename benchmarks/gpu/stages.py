@@ -20,6 +20,10 @@ GPU_CONFIGS = ("fsdp2_qlora", "fsdp1_qlora", "fsdp2_qlora_offload")  # the shipp
 # FSDP2's CPUOffloadPolicy moves shards between host and an accelerator; on CPU ranks it raises "Cannot access
 # accelerator device when none is available", so the dry run leaves it out (and says so).
 CPU_UNSUPPORTED = {"fsdp2_qlora_offload": "FSDP2 parameter offloading needs an accelerator"}
+# What a one-GPU run leaves unproven, said in every correctness report.
+ONE_GPU_CANNOT_SHOW = ("one GPU cannot show FSDP's sharding is correct: at world size 1 each shard is the whole "
+                       "tensor and every collective is a copy; the sharding (2 ranks: losses against the unsharded "
+                       "run, gathered adapters, state dicts) is checked by the test suite's 2-rank CPU launches")  # fmt: skip
 EXPECT = {None: 0, "fsdp2_qlora": 2, "fsdp1_qlora": 1, "fsdp2_qlora_offload": 2, "callback": 2}  # FSDP version
 
 
@@ -100,6 +104,7 @@ def correctness_summary(ctx, results: dict) -> dict:
     ref_losses = ref.get("losses") or []
     rows, failures = [], []
     skipped = [f"{c}: {why} (skipped in the dry run)" for c, why in CPU_UNSUPPORTED.items() if ctx.dry]
+    skipped.append(ONE_GPU_CANNOT_SHOW)
     for config in (None, *GPU_CONFIGS, "callback"):
         if ctx.dry and config in CPU_UNSUPPORTED:
             continue
@@ -135,7 +140,8 @@ def correctness_summary(ctx, results: dict) -> dict:
 
 def memory_scenarios(ctx) -> list[dict]:
     p = ctx.profile
-    base = {"kind": "ours", "lora_r": p["lora_r"], "batch": 1, "steps": p["memory"]["steps"], "warmup": 1}
+    base = {"kind": "ours", "lora_r": p["lora_r"], "batch": 1, "steps": p["memory"]["steps"], "warmup": 1,
+            "count_saved": ctx.dry}  # fmt: skip
     safe, risky = [], []
     for seq in p["memory"]["seqs"]:
         safe.append({**base, "name": f"c.none.ckpt.{seq}", "seq": seq, "config": None})
@@ -159,8 +165,15 @@ def _plan(ctx, sc: dict):
                     gpu_memory=ctx.gpu_memory, mixed_precision="bf16").plan  # fmt: skip
 
 
+def allocator_part(plan) -> int:
+    """The plan's bytes that ``torch.cuda.max_memory_allocated`` can see: its total less ``runtime_overhead`` (the
+    CUDA context and library handles, which live outside PyTorch's caching allocator)."""
+    return plan.total - plan.parts["runtime_overhead"]
+
+
 def memory_summary(ctx, results: dict) -> dict:
-    """Stage c: the plan's per-GPU total against CUDA's max allocated and reserved (dry run: activations only)."""
+    """Stage c: the plan's per-GPU total less its runtime overhead against CUDA's max allocated and reserved (dry
+    run: activations only)."""
     rows, missed = [], []
     for sc in memory_scenarios(ctx):
         found = results.get(sc["name"], {"status": "not run"})
@@ -172,10 +185,14 @@ def memory_summary(ctx, results: dict) -> dict:
             row["saved_for_backward_mib"] = measured / 2**20 if measured else None
             row["plan_activations_mib"] = plan.parts["activations"] / 2**20
         elif found.get("status") == "ok":
+            # Like with like: the caching allocator never counts the plan's runtime overhead (the CUDA context,
+            # outside the allocator), so the goal compares the allocator's part of the plan with its peak.
+            allocator = allocator_part(plan)
+            row["plan_allocator_gib"] = allocator / GIB
             row["max_allocated_gib"] = found["max_allocated"] / GIB
             row["max_reserved_gib"] = found["max_reserved"] / GIB
-            row["plan_vs_allocated"] = plan.total / found["max_allocated"]
-            row["plan_vs_reserved"] = plan.total / found["max_reserved"]
+            row["plan_vs_allocated"] = allocator / found["max_allocated"]
+            row["plan_vs_reserved"] = allocator / found["max_reserved"]
             if abs(row["plan_vs_allocated"] - 1) > MEMORY_GOAL:
                 missed.append(row["run"])
         elif found.get("status") == "oom":
@@ -187,7 +204,7 @@ def memory_summary(ctx, results: dict) -> dict:
         rows.append(row)
     ran = [r for r in rows if r["status"] in ("ok", "oom")]
     status = "ok" if len(ran) == len(rows) else ("stopped" if ran else "failed")
-    goal = (f"plan total within {MEMORY_GOAL:.0%} of CUDA max allocated: "
+    goal = (f"plan total less its runtime overhead within {MEMORY_GOAL:.0%} of CUDA max allocated: "
             f"{'met' if not missed else 'MISSED for ' + ', '.join(missed)}")  # fmt: skip
     notes = [("dry run: no CUDA allocator on CPU; the figure beside the plan's activations is the bytes autograd "
              "kept for backward per step (saved-tensor hooks)")] if ctx.dry else []  # fmt: skip

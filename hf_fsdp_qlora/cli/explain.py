@@ -2,6 +2,10 @@
 
     hf-fsdp-qlora explain train.log
     accelerate launch ... 2>&1 | hf-fsdp-qlora explain -
+    hf-fsdp-qlora explain          # on a terminal: paste the traceback, then Ctrl-D
+
+A message with several known causes is reported as a possible cause, with what tells them apart, unless the log
+holds what makes the cause certain (e.g. the ``merge_and_unload`` frame of a device mismatch).
 
 The entries come from :mod:`hf_fsdp_qlora.error_index`, the same table ``docs/errors.md`` is rendered from.
 Only the standard library is imported, so the command answers instantly.
@@ -36,9 +40,13 @@ hf_fsdp_qlora does about it and the setting to change on the stock stack (the en
 examples:
   hf-fsdp-qlora explain train.log
   accelerate launch ... 2>&1 | tee train.log | hf-fsdp-qlora explain -
+  hf-fsdp-qlora explain                 # on a terminal: paste the traceback, then Ctrl-D (Ctrl-Z Enter on Windows)
   hf-fsdp-qlora explain --list          # every known error, by id
 
-exit status: 0 a known error was found, 1 none was, 2 usage error (e.g. FILE unreadable)."""
+A message that has other causes than the entry's (a device mismatch, an out-of-memory error, a NaN loss) is
+reported as "possible", with what tells the causes apart, unless the log holds what makes it certain.
+
+exit status: 0 a known error (or a possible cause) was found, 1 none was, 2 usage error (e.g. FILE unreadable)."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
@@ -47,7 +55,7 @@ exit status: 0 a known error was found, 1 none was, 2 usage error (e.g. FILE unr
         parser.add_argument("--list", action="store_true", help="list every known error (id and title) and exit")
 
     def run(self, args: argparse.Namespace) -> int:
-        from hf_fsdp_qlora.error_index import ERRORS, find_known_errors
+        from hf_fsdp_qlora.error_index import ERRORS, find_known_errors, is_certain
 
         if args.list:
             width = max(len(entry.id) for entry in ERRORS)
@@ -55,6 +63,13 @@ exit status: 0 a known error was found, 1 none was, 2 usage error (e.g. FILE unr
                 print(f"{entry.id:<{width}}  {entry.title}")
             return 0
         if args.file == "-":
+            if sys.stdin.isatty():  # else a bare `explain` waits silently for input the user does not know to give
+                print(
+                    f"{self.prog}: reading the log from the terminal: paste the traceback, then press Ctrl-D "
+                    f"(Ctrl-Z Enter on Windows). Or: `{self.prog} train.log`, `... 2>&1 | {self.prog} -`.",
+                    file=sys.stderr,
+                    flush=True,
+                )
             log = sys.stdin.read()
         else:
             try:
@@ -69,8 +84,13 @@ exit status: 0 a known error was found, 1 none was, 2 usage error (e.g. FILE unr
             )
             return 1
         for entry in found:
-            print(f"== {entry.title} [{entry.id}]")
-            print(_paragraph("cause", entry.cause))
+            if is_certain(entry, log):
+                print(f"== {entry.title} [{entry.id}]")
+                print(_paragraph("cause", entry.cause))
+            else:
+                print(f"== possibly: {entry.title} [{entry.id}] (this message has other causes too)")
+                print(_paragraph("cause, if it is this one", entry.cause))
+                print(_paragraph("other causes", entry.other_causes))
             print(_paragraph("hf_fsdp_qlora", entry.ours))
             print(_paragraph("stock fix", entry.stock_fix))
             print(f"docs: docs/{entry.anchor}")
