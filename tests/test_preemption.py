@@ -6,10 +6,12 @@ steps of 2 micro-steps); the last launch also trains the uninterrupted baseline 
 launch fewer). Every fault hits ONE rank only:
 
   FSDP1, FSDPQLoRATrainer + auto_resume=True:
-    SIGTERM between micro-steps of a seeded random step -> SIGTERM in evaluation -> a genuine external SIGUSR1 from
+    SIGTERM between micro-steps of a seeded random step -> SIGTERM in evaluation of a dict eval_dataset (the second
+    dataset is skipped) -> a genuine external SIGUSR1 from
     this process while a checkpoint is being written -> SIGKILL in the middle of a write -> runs to the end
   FSDP2, a plain Trainer script under `-m hf_fsdp_qlora.run` with HF_FSDP_QLORA_AUTO_RESUME=1:
-    SIGUSR1 between micro-steps of a seeded random step -> SIGTERM in evaluation -> SIGTERM inside a write ->
+    SIGUSR1 between micro-steps of a seeded random step -> SIGTERM in the eval_on_start evaluation (checkpointed at
+    the end of the next step) -> SIGTERM inside a write ->
     the stop_after deadline -> runs to the end
 
 After each stop: the job ended within GRACE_S of the signal, both ranks exited with status 75, the checkpoint is
@@ -105,6 +107,13 @@ class Chain:
         assert f"saved {ckpt}" in output and "exiting with status 75" in output
         return took
 
+    def eval_batches(self, run):
+        found = []
+        for rank in (0, 1):
+            lines = (self.record / f"losses_rank{rank}.jsonl").read_text().splitlines()
+            found += [e["eval_batches"] for e in map(json.loads, lines) if e.get("run") == run and "eval_batches" in e]
+        return found
+
     def starts(self):
         runs = {}
         for line in (self.record / "losses_rank0.jsonl").read_text().splitlines():
@@ -151,9 +160,12 @@ def _run_chain(version, route, models, root, seed):
     k, victim = rng.randint(1, 3), rng.randint(0, 1)
     sig = "SIGTERM" if version == 1 else "SIGUSR1"
     took["substep"] = chain.expect_stop("r1", f"substep:{k}:{victim}:{sig}", step=k)
-    # 2: in evaluation (steps 3, 6): stopped early, the checkpoint is the evaluation's step.
-    evaluated = 3 if k < 3 else 6
-    took["eval"] = chain.expect_stop("r2", f"eval:{rng.randint(0, 1)}:SIGTERM", step=evaluated)
+    # 2: FSDP1: in evaluation (steps 3, 6) of two datasets: stopped early, the second skipped, the checkpoint is the
+    # evaluation's step. FSDP2: in the eval_on_start evaluation: checkpointed at the end of the next step (issue 25).
+    evaluated, kind = (3 if k < 3 else 6, "eval") if version == 1 else (k + 1, "starteval")
+    took["eval"] = chain.expect_stop("r2", f"{kind}:{rng.randint(0, 1)}:SIGTERM", step=evaluated)
+    # Each rank's callback saw the batch at which the signal came; ours ended the evaluation at the next.
+    assert chain.eval_batches("r2") == [1, 1]
     # 3: during a periodic write (every 2 steps): that write completes and is the one; nothing is written twice.
     written = evaluated + 1 if evaluated % 2 else evaluated + 2
     if version == 1:
@@ -548,9 +560,12 @@ def test_plain_trainer_with_the_callback_stops_in_evaluation_and_skips_the_other
 
 def test_signal_in_the_eval_on_start_evaluation_writes_a_checkpoint(tmp_path):
     """Item 7: eval_on_start=True and a signal during that first evaluation: the stop is carried to the end of the
-    first step, which is checkpointed (was: no checkpoint, no marker, and the process would exit 75 all the same)."""
+    first step - both of its micro-steps - which is checkpointed (was: no checkpoint, no marker, and the process
+    would exit 75 all the same)."""
     fault = _fault(in_eval=True)
-    trainer, stop = _in_process_run(tmp_path, fault, eval_on_start=True, eval_strategy="steps", eval_steps=100)
+    trainer, stop = _in_process_run(
+        tmp_path, fault, eval_on_start=True, eval_strategy="steps", eval_steps=100, gradient_accumulation_steps=2
+    )
     trainer.train()
     _assert_stopped_at(tmp_path, trainer, stop, 1)
 
@@ -569,31 +584,32 @@ def test_best_model_at_end_keeps_the_preemption_checkpoint(tmp_path):
     assert trainer.args.load_best_model_at_end and trainer.args.save_total_limit == 1  # the settings are back
 
 
-REARM = """
-import os, signal, sys
-from types import SimpleNamespace
-from hf_fsdp_qlora import PreemptionCallback
-
-stop = PreemptionCallback(signals="SIGUSR1")
-args = SimpleNamespace(preemption_signals=None, stop_after=None)
-stop.on_train_begin(args, None, None)
-stop.on_step_end(args, None, SimpleNamespace())  # the last agreement: nothing yet
-os.kill(os.getpid(), signal.SIGUSR1)  # arrives during the final save / end of training
-print("caught", flush=True)
-stop.on_train_end(args, None, None)
-print("survived", flush=True)
-"""
-
-
 def test_a_signal_after_the_last_agreement_is_raised_again():
     """Item 10: SIGUSR1 after the last agreement: when our handler is removed, the signal is raised again with its
-    default action (the process dies of it, as it would have without us; was: dropped, the process went on)."""
-    proc = subprocess.run(
-        [str(BIN / "python"), "-c", REARM], check=False, capture_output=True, text=True, timeout=120, env=_env({}),
-        cwd=str(REPO),
-    )  # fmt: skip
-    assert proc.returncode == -signal.SIGUSR1, (proc.returncode, proc.stdout, proc.stderr[-2000:])
-    assert proc.stdout.split() == ["caught"] and "came after the last preemption check" in proc.stderr
+    default action, so the process dies of it as it would have without us (was: dropped, the process went on). In a
+    forked child of this process: the default action of SIGUSR1 ends it."""
+    from types import SimpleNamespace
+
+    from hf_fsdp_qlora import PreemptionCallback
+
+    pid = os.fork()
+    if pid == 0:  # the child: one "run" whose signal comes after the last check, then the end of training
+        code = 3
+        try:
+            stop = PreemptionCallback(signals="SIGUSR1")
+            args, state = SimpleNamespace(preemption_signals=None, stop_after=None), SimpleNamespace(global_step=0)
+            stop.on_train_begin(args, state, None)
+            stop.on_step_end(args, state, SimpleNamespace())  # the last agreement: nothing yet
+            os.kill(os.getpid(), signal.SIGUSR1)  # arrives during the final save / the end of training
+            code = 4 if stop.flag.received != signal.SIGUSR1 else 5
+            stop.on_train_end(args, state, None)
+            code = 0  # survived: the signal was dropped
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGUSR1, os.WIFEXITED(status) and os.WEXITSTATUS(
+        status
+    )
 
 
 def test_stop_after_counts_from_the_process_start():
@@ -610,7 +626,9 @@ def test_stop_after_counts_from_the_process_start():
     while age() < 3:
         time.sleep(0.2)
     stop = PreemptionCallback(signals="", stop_after="00:00:02")
-    stop.on_train_begin(SimpleNamespace(preemption_signals=None, stop_after=None), None, None)
+    stop.on_train_begin(
+        SimpleNamespace(preemption_signals=None, stop_after=None), SimpleNamespace(global_step=0), None
+    )
     assert stop._local() == 1  # the deadline has passed at the first check (was: 2 s after train() began)
     assert abs((time.time() - stop._start) - age()) <= 2
     stop.disarm()

@@ -75,7 +75,7 @@ class PreemptionCallback(TrainerCallback):
         self.stopped = 0  # the agreed reason: a signal number, or 1 for the deadline
         self.checkpoint: str | None = None
         self.exit_deferred = False  # set by our trainers, which exit after train() returns
-        self._budget = self._start = None
+        self._budget = self._start = self._first_step = None
         # A Trainer built with this callback gets our trainer's behaviour (trainer_hook), which this callback's
         # guarantees rest on: evaluation ended early, checkpoints kept through _finalize_training, handlers restored
         # when train() raises. Imported here: trainer_hook imports this module.
@@ -87,7 +87,7 @@ class PreemptionCallback(TrainerCallback):
         signals = self._signals if self._signals is not None else getattr(args, "preemption_signals", None)
         stop_after = self._stop_after or getattr(args, "stop_after", None) or launch_defaults()["stop_after"]
         self._budget, self._start = parse_stop_after(stop_after), process_start_time()
-        self.stopped, self.checkpoint = 0, None
+        self.stopped, self.checkpoint, self._first_step = 0, None, state.global_step
         if not self.exit_deferred:  # set by our trainers' train(): the callback was added to a plain one afterwards
             logger.warning(
                 "hf_fsdp_qlora: PreemptionCallback on a trainer without hf_fsdp_qlora's trainer behaviour (added "
@@ -129,8 +129,12 @@ class PreemptionCallback(TrainerCallback):
             return
         reason = agree(self._local())
         if reason:
-            self._stop(reason, control)
-            control.should_save = True
+            self.stopped = reason
+            # The eval_on_start evaluation has no step to save: on_step_end stops at the end of the next one. Not
+            # before: the loop reads should_training_stop after each micro-step and would leave that step unfinished.
+            if state.global_step != self._first_step:
+                self._stop(reason, control)
+                control.should_save = True
             if self.exit_deferred:  # only our trainer's evaluate() catches it
                 raise _EvaluationStopped
 
