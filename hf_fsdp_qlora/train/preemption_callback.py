@@ -10,9 +10,9 @@ Where the flag raised by :class:`~hf_fsdp_qlora.train.preemption.SignalFlag` is 
   by the accumulation count. The flag set mid-accumulation is read at the end of that step;
 * each evaluation batch (``on_prediction_step``, only during ``train()``): one all-reduce per batch; a stop ends the
   evaluation early (that evaluation's metrics are dropped, the remaining datasets of a dict ``eval_dataset`` are
-  skipped) and saves at the step it belongs to. Ending it early needs our trainer's ``evaluate`` (every trainer built
-  with this callback has it); on a trainer given the callback afterwards (``add_callback``), the evaluation runs to
-  its end first;
+  skipped) and saves at the step it belongs to. Ending it early needs our trainer's ``evaluate``: every Trainer built
+  with this callback has it (``hf_fsdp_qlora.PreemptionCallback`` resolves through ``trainer_hook``, which adopts
+  such trainers); on a trainer given the callback afterwards (``add_callback``), the evaluation runs to its end;
 * after each checkpoint write (``on_save``): a signal that arrived during the write let it complete; this
   checkpoint is then the preemption checkpoint, and nothing is written twice.
 """
@@ -76,12 +76,6 @@ class PreemptionCallback(TrainerCallback):
         self.checkpoint: str | None = None
         self.exit_deferred = False  # set by our trainers, which exit after train() returns
         self._budget = self._start = self._first_step = None
-        # A Trainer built with this callback gets our trainer's behaviour (trainer_hook), which this callback's
-        # guarantees rest on: evaluation ended early, checkpoints kept through _finalize_training, handlers restored
-        # when train() raises. Imported here: trainer_hook imports this module.
-        from .trainer_hook import install_trainer_hook
-
-        install_trainer_hook()
 
     def on_train_begin(self, args, state, control, **kwargs):
         signals = self._signals if self._signals is not None else getattr(args, "preemption_signals", None)

@@ -19,8 +19,8 @@ Installing the hook wraps ``Trainer.__init__`` once; it changes nothing for a tr
 unless ``adopt_all`` was asked for.
 
 Imports go one way: ``callbacks`` <- ``_trainer_mixin`` <- ``trainer_hook``. The public name
-``hf_fsdp_qlora.FSDPQLoRACallback`` is resolved through this module, so importing the callback installs the hook
-before the user's Trainer is built.
+``hf_fsdp_qlora.FSDPQLoRACallback`` (and ``hf_fsdp_qlora.PreemptionCallback``) is resolved through this module, so
+importing the callback installs the hook before the user's Trainer is built.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ._trainer_mixin import FSDPSaveMixin, with_fsdp_callback
 from .callbacks import FSDPQLoRACallback
 from .preemption_callback import PreemptionCallback
 
-__all__ = ["FSDPQLoRACallback", "adopted_class", "install_trainer_hook"]
+__all__ = ["FSDPQLoRACallback", "PreemptionCallback", "adopted_class", "install_trainer_hook"]
 
 _INSTALLED = False
 _ADOPT_ALL = False
@@ -88,6 +88,7 @@ def install_trainer_hook(adopt_all: bool = False) -> None:
     _INSTALLED = True
 
 
-# `from hf_fsdp_qlora import FSDPQLoRACallback` imports this module: a Trainer built with the callback then gets
-# our behaviour (what the callback cannot fix happens inside Trainer.__init__, before any callback event).
+# `from hf_fsdp_qlora import FSDPQLoRACallback` (or PreemptionCallback) imports this module: a Trainer built with
+# the callback then gets our behaviour (what the callback cannot fix happens inside Trainer.__init__, before any
+# callback event).
 install_trainer_hook()
