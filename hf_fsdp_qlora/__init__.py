@@ -24,7 +24,7 @@ _EXPORTS = {
     "FSDPQLoRACallback": "train.trainer_hook",  # importing it installs the Trainer hook
     "FSDPQLoRATrainingArguments": "train.training_args",
     "SampleGenerationsCallback": "train.generation",
-    "PreemptionCallback": "train.preemption_callback",
+    "PreemptionCallback": "train.trainer_hook",  # likewise: a Trainer given it gets our trainer's behaviour
     "PREEMPTED_EXIT_CODE": "train.preemption",
     "finish_distributed": "train.finish",
     "generate_under_fsdp": "train.generation",

@@ -6,10 +6,12 @@ steps of 2 micro-steps); the last launch also trains the uninterrupted baseline 
 launch fewer). Every fault hits ONE rank only:
 
   FSDP1, FSDPQLoRATrainer + auto_resume=True:
-    SIGTERM between micro-steps of a seeded random step -> SIGTERM in evaluation -> a genuine external SIGUSR1 from
+    SIGTERM between micro-steps of a seeded random step -> SIGTERM in evaluation of a dict eval_dataset (the second
+    dataset is skipped) -> a genuine external SIGUSR1 from
     this process while a checkpoint is being written -> SIGKILL in the middle of a write -> runs to the end
   FSDP2, a plain Trainer script under `-m hf_fsdp_qlora.run` with HF_FSDP_QLORA_AUTO_RESUME=1:
-    SIGUSR1 between micro-steps of a seeded random step -> SIGTERM in evaluation -> SIGTERM inside a write ->
+    SIGUSR1 between micro-steps of a seeded random step -> SIGTERM in the eval_on_start evaluation (checkpointed at
+    the end of the next step) -> SIGTERM inside a write ->
     the stop_after deadline -> runs to the end
 
 After each stop: the job ended within GRACE_S of the signal, both ranks exited with status 75, the checkpoint is
@@ -104,6 +106,13 @@ class Chain:
         assert f"saved {ckpt}" in output and "exiting with status 75" in output
         return took
 
+    def eval_batches(self, run):
+        found = []
+        for rank in (0, 1):
+            lines = (self.record / f"losses_rank{rank}.jsonl").read_text().splitlines()
+            found += [e["eval_batches"] for e in map(json.loads, lines) if e.get("run") == run and "eval_batches" in e]
+        return found
+
     def starts(self):
         runs = {}
         for line in (self.record / "losses_rank0.jsonl").read_text().splitlines():
@@ -150,9 +159,12 @@ def _run_chain(version, route, models, root, seed):
     k, victim = rng.randint(1, 3), rng.randint(0, 1)
     sig = "SIGTERM" if version == 1 else "SIGUSR1"
     took["substep"] = chain.expect_stop("r1", f"substep:{k}:{victim}:{sig}", step=k)
-    # 2: in evaluation (steps 3, 6): stopped early, the checkpoint is the evaluation's step.
-    evaluated = 3 if k < 3 else 6
-    took["eval"] = chain.expect_stop("r2", f"eval:{rng.randint(0, 1)}:SIGTERM", step=evaluated)
+    # 2: FSDP1: in evaluation (steps 3, 6) of two datasets: stopped early, the second skipped, the checkpoint is the
+    # evaluation's step. FSDP2: in the eval_on_start evaluation: checkpointed at the end of the next step (issue 25).
+    evaluated, kind = (3 if k < 3 else 6, "eval") if version == 1 else (k + 1, "starteval")
+    took["eval"] = chain.expect_stop("r2", f"{kind}:{rng.randint(0, 1)}:SIGTERM", step=evaluated)
+    # Each rank's callback saw the batch at which the signal came; ours ended the evaluation at the next.
+    assert chain.eval_batches("r2") == [1, 1]
     # 3: during a periodic write (every 2 steps): that write completes and is the one; nothing is written twice.
     written = evaluated + 1 if evaluated % 2 else evaluated + 2
     if version == 1:
@@ -373,3 +385,168 @@ def test_single_process_signal_returns_with_exit_code_none(tmp_path):
     assert (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").is_file()
     assert json.loads((tmp_path / "out" / "preempted.json").read_text())["step"] == 2
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+# ---- issue 25: stops that left no checkpoint, lost it, crashed, over-ran or dropped a signal ----
+
+
+def _fault(at_step=None, in_eval=False):
+    """A callback that sends SIGUSR1 to this process at the start of step `at_step`, or at the first evaluation batch
+    (`in_eval`), and counts the evaluation batches it sees after that."""
+    from transformers import TrainerCallback
+
+    class Fault(TrainerCallback):
+        fired, batches_after = False, 0
+
+        def fire(self):
+            if not self.fired:
+                self.fired = True
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if at_step is not None and state.global_step + 1 == at_step:
+                self.fire()
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            if self.fired:
+                self.batches_after += 1
+            elif in_eval:
+                self.fire()
+
+    return Fault()
+
+
+def _in_process_run(tmp_path, fault, plain=False, eval_dataset=True, **settings):
+    """A tiny single-process QLoRA run (real bitsandbytes 4-bit) with PreemptionCallback(exit_code=None)."""
+    from transformers import Trainer, TrainingArguments
+
+    from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, PreemptionCallback, load_qlora_model
+
+    path = tmp_path / "llama"
+    if not path.exists():
+        build_tiny_model(path, "llama")
+    ids = torch.randint(3, 256, (16, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    base = dict(  # noqa: C408 - keyword form reads as TrainingArguments
+        output_dir=str(tmp_path / "out"), max_steps=6, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        report_to=[], use_cpu=True, save_strategy="no",
+    )  # fmt: skip
+    args = (TrainingArguments if plain else FSDPQLoRATrainingArguments)(**{**base, **settings})
+    stop = PreemptionCallback(exit_code=None)
+    trainer = (Trainer if plain else FSDPQLoRATrainer)(
+        model=load_qlora_model(str(path), gradient_checkpointing=False), args=args, train_dataset=data,
+        eval_dataset=eval_dataset and {"a": data[:8], "b": data[8:]}, callbacks=[stop, fault],
+    )  # fmt: skip
+    return trainer, stop
+
+
+def _assert_stopped_at(tmp_path, trainer, stop, step):
+    assert stop.stopped == signal.SIGUSR1 and trainer.state.global_step == step
+    assert (tmp_path / "out" / f"checkpoint-{step}" / "trainer_state.json").is_file()
+    assert json.loads((tmp_path / "out" / "preempted.json").read_text())["checkpoint"] == str(
+        tmp_path / "out" / f"checkpoint-{step}"
+    )
+
+
+def test_plain_trainer_with_the_callback_stops_in_evaluation_and_skips_the_other_datasets(tmp_path):
+    """Items 8 and 9: a plain `Trainer` given only PreemptionCallback, a signal at the first batch of dataset "a" of
+    a dict eval_dataset at step 2: train() returns (the stop no longer escapes it), checkpoint-2 and the marker are
+    written, no batch of "a" or "b" is evaluated after the stop, the previous handler is back - also after a train()
+    that raises."""
+    from hf_fsdp_qlora.train._trainer_mixin import FSDPSaveMixin
+
+    before = signal.getsignal(signal.SIGUSR1)
+    fault = _fault(in_eval=True)
+    trainer, stop = _in_process_run(tmp_path, fault, plain=True, eval_strategy="steps", eval_steps=2)
+    trainer.train()  # was: _EvaluationStopped escaped it
+    assert isinstance(trainer, FSDPSaveMixin)  # adopted: the callback's guarantees live in our trainer's methods
+    _assert_stopped_at(tmp_path, trainer, stop, 2)
+    assert fault.batches_after == 0  # was 4: all of "b" (4 batches of 2) after "a" was cut
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+    class Boom(Exception):
+        pass
+
+    def boom(*args, **kwargs):
+        raise Boom
+
+    trainer.training_step = boom
+    with pytest.raises(Boom):
+        trainer.train()
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_signal_in_the_eval_on_start_evaluation_writes_a_checkpoint(tmp_path):
+    """Item 7: eval_on_start=True and a signal during that first evaluation: the stop is carried to the end of the
+    first step - both of its micro-steps - which is checkpointed (was: no checkpoint, no marker, and the process
+    would exit 75 all the same)."""
+    fault = _fault(in_eval=True)
+    trainer, stop = _in_process_run(
+        tmp_path, fault, eval_on_start=True, eval_strategy="steps", eval_steps=100, gradient_accumulation_steps=2
+    )
+    trainer.train()
+    _assert_stopped_at(tmp_path, trainer, stop, 1)
+
+
+def test_best_model_at_end_keeps_the_preemption_checkpoint(tmp_path):
+    """Item 6: save_total_limit=1 + load_best_model_at_end: the stop at step 5 writes checkpoint-5, and the stock
+    end of training no longer deletes it (nor loads the best model in the grace time)."""
+    fault = _fault(at_step=5)
+    trainer, stop = _in_process_run(
+        tmp_path, fault, max_steps=8, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+        save_total_limit=1, load_best_model_at_end=True, metric_for_best_model="eval_a_loss",
+    )  # fmt: skip
+    trainer.train()
+    _assert_stopped_at(tmp_path, trainer, stop, 5)
+    assert trainer.state.best_model_checkpoint in (str(tmp_path / "out" / f"checkpoint-{s}") for s in (2, 4))
+    assert trainer.args.load_best_model_at_end and trainer.args.save_total_limit == 1  # the settings are back
+
+
+def test_a_signal_after_the_last_agreement_is_raised_again():
+    """Item 10: SIGUSR1 after the last agreement: when our handler is removed, the signal is raised again with its
+    default action, so the process dies of it as it would have without us (was: dropped, the process went on). In a
+    forked child of this process: the default action of SIGUSR1 ends it."""
+    from types import SimpleNamespace
+
+    from hf_fsdp_qlora import PreemptionCallback
+
+    pid = os.fork()
+    if pid == 0:  # the child: one "run" whose signal comes after the last check, then the end of training
+        code = 3
+        try:
+            stop = PreemptionCallback(signals="SIGUSR1")
+            args, state = SimpleNamespace(preemption_signals=None, stop_after=None), SimpleNamespace(global_step=0)
+            stop.on_train_begin(args, state, None)
+            stop.on_step_end(args, state, SimpleNamespace())  # the last agreement: nothing yet
+            os.kill(os.getpid(), signal.SIGUSR1)  # arrives during the final save / the end of training
+            code = 4 if stop.flag.received != signal.SIGUSR1 else 5
+            stop.on_train_end(args, state, None)
+            code = 0  # survived: the signal was dropped
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGUSR1, os.WIFEXITED(status) and os.WEXITSTATUS(
+        status
+    )
+
+
+def test_stop_after_counts_from_the_process_start():
+    """Item 12: the budget counts from the start of the process (loading and resume count against the scheduler's
+    limit), not from train(). Oracle: the process's age as `ps` reports it."""
+    from types import SimpleNamespace
+
+    from hf_fsdp_qlora import PreemptionCallback
+
+    def age():
+        ps = ["ps", "-o", "etimes=", "-p", str(os.getpid())]
+        return int(subprocess.run(ps, check=True, capture_output=True, text=True).stdout)
+
+    while age() < 3:
+        time.sleep(0.2)
+    stop = PreemptionCallback(signals="", stop_after="00:00:02")
+    stop.on_train_begin(
+        SimpleNamespace(preemption_signals=None, stop_after=None), SimpleNamespace(global_step=0), None
+    )
+    assert stop._local() == 1  # the deadline has passed at the first check (was: 2 s after train() began)
+    assert abs((time.time() - stop._start) - age()) <= 2
+    stop.disarm()

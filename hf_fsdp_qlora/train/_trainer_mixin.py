@@ -200,7 +200,23 @@ class FSDPSaveMixin:
             exit_after_preemption(preemption.exit_code)
         return output
 
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        # After a preemption stop, upstream would load the best model inside the kill-grace window and, with
+        # save_total_limit=1, delete every checkpoint but the best - the preemption checkpoint too. Neither runs.
+        preemption = self.preemption_callback
+        if preemption is None or not preemption.stopped:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        load_best, limit = self.args.load_best_model_at_end, self.args.save_total_limit
+        self.args.load_best_model_at_end, self.args.save_total_limit = False, None
+        try:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        finally:
+            self.args.load_best_model_at_end, self.args.save_total_limit = load_best, limit
+
     def evaluate(self, *args, **kwargs):
+        preemption = self.preemption_callback
+        if preemption is not None and preemption.stopped and preemption.flag is not None:
+            return {}  # the next dataset of a dict eval_dataset, after a stop: the checkpoint comes first
         try:
             return super().evaluate(*args, **kwargs)
         except _EvaluationStopped:  # every rank stopped at the same batch to checkpoint (preemption)

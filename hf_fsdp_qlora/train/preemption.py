@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 from ..distributed import collective_device, is_distributed, is_main_process
 
@@ -33,6 +34,7 @@ __all__ = [
     "launch_defaults",
     "parse_signals",
     "parse_stop_after",
+    "process_start_time",
     "resolve_resume",
     "set_launch_defaults",
 ]
@@ -47,6 +49,8 @@ PREEMPTED_EXIT_CODE = 75
 PREEMPTED_MARKER = "preempted.json"
 DEFAULT_SIGNALS = "SIGTERM,SIGUSR1"
 DEADLINE = 1  # agreed value for "stop_after passed"; signal numbers are larger and win the MAX
+
+_IMPORTED_AT = time.time()  # the fallback start where /proc is missing: this module loads before any model does
 
 # What `python -m hf_fsdp_qlora.run` read from the environment (the only place environment variables are read).
 _LAUNCH_DEFAULTS = {"auto_resume": False, "stop_after": None}
@@ -82,6 +86,22 @@ def parse_stop_after(value) -> float | None:
     if total <= 0:
         raise ValueError(f"stop_after={value!r} is a zero budget: give the time the run may train, e.g. '11:50:00'.")
     return float(total)
+
+
+def process_start_time() -> float:
+    """When this process started (seconds since the epoch), from ``/proc/self/stat`` on Linux; elsewhere, when this
+    module was imported. ``stop_after`` counts from here, so model loading and the resume count against the budget
+    as they do against the scheduler's time limit."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22, starttime, in clock ticks after boot; split after the ")" closing the command name (which
+            # may hold spaces): it leaves field 3 first.
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
 
 
 def parse_signals(value) -> tuple[signal.Signals, ...]:
@@ -143,12 +163,27 @@ class SignalFlag:
         if callable(previous):  # chain to the handler that was there before (SIG_DFL/SIG_IGN are not callable)
             previous(signum, frame)
 
-    def restore(self) -> None:
-        """Put the previous handlers back (where ours is still the one installed)."""
+    def restore(self, reraise: bool = False) -> None:
+        """Put the previous handlers back (where ours is still the one installed).
+
+        With `reraise`, a signal that came (and that nothing acted on) is raised again once the previous handler is
+        back, when that handler is the default action: it was never run (callable handlers ran at arrival), and
+        dropping it would ignore a scheduler's SIGTERM that came after the last agreement.
+        """
+        if not self._previous:
+            return
+        pending = self.received if reraise else 0
+        previous_of_pending = self._previous.get(pending)
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
+        if pending and previous_of_pending in (None, signal.SIG_DFL):
+            logger.warning(
+                "hf_fsdp_qlora: %s came after the last preemption check; raising it again with its default action",
+                signal.Signals(pending).name,
+            )
+            signal.raise_signal(pending)
 
 
 def agree(value: int) -> int:

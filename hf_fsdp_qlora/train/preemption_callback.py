@@ -2,12 +2,17 @@
 
 Where the flag raised by :class:`~hf_fsdp_qlora.train.preemption.SignalFlag` is looked at:
 
-* the end of every optimizer step (``on_step_end``): one all-reduce; a stop saves at this step;
+* the end of every optimizer step (``on_step_end``): one all-reduce; a stop saves at this step. A stop agreed
+  before any checkpoint of this run could be written (in the ``eval_on_start`` evaluation) is carried to the end of
+  the next step and saved there: the process exits with status 75 only after writing a checkpoint;
 * between gradient-accumulation micro-steps: nowhere. The checkpoint must sit at an optimizer-step boundary for
   the resume to be exact, so nothing can be done earlier, and an all-reduce per micro-step would multiply the cost
   by the accumulation count. The flag set mid-accumulation is read at the end of that step;
 * each evaluation batch (``on_prediction_step``, only during ``train()``): one all-reduce per batch; a stop ends the
-  evaluation early (that evaluation's metrics are dropped) and saves at the step it belongs to;
+  evaluation early (that evaluation's metrics are dropped, the remaining datasets of a dict ``eval_dataset`` are
+  skipped) and saves at the step it belongs to. Ending it early needs our trainer's ``evaluate``: every Trainer built
+  with this callback has it (``hf_fsdp_qlora.PreemptionCallback`` resolves through ``trainer_hook``, which adopts
+  such trainers); on a trainer given the callback afterwards (``add_callback``), the evaluation runs to its end;
 * after each checkpoint write (``on_save``): a signal that arrived during the write let it complete; this
   checkpoint is then the preemption checkpoint, and nothing is written twice.
 """
@@ -33,6 +38,7 @@ from .preemption import (
     launch_defaults,
     parse_signals,
     parse_stop_after,
+    process_start_time,
 )
 
 __all__ = ["PreemptionCallback"]
@@ -54,7 +60,8 @@ class PreemptionCallback(TrainerCallback):
 
     Args:
         signals: signals that request a checkpoint-and-exit (default SIGTERM and SIGUSR1).
-        stop_after: a ``HH:MM:SS`` budget from the start of ``train()``.
+        stop_after: a ``HH:MM:SS`` budget counted from the start of the process (so loading and resuming count, as
+            they do against the scheduler's time limit).
         exit_code: the process's exit status after the checkpoint; None: ``train()`` returns instead and
             :attr:`stopped` says why.
     """
@@ -68,13 +75,19 @@ class PreemptionCallback(TrainerCallback):
         self.stopped = 0  # the agreed reason: a signal number, or 1 for the deadline
         self.checkpoint: str | None = None
         self.exit_deferred = False  # set by our trainers, which exit after train() returns
-        self._budget = self._start = None
+        self._budget = self._start = self._first_step = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         signals = self._signals if self._signals is not None else getattr(args, "preemption_signals", None)
         stop_after = self._stop_after or getattr(args, "stop_after", None) or launch_defaults()["stop_after"]
-        self._budget, self._start = parse_stop_after(stop_after), time.monotonic()
-        self.stopped, self.checkpoint = 0, None
+        self._budget, self._start = parse_stop_after(stop_after), process_start_time()
+        self.stopped, self.checkpoint, self._first_step = 0, None, state.global_step
+        if not self.exit_deferred:  # set by our trainers' train(): the callback was added to a plain one afterwards
+            logger.warning(
+                "hf_fsdp_qlora: PreemptionCallback on a trainer without hf_fsdp_qlora's trainer behaviour (added "
+                "after the trainer was built?): a stop during evaluation lets it finish first, and a train() that "
+                "raises leaves the signal handler installed. Pass it in callbacks= when building the trainer."
+            )
         if self.flag is None:
             self.flag = SignalFlag(signals)
             self.flag.install()
@@ -82,7 +95,7 @@ class PreemptionCallback(TrainerCallback):
     def _local(self) -> int:
         if self.flag is not None and self.flag.received:
             return self.flag.received
-        if self._budget is not None and time.monotonic() - self._start >= self._budget:
+        if self._budget is not None and time.time() - self._start >= self._budget:
             return DEADLINE
         return 0
 
@@ -92,7 +105,12 @@ class PreemptionCallback(TrainerCallback):
         control.should_evaluate = False
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.flag is None or self.stopped:
+        if self.flag is None:
+            return
+        if self.stopped:
+            if self.checkpoint is None:  # agreed in the eval_on_start evaluation: nothing to exit on yet
+                self._stop(self.stopped, control)
+                control.should_save = True
             return
         reason = agree(self._local())
         if reason:
@@ -105,9 +123,14 @@ class PreemptionCallback(TrainerCallback):
             return
         reason = agree(self._local())
         if reason:
-            self._stop(reason, control)
-            control.should_save = True
-            raise _EvaluationStopped
+            self.stopped = reason
+            # The eval_on_start evaluation has no step to save: on_step_end stops at the end of the next one. Not
+            # before: the loop reads should_training_stop after each micro-step and would leave that step unfinished.
+            if state.global_step != self._first_step:
+                self._stop(reason, control)
+                control.should_save = True
+            if self.exit_deferred:  # only our trainer's evaluate() catches it
+                raise _EvaluationStopped
 
     def on_save(self, args, state, control, **kwargs):
         if self.flag is None or self.checkpoint is not None:
@@ -136,9 +159,10 @@ class PreemptionCallback(TrainerCallback):
             control.should_save = control.should_evaluate = False
 
     def disarm(self) -> None:
+        """Restore the previous handlers; a signal no stop acted on is raised again (see SignalFlag.restore)."""
         if self.flag is not None:
-            self.flag.restore()
-            self.flag = None
+            flag, self.flag = self.flag, None
+            flag.restore(reraise=not self.stopped)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.disarm()

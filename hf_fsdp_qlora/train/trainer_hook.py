@@ -9,6 +9,9 @@ class with the mixin in front, at the start of ``Trainer.__init__``:
 * ``Trainer(..., callbacks=[FSDPQLoRACallback()])`` - the callback alone is enough. Part of what it fixes happens
   inside ``Trainer.__init__`` before any callback event (transformers raises there when FSDP's and the Trainer's
   activation checkpointing are both on), so the callback's presence is looked for when ``__init__`` starts;
+* ``Trainer(..., callbacks=[PreemptionCallback()])`` - likewise: what the preemption callback promises (an evaluation
+  ended early, the checkpoint kept through the end of training, the signal handlers restored when ``train()``
+  raises) happens in the mixin's methods;
 * ``python -m hf_fsdp_qlora.run SCRIPT.py`` - every trainer the script builds, without any change to it.
 
 The subclass keeps the class's name and is an instance of the user's class (``isinstance(t, DPOTrainer)`` holds).
@@ -16,8 +19,8 @@ Installing the hook wraps ``Trainer.__init__`` once; it changes nothing for a tr
 unless ``adopt_all`` was asked for.
 
 Imports go one way: ``callbacks`` <- ``_trainer_mixin`` <- ``trainer_hook``. The public name
-``hf_fsdp_qlora.FSDPQLoRACallback`` is resolved through this module, so importing the callback installs the hook
-before the user's Trainer is built.
+``hf_fsdp_qlora.FSDPQLoRACallback`` (and ``hf_fsdp_qlora.PreemptionCallback``) is resolved through this module, so
+importing the callback installs the hook before the user's Trainer is built.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import inspect
 
 from ._trainer_mixin import FSDPSaveMixin, with_fsdp_callback
 from .callbacks import FSDPQLoRACallback
+from .preemption_callback import PreemptionCallback
 
-__all__ = ["FSDPQLoRACallback", "adopted_class", "install_trainer_hook"]
+__all__ = ["FSDPQLoRACallback", "PreemptionCallback", "adopted_class", "install_trainer_hook"]
 
 _INSTALLED = False
 _ADOPT_ALL = False
@@ -49,7 +53,10 @@ def adopted_class(cls: type) -> type:
 
 
 def _has_our_callback(callbacks) -> bool:
-    return any(isinstance(cb, FSDPQLoRACallback) or cb is FSDPQLoRACallback for cb in callbacks or ())
+    # PreemptionCallback too: ending an evaluation early, keeping the checkpoint and restoring the signal handlers
+    # when train() raises all happen in the mixin.
+    ours = (FSDPQLoRACallback, PreemptionCallback)
+    return any(isinstance(cb, ours) or cb in ours for cb in callbacks or ())
 
 
 def install_trainer_hook(adopt_all: bool = False) -> None:
@@ -81,6 +88,7 @@ def install_trainer_hook(adopt_all: bool = False) -> None:
     _INSTALLED = True
 
 
-# `from hf_fsdp_qlora import FSDPQLoRACallback` imports this module: a Trainer built with the callback then gets
-# our behaviour (what the callback cannot fix happens inside Trainer.__init__, before any callback event).
+# `from hf_fsdp_qlora import FSDPQLoRACallback` (or PreemptionCallback) imports this module: a Trainer built with
+# the callback then gets our behaviour (what the callback cannot fix happens inside Trainer.__init__, before any
+# callback event).
 install_trainer_hook()

@@ -63,7 +63,7 @@ class FSDPQLoRATrainingArguments(TrainingArguments):
     stop_after: str | None = field(
         default=None,
         metadata={
-            "help": "Wall-clock budget from the start of train(), HH:MM:SS: then every rank saves one checkpoint at "
+            "help": "Wall-clock budget from the process start, HH:MM:SS: then every rank saves one checkpoint at "
             "the next optimizer step and the process exits with status 75, as on a preemption signal (for clusters "
             "that kill without warning; under `-m hf_fsdp_qlora.run`: HF_FSDP_QLORA_STOP_AFTER)."
         },

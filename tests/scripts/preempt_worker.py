@@ -8,12 +8,15 @@ Routes:
 --fault (what this run suffers; the worker signals itself so the step is deterministic):
   none                 run to the end, write the final adapter (oracle gather) and rank JSON
   substep:K:R:SIG      rank R sends itself SIG between the two micro-steps of optimizer step K
-  eval:R:SIG           rank R sends itself SIG after the first evaluation batch of this run
+  eval:R:SIG           rank R sends itself SIG after the first evaluation batch of this run; eval_dataset is a
+                       dict of two datasets (the second must not be evaluated after the stop)
+  starteval:R:SIG      the same with eval_on_start=True: in the evaluation before the first step
   save:R:SIG           rank R sends itself SIG inside this run's first checkpoint write
   external:R           rank R waits inside its first checkpoint write for a signal from the test process
   kill:R               rank R is SIGKILLed inside this run's first checkpoint write
   deadline:SECS        rank 0 sleeps SECS in the run's first step (stop_after is set shorter by the test)
-Each micro-step's training loss is appended to RECORD/losses_rank<R>.jsonl as it is computed.
+Each micro-step's training loss is appended to RECORD/losses_rank<R>.jsonl as it is computed, and at the end of
+train() the number of evaluation batches this rank's Fault callback saw (ours runs first and ends the evaluation).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class Fault(TrainerCallback):
     def __init__(self, spec, record, run):
         self.kind, *self.params = spec.split(":")
         self.record, self.run, self.trainer, self.done = record, run, None, False
+        self.eval_batches = 0
 
     def fire(self, sig):
         if self.done:
@@ -82,8 +86,12 @@ class Fault(TrainerCallback):
             self.fire(getattr(signal, self.params[2]))
 
     def on_prediction_step(self, args, state, control, **kw):
-        if self.kind == "eval" and rank() == int(self.params[0]):
+        self.eval_batches += 1
+        if self.kind in ("eval", "starteval") and rank() == int(self.params[0]):
             self.fire(getattr(signal, self.params[1]))
+
+    def on_train_end(self, args, state, control, **kw):
+        note(self.record, run=self.run, eval_batches=self.eval_batches)
 
     def in_save(self):
         if self.kind not in ("save", "external", "kill") or rank() != int(self.params[0]) or self.done:
@@ -115,13 +123,15 @@ def train_once(args, out: Path, run: str, fault_spec: str):
     )  # fmt: skip
     fault = Fault(fault_spec, record, run)
     data = ts.TokenDataset()
+    settings["eval_on_start"] = fault.kind == "starteval"
+    evaluated = {"a": data, "b": data} if fault.kind == "eval" else data
     if args.route == "trainer":
         targs = FSDPQLoRATrainingArguments(**settings, auto_resume=True)
         cls = recording(FSDPQLoRATrainer, record, run)
     else:  # a plain Trainer; -m hf_fsdp_qlora.run gives it our behaviour, the environment auto_resume
         targs = TrainingArguments(**settings)
         cls = recording(Trainer, record, run)
-    trainer = cls(model=model, args=targs, train_dataset=data, eval_dataset=data, callbacks=[fault])
+    trainer = cls(model=model, args=targs, train_dataset=data, eval_dataset=evaluated, callbacks=[fault])
     fault.trainer = trainer
     original = trainer._save_rng_state
 
