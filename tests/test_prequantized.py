@@ -181,3 +181,24 @@ def test_low_cpu_ram_gives_every_rank_the_saved_bytes(shared_launch):
         world = 2 if found[rank]["partial"] else None
         assert found[rank]["digests"] == packed_digests(oracle, rank, world), rank
         assert found[rank]["meta_left"] == []
+
+
+@pytest.mark.distributed
+def test_trl_sft_script_trains_a_prequantized_checkpoint(tmp_path):
+    """trl's sft.py, unchanged, through `-m hf_fsdp_qlora.run` under FSDP2 (trl's QLoRA flags: --load_in_4bit)."""
+    from dist_utils import check
+    from recipe_fixtures import build_chat_dataset, build_recipe_model
+    from safetensors.torch import load_file
+    from test_recipes import _launch_script, _script_args
+    from tiny_models import build_prequantized
+
+    model = build_prequantized(tmp_path / "bnb4", "nf4", True, source=build_recipe_model(tmp_path / "recipe"))
+    out = tmp_path / "sft"
+    args = _script_args(model, build_chat_dataset(tmp_path / "chat"), out)
+    proc = _launch_script("cpu_fsdp2_rehearsal.yaml", "sft", *args)
+    check(proc)
+    text = proc.stdout + proc.stderr
+    assert "hf_fsdp_qlora: FSDP2 engaged on 2 rank(s)" in text
+    assert "non-floating frozen Params4bit" not in text  # accelerate would have left them unsharded
+    adapter = load_file(str(out / "adapter_model.safetensors"))
+    assert all(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)

@@ -79,12 +79,13 @@ def build_tiny_model(path: str | Path, arch: str = "llama", dtype=torch.bfloat16
     return path
 
 
-def build_prequantized(path: str | Path, quant_type: str, double_quant: bool, seed: int = 0) -> Path:
-    """The tiny Llama loaded in 4 bits (uint8 storage, bitsandbytes' default) and saved: a pre-quantized checkpoint."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+def build_prequantized(path: str | Path, quant_type: str, double_quant: bool, seed: int = 0, source=None) -> Path:
+    """`source` (default: the tiny Llama) loaded in 4 bits (uint8 storage, bitsandbytes' default) and saved with its
+    tokenizer: a pre-quantized checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     path = Path(path)
-    source = build_tiny_model(path.parent / f"{path.name}_16bit", "llama", seed=seed)
+    source = source or build_tiny_model(path.parent / f"{path.name}_16bit", "llama", seed=seed)
     config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant_type,
@@ -93,7 +94,7 @@ def build_prequantized(path: str | Path, quant_type: str, double_quant: bool, se
     )
     model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.bfloat16)
     model.save_pretrained(path)  # no forward ran: the packed bytes are bitsandbytes' own, not repacked for CPU
-    build_tokenizer(vocab_size=model.config.vocab_size).save_pretrained(path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
     return path
 
 

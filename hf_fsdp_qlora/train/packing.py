@@ -6,11 +6,13 @@ each and no attention mask. Whether one sequence then attends to the ones before
 * flash attention (``flash_attention_2/3/4``, GPU only) reads the boundaries from the collator's ``cu_seq_lens`` /
   ``position_ids``;
 * ``eager``, ``sdpa`` and ``flex_attention`` get a block-diagonal mask that transformers' ``create_causal_mask``
-  builds from the ``position_ids`` - but only when the forward has no KV cache. A model whose ``config.use_cache`` is
-  true (the default of every saved config) creates a cache in every training forward that runs without gradient
-  checkpointing (which switches the cache off), and then the mask is a plain causal mask over the whole row: each
-  sequence sees all earlier ones and the loss is silently wrong. Checked on CPU with transformers 5.23 for all
-  three. A KV cache is never read in training, so it is switched off here (``config.use_cache = False``);
+  builds from the ``position_ids`` - but only when the forward has no KV cache (the ``packed_mask_needs_no_cache``
+  workaround in :mod:`hf_fsdp_qlora._compat`). ``Trainer`` sets ``config.use_cache`` from
+  ``TrainingArguments.use_cache`` (default false); with ``use_cache=True`` (asked for by PEFT methods that read
+  ``past_key_values``) and no gradient checkpointing (which switches the cache off), every training forward creates
+  a cache and the mask is a plain causal mask over the whole row: each sequence sees all earlier ones and the loss is
+  silently wrong. A padding-free batch is never one of those PEFT methods' inputs, so the cache is switched off here
+  (``config.use_cache = False``);
 * an attention function registered without a mask function (``AttentionInterface.register`` alone, or the
   ``paged|...`` generation kernels) gets no mask at all: no fix here, a clear error instead.
 

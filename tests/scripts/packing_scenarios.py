@@ -4,7 +4,7 @@ Each scenario trains the same sequences of different lengths twice from the same
 packing each micro-batch into one row (``padding_free=True``) and padding it (``padding_free=False``), and records
 every micro-batch's loss on each rank: the two lists must agree. Routes: ``ours`` (FSDPQLoRATrainer and its chunked
 loss, trl's collator passed as data_collator) and ``sft`` (FSDPQLoRASFTTrainer, trl's own loss, SFTConfig.padding_free).
-Attention ``custom``: sdpa registered under a new name without a mask function; training must refuse at start.
+A ``_cache`` suffix trains with ``TrainingArguments(use_cache=True)``. Attention ``custom``: sdpa registered under a new name without a mask function; training must refuse at start.
 Float32 weights, so the comparison is not blurred by bf16 rounding of different matmul shapes.
 """
 
@@ -31,7 +31,7 @@ def register_custom_attention() -> str:
     return "custom_sdpa"
 
 
-def _train(path, out, version, arch, route, impl, packed):
+def _train(path, out, version, arch, route, impl, packed, use_cache=False):
     from trl import SFTConfig
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -49,10 +49,10 @@ def _train(path, out, version, arch, route, impl, packed):
         args = TrainingArguments(
             output_dir=str(out), per_device_train_batch_size=base.BATCH, max_steps=2, learning_rate=1e-2,
             gradient_accumulation_steps=2, seed=3, report_to=[], save_strategy="no", use_cpu=True,
-            dataloader_drop_last=True,
+            dataloader_drop_last=True, use_cache=use_cache,
         )  # fmt: skip
     else:
-        args = base.training_args(out, version, arch, **settings)
+        args = base.training_args(out, version, arch, use_cache=use_cache, **settings)
     kwargs = {"model": model, "train_dataset": dataset()}
     if route == "sft":
         fields = {f for f, d in SFTConfig.__dataclass_fields__.items() if d.init}
@@ -78,9 +78,11 @@ def _train(path, out, version, arch, route, impl, packed):
 
 def run(name, path, out, version, arch, kind):
     _, route, impl = kind.split("_", 2)
+    use_cache = impl.endswith("_cache")  # TrainingArguments(use_cache=True): a KV cache in every training forward
+    impl = impl.removesuffix("_cache")
     if impl == "custom":
         impl = register_custom_attention()
     result = {"scenario": name}
     for mode in ("packed", "padded"):
-        result[mode] = _train(path, out / name / mode, version, arch, route, impl, packed=mode == "packed")
+        result[mode] = _train(path, out / name / mode, version, arch, route, impl, mode == "packed", use_cache)
     return result
