@@ -51,6 +51,7 @@ def test_packed_loss_equals_padded_single_process(llama, tmp_path, attention, us
         for mode in ("packed", "padded")
     }
     assert len(runs["packed"]["losses"]) == 4  # 2 steps x 2 micro-batches
+    assert runs["packed"]["loss_path"] == "ours"  # the chunked loss
     packed, padded = runs["packed"]["losses"], runs["padded"]["losses"]
     worst = max(abs(a - b) / b for a, b in zip(packed, padded))
     print(f"measured {attention} use_cache={use_cache}: max rel diff {worst:.2e}")
@@ -96,6 +97,7 @@ SHARED_TRAIN_SCENARIOS = {1: FSDP1, 2: FSDP2}
 @pytest.mark.parametrize(("version", "name"), [(1, n) for n in FSDP1] + [(2, n) for n in FSDP2 if n != "pk5"])
 def test_packed_loss_equals_padded_under_fsdp(shared_launch, version, name):
     _, _, results, _ = shared_launch(version)
+    kind = {**FSDP1, **FSDP2}[name][1]
     per_rank = []
     for rank in (0, 1):
         found = results[rank][name]
@@ -103,6 +105,7 @@ def test_packed_loss_equals_padded_under_fsdp(shared_launch, version, name):
         for mode in ("packed", "padded"):
             run = found[mode]
             assert run["distributed_type"] == "DistributedType.FSDP"
+            assert run["loss_path"] == ("sft" if "_sft_" in kind else "ours"), run["loss_path"]  # ours: chunked
             engaged = run["engagement"]
             assert engaged["flat_params"] > 0 if version == 1 else engaged["fsdp2_modules"] > 0, engaged
         assert len(found["packed"]["losses"]) == 4

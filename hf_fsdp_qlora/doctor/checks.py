@@ -32,12 +32,11 @@ from .setup import (
     TRAINERS,
     RunSetup,
     SetupInputError,
-    apply_checkpoint_quantization,
     facts_from_model,
     fsdp_from_plugin,
     read_accelerate_config,
 )
-from .shapes import ModelShape, model_shape
+from .shapes import ModelShape, apply_checkpoint_quantization, model_shape
 
 # in report order
 RULES = (

@@ -339,34 +339,6 @@ def fsdp_from_plugin(plugin) -> FsdpSettings:
     )
 
 
-def apply_checkpoint_quantization(setup: RunSetup, model) -> None:
-    """A pre-quantized checkpoint's own quantization decides the run's (transformers ignores any other), in place.
-
-    Our loader views its packed bytes as the run's dtype; a stock Trainer keeps the checkpoint's storage dtype.
-
-    Raises:
-        SetupInputError: a quantization method other than bitsandbytes, or a storage dtype it never writes.
-    """
-    from ..errors import UnsupportedSetupError
-    from ..prequantized import checkpoint_quantization, quantized_bits
-    from .shapes import load_model_config
-
-    config = load_model_config(model)
-    bits = quantized_bits(config)
-    if bits == 8:
-        setup.quantization = "8bit"  # the 8bit-under-fsdp finding names the fix
-        return
-    try:
-        quant = checkpoint_quantization(config)
-    except UnsupportedSetupError as err:
-        raise SetupInputError(str(err)) from err
-    if quant is None:
-        return
-    setup.quantization = "4bit"
-    setup.double_quant = quant.double_quant
-    setup.quant_storage = None if setup.trainer == "hf_fsdp_qlora" else quant.storage
-
-
 def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -67,8 +67,12 @@ def _prequantized_check(config, dtype: torch.dtype):
     quant = checkpoint_quantization(config)
     if quant is not None and quant.storage != str(dtype).removeprefix("torch."):
         from ..doctor.shapes import model_shape  # the config's shapes, built on the meta device
+        from ..errors import SetupInputError
 
-        weights = {lin.name: lin.numel for lin in model_shape(config).linears if lin.quantized}
+        try:
+            weights = {lin.name: lin.numel for lin in model_shape(config).linears if lin.quantized}
+        except SetupInputError:  # no meta build from this config (remote code): from_pretrained will tell
+            return quant
         refuse_unviewable_storage(quant, str(dtype), weights)
     return quant
 
