@@ -373,9 +373,17 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         key="packed_mask_needs_no_cache",
         upstream="transformers 5.23 (the position_ids block-diagonal mask is skipped when a KV cache is built)",
         works_around="packed examples attend to earlier ones in their block when the config says use_cache=True",
-        where=("hf_fsdp_qlora.data.PackedCollator",),
+        where=("hf_fsdp_qlora.data.PackedCollator", "hf_fsdp_qlora.train.packing.check_padding_free"),
         remove_when="transformers builds the packed mask with a cache too (or never builds a cache in training)",
         canary=_C + "test_packed_mask_skipped_with_a_cache",
+    ),
+    Workaround(
+        key="packed_mask_functions",
+        upstream="transformers 5.23 (PretrainedConfig._attn_implementation; masking_utils.ALL_MASK_ATTENTION_FUNCTIONS)",
+        works_around="an attention function registered without a mask function gets no mask for a padding-free batch",
+        where=("hf_fsdp_qlora.train.packing._config_of",),
+        remove_when="never while padding-free training is checked: the canary watches both names",
+        canary="tests/test_packing.py::test_attention_without_mask_refused_at_train_start",
     ),
     # -- transformers / peft / accelerate internals used for loading, merging and the doctor --
     Workaround(

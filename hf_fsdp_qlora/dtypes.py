@@ -34,7 +34,9 @@ __all__ = [
 
 # every accepted name and alias -> torch dtype (the names live in dtype_names, which needs no torch)
 FLOAT_DTYPES = {
-    name: getattr(torch, canonical_name(name)) for name in (*FLOAT_NAMES, *ALIASES) if canonical_name(name) in FLOAT_NAMES
+    name: getattr(torch, canonical_name(name))
+    for name in (*FLOAT_NAMES, *ALIASES)
+    if canonical_name(name) in FLOAT_NAMES
 }
 
 
@@ -143,7 +145,8 @@ def harmonize_dtypes(model, dtype: torch.dtype) -> list[str]:
 
 @torch.no_grad()
 def view_packed_storage_as(model, dtype: torch.dtype) -> int:
-    """Re-type integer 4-bit storage as `dtype` by viewing the same bytes, so FSDP can shard it.
+    """Re-type 4-bit storage of another dtype (integer, or a pre-quantized checkpoint's) as `dtype` by viewing the
+    same bytes, so FSDP can shard it with the rest of the model.
 
     bitsandbytes packs two 4-bit codes per byte; ``bnb_4bit_quant_storage`` only decides which dtype the
     packed bytes are *viewed* as (it reads them back as bytes), so a uint8-stored weight of 2n bytes and
@@ -161,7 +164,7 @@ def view_packed_storage_as(model, dtype: torch.dtype) -> int:
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not is_params4bit(weight) or weight.is_floating_point():
+        if not is_params4bit(weight) or weight.dtype == dtype:
             continue
         flat = weight.data.reshape(-1)
         if (flat.numel() * flat.element_size()) % width:

@@ -24,6 +24,7 @@ _SECONDS = {
     "test_error_index.py": 30, "test_quiet.py": 30, "test_train_imports.py": 20, "test_docs.py": 15,
     "test_slurm_recipe.py": 70, "test_finish.py": 20,
     "test_dora.py": 120,
+    "test_prequantized.py": 120, "test_packing.py": 20,
 }  # fmt: skip
 
 

@@ -19,6 +19,16 @@ DECODER_LAYER = {
     "llama_nanbytes": "LlamaDecoderLayer",
 }
 
+# Pre-quantized 4-bit checkpoints (as the shared `*-bnb-4bit` repos are): the tiny Llama loaded in 4 bits with
+# bitsandbytes' default uint8 storage and saved. arch name -> (quant type, double quant).
+PREQUANTIZED = {
+    "llama_bnb4_nf4_dq": ("nf4", True),
+    "llama_bnb4_nf4_nodq": ("nf4", False),
+    "llama_bnb4_fp4_dq": ("fp4", True),
+    "llama_bnb4_fp4_nodq": ("fp4", False),
+}
+DECODER_LAYER.update(dict.fromkeys(PREQUANTIZED, "LlamaDecoderLayer"))
+
 # NF4 code sequences whose packed bytes (two codes per byte, first code in the high nibble), read as
 # little-endian bf16, are NaN (bytes 0x81 0xFF), +Inf (0x80 0x7F) and subnormal (0x01 0x00). Every
 # pattern holds a code of magnitude 1.0 so the block's absmax fixes the codes exactly.
@@ -53,6 +63,8 @@ def build_tiny_model(path: str | Path, arch: str = "llama", dtype=torch.bfloat16
     path = Path(path)
     if (path / "config.json").exists():
         return path
+    if arch in PREQUANTIZED:
+        return build_prequantized(path, *PREQUANTIZED[arch], seed=seed)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.float32)
     # Biases default to zero; make them matter so a lost bias is visible in outputs.
@@ -64,6 +76,25 @@ def build_tiny_model(path: str | Path, arch: str = "llama", dtype=torch.bfloat16
         _plant_nf4_byte_patterns(model)
     model.to(dtype).save_pretrained(path)
     build_tokenizer(vocab_size=model.config.vocab_size).save_pretrained(path)
+    return path
+
+
+def build_prequantized(path: str | Path, quant_type: str, double_quant: bool, seed: int = 0, source=None) -> Path:
+    """`source` (default: the tiny Llama) loaded in 4 bits (uint8 storage, bitsandbytes' default) and saved with its
+    tokenizer: a pre-quantized checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    path = Path(path)
+    source = source or build_tiny_model(path.parent / f"{path.name}_16bit", "llama", seed=seed)
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.bfloat16)
+    model.save_pretrained(path)  # no forward ran: the packed bytes are bitsandbytes' own, not repacked for CPU
+    AutoTokenizer.from_pretrained(source).save_pretrained(path)
     return path
 
 

@@ -28,8 +28,15 @@ from ._launch_rules import (
 )
 from ._rules import Context, dtype_rules, quantization_rules, requires_grad_rule
 from .memory import MemoryPlan, plan_memory
-from .setup import TRAINERS, RunSetup, SetupInputError, facts_from_model, fsdp_from_plugin, read_accelerate_config
-from .shapes import ModelShape, model_shape
+from .setup import (
+    TRAINERS,
+    RunSetup,
+    SetupInputError,
+    facts_from_model,
+    fsdp_from_plugin,
+    read_accelerate_config,
+)
+from .shapes import ModelShape, apply_checkpoint_quantization, model_shape
 
 # in report order
 RULES = (
@@ -113,6 +120,8 @@ def _build_setup(model, accelerate_config, fsdp_plugin, settings: dict) -> RunSe
         setup.model = str(model)
     for key, value in settings.items():
         setattr(setup, key, value)
+    if model is not None and not hasattr(model, "named_parameters"):
+        apply_checkpoint_quantization(setup, model)
     if fsdp_plugin is not None and setup.peft_wraps and hasattr(model, "peft_config"):
         # Under FSDP1 Trainer installs peft's fsdp_auto_wrap_policy, which takes the layer classes from
         # accelerate's launch environment (set from the YAML), not from the plugin.

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..causal_lm import causal_lm_problem
 from .setup import SetupInputError
 
-__all__ = ["LinearShape", "ModelShape", "load_model_config", "model_shape"]
+__all__ = ["LinearShape", "ModelShape", "apply_checkpoint_quantization", "load_model_config", "model_shape"]
 
 
 @dataclass
@@ -125,6 +125,33 @@ def load_model_config(model, trust_remote_code: bool = False):
         raise SetupInputError(f"transformers cannot read {path}: {reason}.") from err
     _check_causal_lm(config, path)
     return config
+
+
+def apply_checkpoint_quantization(setup, model) -> None:
+    """A pre-quantized checkpoint's own quantization decides the run's (transformers ignores any other), in place.
+
+    Our loader views its packed bytes as the run's dtype; a stock Trainer keeps the checkpoint's storage dtype.
+
+    Raises:
+        SetupInputError: a quantization method other than bitsandbytes, or a storage dtype it never writes.
+    """
+    from ..errors import UnsupportedSetupError
+    from ..prequantized import checkpoint_quantization, quantized_bits
+
+    config = load_model_config(model)
+    bits = quantized_bits(config)
+    if bits == 8:
+        setup.quantization = "8bit"  # the 8bit-under-fsdp finding names the fix
+        return
+    try:
+        quant = checkpoint_quantization(config)
+    except UnsupportedSetupError as err:
+        raise SetupInputError(str(err)) from err
+    if quant is None:
+        return
+    setup.quantization = "4bit"
+    setup.double_quant = quant.double_quant
+    setup.quant_storage = None if setup.trainer == "hf_fsdp_qlora" else quant.storage
 
 
 def _check_causal_lm(config, path) -> None:

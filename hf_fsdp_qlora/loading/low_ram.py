@@ -248,7 +248,8 @@ def load_base_low_ram(model_name_or_path, *, quantization_config, dtype, trust_r
 
     Args:
         model_name_or_path: as for ``from_pretrained``.
-        quantization_config: the ``BitsAndBytesConfig`` (4-bit) every rank uses.
+        quantization_config: the ``BitsAndBytesConfig`` (4-bit) every rank uses; ``None`` for a pre-quantized
+            checkpoint (its own ``quantization_config`` is used).
         dtype: the model dtype.
         trust_remote_code: passed to transformers.
         **kwargs: passed to ``from_pretrained`` on rank 0 (``attn_implementation`` is honoured on every rank).
@@ -259,12 +260,11 @@ def load_base_low_ram(model_name_or_path, *, quantization_config, dtype, trust_r
     from transformers import AutoModelForCausalLM
 
     def load():
+        # None (a pre-quantized checkpoint): not passed at all, since an explicit quantization_config=None
+        # replaces the checkpoint's own in transformers' AutoConfig.
+        quant = {} if quantization_config is None else {"quantization_config": quantization_config}
         return AutoModelForCausalLM.from_pretrained(
-            model_name_or_path,
-            quantization_config=quantization_config,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            **kwargs,
+            model_name_or_path, dtype=dtype, trust_remote_code=trust_remote_code, **quant, **kwargs
         )
 
     if not _ensure_process_group():

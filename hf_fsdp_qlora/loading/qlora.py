@@ -10,8 +10,9 @@ import torch
 from .._bnb_cpu import disable_cpu_repack_in_model
 from ..causal_lm import causal_lm_problem
 from ..cpu_rehearsal import enable_cpu_fsdp
-from ..dtypes import harmonize_dtypes, resolve_dtype
+from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
+from ..prequantized import checkpoint_quantization, refuse_unviewable_storage
 
 __all__ = ["load_qlora_model", "default_lora_config"]
 
@@ -59,6 +60,21 @@ def _check_causal_lm(config) -> None:
             f"The model at this path is {kind}, which has no causal-LM head, so load_qlora_model cannot fine-tune "
             "it for text generation. Pass a causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint)."
         )
+
+
+def _prequantized_check(config, dtype: torch.dtype):
+    """The checkpoint's own 4-bit quantization, refused before any weight is read if the run cannot use it."""
+    quant = checkpoint_quantization(config)
+    if quant is not None and quant.storage != str(dtype).removeprefix("torch."):
+        from ..doctor.shapes import model_shape  # the config's shapes, built on the meta device
+        from ..errors import SetupInputError
+
+        try:
+            weights = {lin.name: lin.numel for lin in model_shape(config).linears if lin.quantized}
+        except SetupInputError:  # no meta build from this config (remote code): from_pretrained will tell
+            return quant
+        refuse_unviewable_storage(quant, str(dtype), weights)
+    return quant
 
 
 def _freeze_for_kbit_training(model, gradient_checkpointing: bool) -> None:
@@ -113,6 +129,8 @@ def load_qlora_model(
         lora_config: a ``peft.LoraConfig``; default :func:`default_lora_config` (r=16 on all linear layers).
         quant_type: ``"nf4"`` (default) or ``"fp4"``.
         double_quant: quantize the quantization constants too (saves ~0.4 bit/parameter).
+            A pre-quantized 4-bit checkpoint (saved after 4-bit loading, e.g. the shared ``*-bnb-4bit`` repos)
+            keeps its own quant type and double quant; its packed bytes are viewed as `dtype`, never re-quantized.
         gradient_checkpointing: enable activation checkpointing in the model (turn it off when the
             accelerate config enables ``fsdp_activation_checkpointing`` instead).
         trust_remote_code: passed to transformers.
@@ -126,7 +144,9 @@ def load_qlora_model(
 
     Raises:
         FileNotFoundError: the path does not exist or holds no config.json.
-        UnsupportedSetupError: not a causal LM; LoRA targets match nothing; 8-bit asked for.
+        UnsupportedSetupError: not a causal LM; LoRA targets match nothing; 8-bit asked for; a pre-quantized
+            checkpoint that is 8-bit, not bitsandbytes, or whose packed bytes cannot be viewed as `dtype`
+            (raised before any weight is read).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -142,6 +162,7 @@ def load_qlora_model(
     config = _load_config(model_name_or_path, trust_remote_code)
     _check_causal_lm(config)
 
+    prequantized = _prequantized_check(config, dtype)
     quantization_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant_type,
@@ -149,6 +170,15 @@ def load_qlora_model(
         bnb_4bit_compute_dtype=dtype,
         bnb_4bit_quant_storage=dtype,
     )
+    if prequantized is not None:
+        # transformers loads a pre-quantized checkpoint with its own quantization_config whatever is passed (and
+        # warns; an explicit None would drop it): pass none, and make its storage dtype the run's dtype after loading.
+        quantization_config = None
+        logger.info(
+            "hf_fsdp_qlora: pre-quantized checkpoint (%s, double quant %s, %s storage): its quantization is used "
+            "(quant_type/double_quant ignored); packed bytes are viewed as %s, not re-quantized",
+            prequantized.quant_type, prequantized.double_quant, prequantized.storage, dtype,
+        )  # fmt: skip
     if low_cpu_ram:
         from .low_ram import load_base_low_ram
 
@@ -160,13 +190,17 @@ def load_qlora_model(
             **from_pretrained_kwargs,
         )
     else:
+        quant = {} if quantization_config is None else {"quantization_config": quantization_config}
         model = AutoModelForCausalLM.from_pretrained(
             model_name_or_path,
-            quantization_config=quantization_config,
+            **quant,
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             **from_pretrained_kwargs,
         )
+    if prequantized is not None:
+        # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
+        view_packed_storage_as(model, dtype)
     disable_cpu_repack_in_model(model)
     _freeze_for_kbit_training(model, gradient_checkpointing)
     model = _apply_lora(model, lora_config if lora_config is not None else default_lora_config())

@@ -26,6 +26,7 @@ from .fsdp import (
     guard_sharded_merge,
     skip_frozen_embedding_backward_gather,
 )
+from .packing import check_padding_free
 
 __all__ = ["FSDPQLoRACallback"]
 
@@ -117,6 +118,7 @@ class FSDPQLoRACallback(TrainerCallback):
             self.report = make_fsdp_consistent(model, plugin)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        check_padding_free(model, kwargs.get("train_dataloader"))  # packed sequences must not see each other
         if self._version is None or model is None:
             return
         self.engagement = assert_fsdp_engaged(model, self._version)

@@ -255,6 +255,10 @@ def build_model(path, kind):
 
 
 def run_trainer_scenario(name, path, out, version, arch, kind):
+    if kind.startswith("pack_"):  # padding-free packing (tests/test_packing.py): packed vs padded runs
+        import packing_scenarios
+
+        return packing_scenarios.run(name, path, out, version, arch, kind)
     result = {"scenario": name}
     model, trainer_cls, callbacks = build_model(path, kind)
     result["checksum_before_trainer"] = checksum(trainable_snapshot(model))
