@@ -308,6 +308,17 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         canary=_C + "test_trainer_private_methods",
     ),
     Workaround(
+        key="preemption_finalize",
+        upstream="transformers <= 5.23 (_finalize_training loads the best model and rotates checkpoints after a stop)",
+        works_around=(
+            "after a preemption stop, load_best_model_at_end loads inside the kill-grace window and "
+            "save_total_limit=1 deletes the preemption checkpoint that preempted.json names"
+        ),
+        where=(f"{_MIXIN}._finalize_training",),
+        remove_when="transformers skips best-model loading and rotation when a callback stops training to save",
+        canary="tests/test_preemption.py::test_best_model_at_end_keeps_the_preemption_checkpoint",
+    ),
+    Workaround(
         key="optimizer_state_gathered",
         upstream="accelerate <= 1.15 (FSDP1 optimizer load aliased exp_avg to exp_avg_sq; FSDP1 FULL save segfaults)",
         works_around="resumed FSDP1 runs diverged after one step; adapter runs checkpoint an empty model state",
@@ -447,9 +458,15 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     ),
     Workaround(
         key="upstream_noise",
-        upstream="bitsandbytes 0.50 (warns at import), peft <= 0.21 (reads transformers 5's deprecated property)",
-        works_around="upstream lines with nothing to act on, on every rank (the list: hf_fsdp_qlora._quiet.NOISE)",
-        where=("hf_fsdp_qlora._quiet.quiet_upstream",),
+        upstream=(
+            "bitsandbytes 0.50 (warns at import), peft <= 0.21 (reads transformers 5's deprecated property), "
+            "trl <= 1.16 (its configs pass the deprecated gradient_checkpointing)"
+        ),
+        works_around=(
+            "upstream lines with nothing to act on, on every rank (the list: hf_fsdp_qlora._quiet.NOISE); the "
+            "caller's frame (sys._getframe) tells upstream's trigger from the user's own"
+        ),
+        where=("hf_fsdp_qlora._quiet.quiet_upstream", "hf_fsdp_qlora._quiet._show_unless_noise"),
         remove_when="upstream stops printing an entry of NOISE (drop that entry)",
         canary="tests/test_quiet.py::test_quiet_by_default_and_verbose_shows_upstream",
     ),
