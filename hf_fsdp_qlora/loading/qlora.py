@@ -12,6 +12,8 @@ from ..causal_lm import causal_lm_problem
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype
 from ..errors import UnsupportedSetupError
+from .experts import check_no_expert_lora, lora_config_for_experts
+from .experts import quantize_experts as quantize_expert_weights
 
 __all__ = ["load_qlora_model", "default_lora_config"]
 
@@ -98,6 +100,7 @@ def load_qlora_model(
     gradient_checkpointing: bool = True,
     trust_remote_code: bool = False,
     low_cpu_ram: bool = False,
+    quantize_experts: bool = True,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM in 4 bits and add LoRA adapters, with one dtype driving everything.
@@ -119,6 +122,8 @@ def load_qlora_model(
         low_cpu_ram: under a multi-process launch, only rank 0 reads and quantizes the checkpoint; the other
             ranks receive its tensors and quant states (:mod:`hf_fsdp_qlora.loading.low_ram`). Collective: call on
             every rank. A single process loads normally.
+        quantize_experts: quantize the fused 3-D expert weights of a mixture-of-experts model to 4 bits too
+            (:mod:`hf_fsdp_qlora.loading.experts`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -126,7 +131,8 @@ def load_qlora_model(
 
     Raises:
         FileNotFoundError: the path does not exist or holds no config.json.
-        UnsupportedSetupError: not a causal LM; LoRA targets match nothing; 8-bit asked for.
+        UnsupportedSetupError: not a causal LM; LoRA targets match nothing; 8-bit asked for; an MoE family whose
+            experts we cannot quantize (pass ``quantize_experts=False`` to keep them 16-bit knowingly).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -167,8 +173,15 @@ def load_qlora_model(
             trust_remote_code=trust_remote_code,
             **from_pretrained_kwargs,
         )
+    if quantize_experts:
+        quantize_expert_weights(model, quant_type=quant_type, double_quant=double_quant, dtype=dtype)
     disable_cpu_repack_in_model(model)
     _freeze_for_kbit_training(model, gradient_checkpointing)
-    model = _apply_lora(model, lora_config if lora_config is not None else default_lora_config())
+    lora_config = lora_config if lora_config is not None else default_lora_config()
+    if quantize_experts:
+        lora_config = lora_config_for_experts(model, lora_config)
+    model = _apply_lora(model, lora_config)
+    if quantize_experts:
+        check_no_expert_lora(model)
     harmonize_dtypes(model, dtype)
     return model

@@ -159,6 +159,15 @@ def trainable_snapshot(model):
     return {n: p.detach().float().clone() for n, p in inner.named_parameters() if p.requires_grad}
 
 
+def expert_bytes(model, dtensor_only=False):
+    """Bytes of 4-bit expert weights (loading/experts.py) this rank holds: FSDP2 local shards, FSDP1 sharded views."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.endswith("_proj_4bit") and (not dtensor_only or hasattr(p, "to_local")):
+            total += (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+    return total
+
+
 def checksum(state):
     return float(sum(v.double().sum() * (i + 1) for i, v in enumerate(state.values())))
 
@@ -268,6 +277,7 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         fields = {f for f, d in SFTConfig.__dataclass_fields__.items() if d.init}
         sft_args = SFTConfig(**{**{k: v for k, v in vars(args).items() if k in fields}, "bf16": False})
         kwargs.update(args=sft_args, peft_config=lora_config(), train_dataset=sft_dataset())
+    result["expert_bytes_before_wrap"] = expert_bytes(model)
     trainer = trainer_cls(**kwargs)
     init = trainable_snapshot(trainer.model)
     result["init_checksum"] = checksum(init)
@@ -293,6 +303,8 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
     if sharded:
         result["mesh_shape"] = list(sharded[0].device_mesh.mesh.shape)
         result["placements"] = [str(pl) for pl in sharded[0].placements]
+    result["expert_bytes_local"] = expert_bytes(trainer.model)
+    result["expert_bytes_dtensor"] = expert_bytes(trainer.model, dtensor_only=True)
     policy = getattr(trainer.accelerator.state.fsdp_plugin, "mixed_precision_policy", None)
     result["mp_param_dtype"] = str(getattr(policy, "param_dtype", None))
     result["dtensor_lora"] = sum(
