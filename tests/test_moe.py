@@ -17,7 +17,8 @@ from hf_fsdp_qlora.errors import UnsupportedSetupError
 from hf_fsdp_qlora.loading.experts import QuantizedExperts, quantize_experts
 
 # The 2-rank part runs in the suite's shared FSDP1/FSDP2 launches: scenario key -> (tiny model, worker kind).
-SHARED_TRAIN_SCENARIOS = {1: {"moe": ("qwen3_moe", "ours_loader")}, 2: {"moe": ("qwen3_moe", "ours_loader")}}
+_SCENARIOS = {"moe": ("qwen3_moe", "ours_loader"), "moe_lowram": ("qwen3_moe", "lowram")}
+SHARED_TRAIN_SCENARIOS = {1: _SCENARIOS, 2: _SCENARIOS}
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -142,17 +143,18 @@ def test_unknown_expert_layout_is_a_clear_error():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("version", [1, 2])
-def test_fsdp_shards_4bit_experts_and_trains(moe_models, shared_launch, version):
+@pytest.mark.parametrize("name", ["moe", "moe_lowram"])  # load_qlora_model(), and with low_cpu_ram=True
+def test_fsdp_shards_4bit_experts_and_trains(moe_models, shared_launch, version, name):
     models, out, results, _ = shared_launch(version)
-    r0, r1 = results[0]["moe"], results[1]["moe"]
+    r0, r1 = results[0][name], results[1][name]
     # FSDP engaged, one dtype per unit, equal start, step-0 loss/logits equal the single-process run on the same
     # global batch (rel 1e-6, logits 1e-5), adapter saved in peft's format and equal to the trained weights.
-    _assert_trained_scenario("moe", results, out, models, version, "qwen3_moe")
+    _assert_trained_scenario(name, results, out, models, version, "qwen3_moe")
     full = r0["expert_bytes_before_wrap"]
     assert full > 0 and r1["expert_bytes_before_wrap"] == full
     # Sharded, not replicated: each rank holds a part of the packed expert bytes, together exactly all of them.
     local = [r0["expert_bytes_local"], r1["expert_bytes_local"]]
-    print(f"FSDP{version}: expert bytes per rank {local} of {full}")
+    print(f"FSDP{version} {name}: expert bytes per rank {local} of {full}")
     assert sum(local) == full and all(0 < b < full for b in local), local
     if version == 2:  # sharded on the expert dimension: exactly half each
         assert local == [full // 2, full // 2] and r0["expert_bytes_dtensor"] == local[0]

@@ -29,6 +29,7 @@ __all__ = [
     "QuantizedExperts",
     "check_no_expert_lora",
     "expert_layout",
+    "has_fused_experts",
     "lora_config_for_experts",
     "quantize_experts",
 ]
@@ -78,6 +79,11 @@ def expert_layout(module: nn.Module) -> ExpertLayout | None:
     if not all(isinstance(getattr(module, n, None), nn.Parameter) for n in names):
         return None
     return layout
+
+
+def has_fused_experts(model: nn.Module) -> bool:
+    """Whether `model` (meta-device skeletons included) has an experts module :func:`quantize_experts` would swap."""
+    return any(expert_layout(m) is not None for m in model.modules())
 
 
 def _holds_3d_weights(module: nn.Module) -> list[str]:

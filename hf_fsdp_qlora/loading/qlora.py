@@ -163,6 +163,7 @@ def load_qlora_model(
             quantization_config=quantization_config,
             dtype=dtype,
             trust_remote_code=trust_remote_code,
+            whole_experts=quantize_experts,
             **from_pretrained_kwargs,
         )
     else:
