@@ -160,3 +160,27 @@ def test_fsdp_shards_4bit_experts_and_trains(moe_models, shared_launch, version,
         assert local == [full // 2, full // 2] and r0["expert_bytes_dtensor"] == local[0]
     else:  # FSDP1 halves each layer's FlatParameter (attention + experts + norms); the cut falls inside the experts
         assert all(0.4 * full <= b <= 0.6 * full for b in local), local
+
+
+def test_router_aux_loss_kept_by_the_chunked_loss(moe_models, tmp_path):
+    """output_router_logits=True: our chunked loss adds the router's load-balancing loss as transformers' does."""
+    from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments
+
+    model = _load(moe_models["qwen3_moe"])
+    model.config.output_router_logits = True
+    model.train()
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    losses = {}
+    for chunked in (False, True):
+        args = FSDPQLoRATrainingArguments(
+            output_dir=str(tmp_path / f"c{chunked}"), use_cpu=True, report_to=[], chunked_loss=chunked,
+            check_distinct_batches=0, log_memory_throughput=False,
+        )  # fmt: skip
+        trainer = FSDPQLoRATrainer(model=model, args=args)
+        for num_items in (None, torch.tensor(37)):
+            losses[chunked, num_items is None] = trainer.compute_loss(model, dict(batch), num_items_in_batch=num_items)
+    aux = model(**batch).aux_loss
+    assert float(aux.detach()) > 0
+    for by_mean in (True, False):
+        torch.testing.assert_close(losses[True, by_mean], losses[False, by_mean], rtol=1e-5, atol=1e-6)
