@@ -150,6 +150,9 @@ def test_fsdp_shards_4bit_experts_and_trains(moe_models, shared_launch, version,
     # FSDP engaged, one dtype per unit, equal start, step-0 loss/logits equal the single-process run on the same
     # global batch (rel 1e-6, logits 1e-5), adapter saved in peft's format and equal to the trained weights.
     _assert_trained_scenario(name, results, out, models, version, "qwen3_moe")
+    # The packed expert bytes came through wrapping and training bit for bit (never cast), equal on both ranks.
+    assert r0["expert_digest_before_wrap"] == r1["expert_digest_before_wrap"] is not None
+    assert r0["expert_digest_after_training"] == r1["expert_digest_after_training"] == r0["expert_digest_before_wrap"]
     full = r0["expert_bytes_before_wrap"]
     assert full > 0 and r1["expert_bytes_before_wrap"] == full
     # Sharded, not replicated: each rank holds a part of the packed expert bytes, together exactly all of them.

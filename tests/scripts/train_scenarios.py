@@ -168,6 +168,40 @@ def expert_bytes(model, dtensor_only=False):
     return total
 
 
+def expert_digest(model, version=None):
+    """sha256 of the packed expert bytes, gathered whole under FSDP (collective then), or None without them.
+
+    Bytes, not values: any float cast of the packed weights (a bf16 NaN pattern through fp32) changes it.
+    """
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    def strip(name):
+        return (
+            name.replace("_fsdp_wrapped_module.", "")
+            .replace("_checkpoint_wrapped_module.", "")
+            .removeprefix("module.")
+        )
+
+    def digest():
+        packed = {strip(n): p for n, p in model.named_parameters() if n.endswith("_proj_4bit")}
+        if not packed:
+            return None
+        sha = hashlib.sha256()
+        for name in sorted(packed):
+            full = packed[name].full_tensor() if isinstance(packed[name], DTensor) else packed[name]
+            sha.update(full.detach().clone().view(torch.uint8).numpy().tobytes())  # a copy: FSDP1 frees its storage
+        return sha.hexdigest()
+
+    if version != 1:
+        return digest()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=False):
+        return digest()
+
+
 def checksum(state):
     return float(sum(v.double().sum() * (i + 1) for i, v in enumerate(state.values())))
 
@@ -278,6 +312,7 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         sft_args = SFTConfig(**{**{k: v for k, v in vars(args).items() if k in fields}, "bf16": False})
         kwargs.update(args=sft_args, peft_config=lora_config(), train_dataset=sft_dataset())
     result["expert_bytes_before_wrap"] = expert_bytes(model)
+    result["expert_digest_before_wrap"] = expert_digest(model)
     trainer = trainer_cls(**kwargs)
     init = trainable_snapshot(trainer.model)
     result["init_checksum"] = checksum(init)
@@ -303,6 +338,8 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
     if sharded:
         result["mesh_shape"] = list(sharded[0].device_mesh.mesh.shape)
         result["placements"] = [str(pl) for pl in sharded[0].placements]
+    if result["expert_digest_before_wrap"] is not None:
+        result["expert_digest_after_training"] = expert_digest(trainer.model, version)
     result["expert_bytes_local"] = expert_bytes(trainer.model)
     result["expert_bytes_dtensor"] = expert_bytes(trainer.model, dtensor_only=True)
     policy = getattr(trainer.accelerator.state.fsdp_plugin, "mixed_precision_policy", None)
