@@ -24,6 +24,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "is_int8",
     "is_params4bit",
+    "is_packed_experts",
     "resolve_dtype",
     "quantization_kind",
     "quant_storage_dtype",
@@ -55,6 +56,14 @@ def resolve_dtype(dtype) -> torch.dtype:
 
 def is_params4bit(param) -> bool:
     return type(param).__name__ == "Params4bit"
+
+
+# Set on the packed expert bytes of loading/experts.py: they are bytes, not values, like a Params4bit's.
+PACKED_EXPERTS_ATTR = "_hf_fsdp_qlora_packed_experts"
+
+
+def is_packed_experts(param) -> bool:
+    return getattr(param, PACKED_EXPERTS_ATTR, False)
 
 
 def is_int8(param) -> bool:
@@ -132,7 +141,8 @@ def harmonize_dtypes(model, dtype: torch.dtype) -> list[str]:
     """
     changed = []
     for name, param in model.named_parameters():
-        if is_params4bit(param) or is_int8(param) or not param.is_floating_point():
+        # Packed 4-bit expert bytes (loading/experts.py) are not values either: a float cast corrupts them.
+        if is_params4bit(param) or is_int8(param) or not param.is_floating_point() or is_packed_experts(param):
             continue
         if param.dtype != dtype:
             param.data = param.data.to(dtype)

@@ -25,6 +25,7 @@ _SECONDS = {
     "test_slurm_recipe.py": 70, "test_finish.py": 20,
     "test_dora.py": 120,
     "test_prequantized.py": 120, "test_packing.py": 20,
+    "test_moe.py": 40,
 }  # fmt: skip
 
 

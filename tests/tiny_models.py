@@ -11,12 +11,17 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "qwen2", "llama_tied")
+# Mixtures of experts with fused 3-D experts (tests/test_moe.py): 8 experts, 2 routed per token.
+MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
 
 DECODER_LAYER = {
     "llama": "LlamaDecoderLayer",
     "qwen2": "Qwen2DecoderLayer",
     "llama_tied": "LlamaDecoderLayer",
     "llama_nanbytes": "LlamaDecoderLayer",
+    "qwen3_moe": "Qwen3MoeDecoderLayer",
+    "mixtral": "MixtralDecoderLayer",
+    "gpt_oss": "GptOssDecoderLayer",
 }
 
 # Pre-quantized 4-bit checkpoints (as the shared `*-bnb-4bit` repos are): the tiny Llama loaded in 4 bits with
@@ -53,7 +58,25 @@ def tiny_config(arch: str = "llama", vocab_size: int = 256, num_layers: int = 2)
         from transformers import Qwen2Config
 
         return Qwen2Config(**common, tie_word_embeddings=False)
+    if arch in MOE_ARCHS:
+        return _moe_config(arch, common)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS}")
+
+
+def _moe_config(arch, common):
+    moe = {"num_experts_per_tok": 2, "tie_word_embeddings": False}
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, **moe, num_experts=8, moe_intermediate_size=64, head_dim=16)
+    if arch == "mixtral":
+        from transformers import MixtralConfig
+
+        return MixtralConfig(**common, **moe, num_local_experts=8)
+    from transformers import GptOssConfig
+
+    common = {**common, "intermediate_size": 64}
+    return GptOssConfig(**common, **moe, num_local_experts=8, head_dim=16, sliding_window=32)
 
 
 def build_tiny_model(path: str | Path, arch: str = "llama", dtype=torch.bfloat16, seed: int = 0) -> Path:

@@ -48,6 +48,7 @@ from ._transfer import (
     _slots,
     params4bit_fields,
 )
+from .experts import has_fused_experts
 
 __all__ = ["load_base_low_ram", "materialize_from_rank0", "verify_partial_rows"]
 
@@ -240,7 +241,9 @@ def _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote
     return model.eval()
 
 
-def load_base_low_ram(model_name_or_path, *, quantization_config, dtype, trust_remote_code=False, **kwargs):
+def load_base_low_ram(
+    model_name_or_path, *, quantization_config, dtype, trust_remote_code=False, whole_experts=False, **kwargs
+):
     """``AutoModelForCausalLM.from_pretrained`` in 4 bits, where only rank 0 reads the checkpoint.
 
     Collective when launched with several processes (call it on every rank). Not launched distributed
@@ -252,6 +255,8 @@ def load_base_low_ram(model_name_or_path, *, quantization_config, dtype, trust_r
             checkpoint (its own ``quantization_config`` is used).
         dtype: the model dtype.
         trust_remote_code: passed to transformers.
+        whole_experts: the caller quantizes fused MoE experts after the load: every rank then receives whole
+            tensors (no per-rank rows) when the model has them.
         **kwargs: passed to ``from_pretrained`` on rank 0 (``attn_implementation`` is honoured on every rank).
 
     Returns:
@@ -278,6 +283,11 @@ def load_base_low_ram(model_name_or_path, *, quantization_config, dtype, trust_r
         # Under FSDP2, rank 0 streams the checkpoint tensor by tensor and keeps only its own rows too, when
         # the checkpoint maps one to one onto the model (see _stream); otherwise it loads it whole.
         model = _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote_code, kwargs)
+        if shard_world and whole_experts and has_fused_experts(model):
+            # Each rank quantizes the experts itself after the load (loading/experts.py), and every rank needs the
+            # quant states of all experts: it must hold all of their 16-bit rows, not only its own.
+            logger.info("hf_fsdp_qlora: MoE experts to quantize: every rank receives whole tensors, not its rows")
+            shard_world = None
         if shard_world and dist.get_rank() == 0:
             plan = stream_plan(model, model_name_or_path, dtype, kwargs)
     except Exception as err:  # noqa: BLE001 - re-raised below; the other ranks must not wait in a broadcast

@@ -13,6 +13,8 @@ from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..prequantized import checkpoint_quantization, refuse_unviewable_storage
+from .experts import check_no_expert_lora, lora_config_for_experts
+from .experts import quantize_experts as quantize_expert_weights
 
 __all__ = ["load_qlora_model", "default_lora_config"]
 
@@ -114,6 +116,7 @@ def load_qlora_model(
     gradient_checkpointing: bool = True,
     trust_remote_code: bool = False,
     low_cpu_ram: bool = False,
+    quantize_experts: bool = True,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM in 4 bits and add LoRA adapters, with one dtype driving everything.
@@ -137,6 +140,8 @@ def load_qlora_model(
         low_cpu_ram: under a multi-process launch, only rank 0 reads and quantizes the checkpoint; the other
             ranks receive its tensors and quant states (:mod:`hf_fsdp_qlora.loading.low_ram`). Collective: call on
             every rank. A single process loads normally.
+        quantize_experts: quantize the fused 3-D expert weights of a mixture-of-experts model to 4 bits too
+            (:mod:`hf_fsdp_qlora.loading.experts`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -146,7 +151,8 @@ def load_qlora_model(
         FileNotFoundError: the path does not exist or holds no config.json.
         UnsupportedSetupError: not a causal LM; LoRA targets match nothing; 8-bit asked for; a pre-quantized
             checkpoint that is 8-bit, not bitsandbytes, or whose packed bytes cannot be viewed as `dtype`
-            (raised before any weight is read).
+            (raised before any weight is read); an MoE family whose experts we cannot quantize (pass
+            ``quantize_experts=False`` to keep them 16-bit knowingly).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -187,6 +193,7 @@ def load_qlora_model(
             quantization_config=quantization_config,
             dtype=dtype,
             trust_remote_code=trust_remote_code,
+            whole_experts=quantize_experts,
             **from_pretrained_kwargs,
         )
     else:
@@ -201,8 +208,15 @@ def load_qlora_model(
     if prequantized is not None:
         # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
         view_packed_storage_as(model, dtype)
+    if quantize_experts:
+        quantize_expert_weights(model, quant_type=quant_type, double_quant=double_quant, dtype=dtype)
     disable_cpu_repack_in_model(model)
     _freeze_for_kbit_training(model, gradient_checkpointing)
-    model = _apply_lora(model, lora_config if lora_config is not None else default_lora_config())
+    lora_config = lora_config if lora_config is not None else default_lora_config()
+    if quantize_experts:
+        lora_config = lora_config_for_experts(model, lora_config)
+    model = _apply_lora(model, lora_config)
+    if quantize_experts:
+        check_no_expert_lora(model)
     harmonize_dtypes(model, dtype)
     return model

@@ -246,6 +246,19 @@ def _fused_head(head, shift_labels, chunk_size, scale, found: dict):
             del head.forward
 
 
+def _with_router_aux_loss(loss, outputs, model):
+    """Add a mixture of experts' load-balancing loss (``output_router_logits=True``) as transformers' own loss does.
+
+    transformers adds ``router_aux_loss_coef * aux_loss`` only when it computes the loss itself (labels passed); we
+    drop the labels to compute the loss in chunks, so the model returns the aux loss alone and we add it here.
+    """
+    aux = outputs.get("aux_loss") if isinstance(outputs, dict) else None
+    if aux is None:
+        return loss
+    coef = next((m.router_aux_loss_coef for m in model.modules() if hasattr(m, "router_aux_loss_coef")), 0.0)
+    return loss + coef * aux.to(loss.device)
+
+
 def compute_chunked_loss(trainer, model, inputs: dict, return_outputs=False, num_items_in_batch=None):
     """`Trainer.compute_loss` through the chunked head (call only when :func:`chunked_loss_reason` is None)."""
     shift_labels = _shift_labels(inputs)
@@ -269,6 +282,7 @@ def compute_chunked_loss(trainer, model, inputs: dict, return_outputs=False, num
     else:
         # The tensor that came back through the model carries FSDP's pre-backward hooks (and any fp32 output cast).
         loss = logits if torch.is_tensor(logits) and logits.dim() == 0 else found["loss"]
+    loss = _with_router_aux_loss(loss, outputs, model)
     if trainer.args.average_tokens_across_devices and by_items:
         # As Trainer.compute_loss: num_items_in_batch counts every rank's tokens, and the gradients are averaged.
         loss = loss * (trainer.accelerator.num_processes // trainer.get_tp_size())

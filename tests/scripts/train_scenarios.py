@@ -159,6 +159,49 @@ def trainable_snapshot(model):
     return {n: p.detach().float().clone() for n, p in inner.named_parameters() if p.requires_grad}
 
 
+def expert_bytes(model, dtensor_only=False):
+    """Bytes of 4-bit expert weights (loading/experts.py) this rank holds: FSDP2 local shards, FSDP1 sharded views."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.endswith("_proj_4bit") and (not dtensor_only or hasattr(p, "to_local")):
+            total += (p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+    return total
+
+
+def expert_digest(model, version=None):
+    """sha256 of the packed expert bytes, gathered whole under FSDP (collective then), or None without them.
+
+    Bytes, not values: any float cast of the packed weights (a bf16 NaN pattern through fp32) changes it.
+    """
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    def strip(name):
+        return (
+            name.replace("_fsdp_wrapped_module.", "")
+            .replace("_checkpoint_wrapped_module.", "")
+            .removeprefix("module.")
+        )
+
+    def digest():
+        packed = {strip(n): p for n, p in model.named_parameters() if n.endswith("_proj_4bit")}
+        if not packed:
+            return None
+        sha = hashlib.sha256()
+        for name in sorted(packed):
+            full = packed[name].full_tensor() if isinstance(packed[name], DTensor) else packed[name]
+            sha.update(full.detach().clone().view(torch.uint8).numpy().tobytes())  # a copy: FSDP1 frees its storage
+        return sha.hexdigest()
+
+    if version != 1:
+        return digest()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=False):
+        return digest()
+
+
 def checksum(state):
     return float(sum(v.double().sum() * (i + 1) for i, v in enumerate(state.values())))
 
@@ -272,6 +315,8 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         fields = {f for f, d in SFTConfig.__dataclass_fields__.items() if d.init}
         sft_args = SFTConfig(**{**{k: v for k, v in vars(args).items() if k in fields}, "bf16": False})
         kwargs.update(args=sft_args, peft_config=lora_config(), train_dataset=sft_dataset())
+    result["expert_bytes_before_wrap"] = expert_bytes(model)
+    result["expert_digest_before_wrap"] = expert_digest(model)
     trainer = trainer_cls(**kwargs)
     init = trainable_snapshot(trainer.model)
     result["init_checksum"] = checksum(init)
@@ -297,6 +342,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
     if sharded:
         result["mesh_shape"] = list(sharded[0].device_mesh.mesh.shape)
         result["placements"] = [str(pl) for pl in sharded[0].placements]
+    if result["expert_digest_before_wrap"] is not None:
+        result["expert_digest_after_training"] = expert_digest(trainer.model, version)
+    result["expert_bytes_local"] = expert_bytes(trainer.model)
+    result["expert_bytes_dtensor"] = expert_bytes(trainer.model, dtensor_only=True)
     policy = getattr(trainer.accelerator.state.fsdp_plugin, "mixed_precision_policy", None)
     result["mp_param_dtype"] = str(getattr(policy, "param_dtype", None))
     result["dtensor_lora"] = sum(

@@ -1,0 +1,292 @@
+"""4-bit mixture-of-experts weights: the expert layouts we know, the quantized experts module, and the swap.
+
+transformers 5 stores the experts of most MoE families as fused 3-D parameters (``gate_up_proj`` ``[E, 2I, H]``,
+``down_proj`` ``[E, H, I]``; gpt-oss transposed, with biases), and bitsandbytes' 4-bit loading only replaces
+``nn.Linear``: after ``load_in_4bit`` the experts - most of an MoE model's weights - are still 16-bit.
+:func:`quantize_experts` replaces each experts module by :class:`QuantizedExperts`, which holds every expert's
+weights as NF4 (or FP4) bytes and dequantizes one routed expert at a time in its forward.
+
+The packed bytes are a frozen ``nn.Parameter`` of shape ``[E, n]`` in the one storage dtype (the bytes viewed as
+that dtype, never converted), so FSDP1 flattens it with the rest of its unit and FSDP2 shards it on the expert
+dimension. The quantization constants (absmax, and with double quant the nested absmax and offset) are small
+buffers: FSDP leaves buffers whole on every rank and casts nothing, so they survive wrapping untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..dtypes import PACKED_EXPERTS_ATTR
+from ..errors import UnsupportedSetupError
+
+__all__ = [
+    "EXPERT_LAYOUTS",
+    "ExpertLayout",
+    "QuantizedExperts",
+    "check_no_expert_lora",
+    "expert_layout",
+    "has_fused_experts",
+    "lora_config_for_experts",
+    "quantize_experts",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a family's experts module keeps its fused 3-D weights.
+
+    Attributes:
+        weights: the 3-D ``[E, out, in]`` (or ``[E, in, out]`` when `transposed`) weight parameters, in call order.
+        biases: ``[E, out]`` bias parameters, one per weight (empty when the family has none).
+        transposed: the weights are stored ``[E, in, out]`` and applied as ``x @ W``.
+    """
+
+    weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
+    biases: tuple[str, ...] = ()
+    transposed: bool = False
+
+
+# Families whose experts we quantize, by experts class (transformers 5.23). All of them gate with `_apply_gate`
+# (installed by transformers' `use_experts_implementation`) and take (hidden_states, top_k_index, top_k_weights).
+_GATED = ExpertLayout()
+EXPERT_LAYOUTS = {
+    "Qwen3MoeExperts": _GATED,
+    "Qwen2MoeExperts": _GATED,
+    "Qwen3_5MoeExperts": _GATED,
+    "Qwen3NextExperts": _GATED,
+    "Qwen3VLMoeTextExperts": _GATED,
+    "MixtralExperts": _GATED,
+    "DeepseekV2Experts": _GATED,
+    "DeepseekV3Experts": _GATED,
+    "Glm4MoeExperts": _GATED,
+    "OlmoeExperts": _GATED,
+    "GptOssExperts": ExpertLayout(biases=("gate_up_proj_bias", "down_proj_bias"), transposed=True),
+}
+
+
+def expert_layout(module: nn.Module) -> ExpertLayout | None:
+    """The layout of `module` if it is an experts module we can quantize, else None."""
+    layout = EXPERT_LAYOUTS.get(type(module).__name__)
+    if layout is None or not hasattr(module, "_apply_gate"):
+        return None
+    names = layout.weights + layout.biases
+    if not all(isinstance(getattr(module, n, None), nn.Parameter) for n in names):
+        return None
+    return layout
+
+
+def has_fused_experts(model: nn.Module) -> bool:
+    """Whether `model` (meta-device skeletons included) has an experts module :func:`quantize_experts` would swap."""
+    return any(expert_layout(m) is not None for m in model.modules())
+
+
+def _holds_3d_weights(module: nn.Module) -> list[str]:
+    return [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+
+
+class QuantizedExperts(nn.Module):
+    """A family's experts module with every expert's weights in 4 bits, dequantized one routed expert at a time.
+
+    Built from the 16-bit experts module by :func:`quantize_experts`. The forward honours transformers' experts
+    call, ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, and runs the family's
+    own gate (``_apply_gate``). Only the experts that tokens were routed to are dequantized, one at a time, so
+    the 16-bit copy alive at any moment is one expert's weight, never a layer's whole expert stack.
+    """
+
+    def __init__(self, experts: nn.Module, layout: ExpertLayout, *, quant_type: str, double_quant: bool, dtype):
+        super().__init__()
+        from bitsandbytes.functional import quantize_4bit
+
+        self.family = type(experts).__name__
+        self.layout = layout
+        self.quant_type = quant_type
+        self.dtype = dtype
+        # The family's own settings (num_experts, alpha/limit for gpt-oss, config, act_fn module ...).
+        for key, value in vars(experts).items():
+            if not key.startswith("_") and key not in ("training", "family", "layout", "quant_type", "dtype"):
+                setattr(self, key, value)
+        for key, child in experts.named_children():
+            self.add_module(key, child)
+        self._family_gate = type(experts)._apply_gate
+        self.num_experts = getattr(experts, "num_experts", getattr(experts, layout.weights[0]).shape[0])
+        self._meta = {}
+        for name in layout.weights:
+            weight = getattr(experts, name).detach()
+            packed, absmax, nested = [], [], []
+            for e in range(weight.shape[0]):
+                data, state = quantize_4bit(
+                    weight[e].to(dtype).contiguous(),
+                    compress_statistics=double_quant,
+                    quant_type=quant_type,
+                    quant_storage=dtype,
+                )
+                packed.append(data.reshape(-1))
+                absmax.append(state.absmax)
+                if state.nested:
+                    nested.append((state.state2.absmax, state.offset))
+            param = nn.Parameter(torch.stack(packed), requires_grad=False)
+            setattr(param, PACKED_EXPERTS_ATTR, True)  # harmonize_dtypes never casts it
+            self.register_parameter(f"{name}_4bit", param)
+            self.register_buffer(f"{name}_absmax", torch.stack(absmax), persistent=False)
+            self.register_buffer(f"{name}_code", state.code, persistent=False)
+            if nested:
+                self.register_buffer(f"{name}_absmax2", torch.stack([a for a, _ in nested]), persistent=False)
+                self.register_buffer(f"{name}_offset", torch.stack([o for _, o in nested]), persistent=False)
+                self.register_buffer(f"{name}_code2", state.state2.code, persistent=False)
+            self._meta[name] = (tuple(weight.shape[1:]), state.blocksize, state.state2.blocksize if nested else None)
+        for name in layout.biases:
+            self.register_parameter(name, nn.Parameter(getattr(experts, name).detach().to(dtype), requires_grad=False))
+
+    def extra_repr(self) -> str:
+        shapes = ", ".join(f"{n}={[self.num_experts, *self._meta[n][0]]}" for n in self.layout.weights)
+        return f"family={self.family}, {self.quant_type}, {shapes}"
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._family_gate(self, gate_up)
+
+    def dequantize_expert(self, name: str, expert: int) -> torch.Tensor:
+        """Expert `expert`'s weight `name` (e.g. ``"gate_up_proj"``) in the compute dtype, in its stored layout."""
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+
+        shape, blocksize, blocksize2 = self._meta[name]
+        state2, offset = None, None
+        if blocksize2 is not None:
+            state2 = QuantState(
+                absmax=getattr(self, f"{name}_absmax2")[expert],
+                code=getattr(self, f"{name}_code2"),
+                blocksize=blocksize2,
+                dtype=torch.float32,
+            )
+            offset = getattr(self, f"{name}_offset")[expert]
+        state = QuantState(
+            absmax=getattr(self, f"{name}_absmax")[expert],
+            shape=torch.Size(shape),
+            code=getattr(self, f"{name}_code"),
+            blocksize=blocksize,
+            quant_type=self.quant_type,
+            dtype=self.dtype,
+            offset=offset,
+            state2=state2,
+        )
+        return dequantize_4bit(getattr(self, f"{name}_4bit")[expert].reshape(-1, 1), state)
+
+    def _project(self, x: torch.Tensor, index: int, expert: int) -> torch.Tensor:
+        weight = self.dequantize_expert(self.layout.weights[index], expert)
+        out = x @ weight if self.layout.transposed else nn.functional.linear(x, weight)
+        if self.layout.biases:
+            out = out + getattr(self, self.layout.biases[index])[expert]
+        return out
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            # num_experts + 1 classes: some routers mark dropped slots with index num_experts.
+            mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+        for expert in hit:
+            if expert == self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(mask[expert])
+            out = self._apply_gate(self._project(hidden_states[token_idx], 0, expert))
+            out = self._project(out, 1, expert) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+
+def quantize_experts(model: nn.Module, *, quant_type: str = "nf4", double_quant: bool = True, dtype=None) -> list[str]:
+    """Replace every fused experts module of `model` by a :class:`QuantizedExperts` (4-bit), in place.
+
+    Args:
+        model: a transformers model, typically just loaded with ``load_in_4bit`` (its experts still 16-bit).
+        quant_type: ``"nf4"`` or ``"fp4"``, as for the linear layers.
+        double_quant: quantize the per-block absmax too, as ``bnb_4bit_use_double_quant`` does for linear layers.
+        dtype: storage and compute dtype (default: the experts' own dtype).
+
+    Returns:
+        The names of the replaced modules (empty for a dense model).
+
+    Raises:
+        UnsupportedSetupError: a module holds 3-D expert weights in a layout we do not know; it names the module
+            and the way to load it knowingly in 16 bits, instead of leaving the experts unquantized silently.
+    """
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedExperts):
+            continue
+        layout = expert_layout(module)
+        if layout is not None:
+            found.append((name, module, layout))
+        elif _holds_3d_weights(module):
+            raise UnsupportedSetupError(
+                f"{type(module).__name__} at {name!r} holds mixture-of-experts weights as 3-D parameters "
+                f"{_holds_3d_weights(module)} in a layout hf_fsdp_qlora cannot quantize to 4 bits yet (supported: "
+                f"{', '.join(sorted(EXPERT_LAYOUTS))}). Pass quantize_experts=False to load_qlora_model to keep "
+                "these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit experts)."
+            )
+    for name, module, layout in found:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        weight_dtype = getattr(module, layout.weights[0]).dtype
+        quantized = QuantizedExperts(
+            module, layout, quant_type=quant_type, double_quant=double_quant, dtype=dtype or weight_dtype
+        )
+        setattr(parent, child, quantized)
+    if found:
+        logger.info("hf_fsdp_qlora: quantized the experts of %d MoE layers to 4 bits (%s)", len(found), quant_type)
+    return [name for name, _, _ in found]
+
+
+def _quantized_weight_names(model: nn.Module) -> set[str]:
+    return {w for m in model.modules() if isinstance(m, QuantizedExperts) for w in m.layout.weights}
+
+
+def lora_config_for_experts(model: nn.Module, lora_config):
+    """`lora_config` made to fit a model with 4-bit experts, before ``get_peft_model``.
+
+    peft (0.21) rewrites ``target_modules="all-linear"`` on MoE families into parameter targets on the router and
+    the experts (``target_parameters``), which 4-bit experts do not take yet. So "all-linear" becomes the model's
+    linear layers by name (attention, shared experts), and asking for LoRA on expert weights is a clear error.
+    """
+    expert_weights = _quantized_weight_names(model)
+    if not expert_weights:
+        return lora_config
+    _refuse_expert_targets(lora_config, expert_weights)
+    if lora_config.target_modules == "all-linear":
+        import copy
+
+        out = model.get_output_embeddings()
+        names = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, m in model.named_modules()
+                if isinstance(m, nn.Linear) and m is not out and "." in name
+            }
+        )
+        lora_config = copy.deepcopy(lora_config)
+        lora_config.target_modules = names
+        logger.info("hf_fsdp_qlora: LoRA targets on this MoE model (4-bit experts): %s", names)
+    return lora_config
+
+
+def check_no_expert_lora(peft_model) -> None:
+    """After ``get_peft_model``: refuse a config that peft turned into LoRA on 4-bit expert weights (matching nothing)."""
+    expert_weights = _quantized_weight_names(peft_model)
+    for config in getattr(peft_model, "peft_config", {}).values():
+        _refuse_expert_targets(config, expert_weights)
+
+
+def _refuse_expert_targets(lora_config, expert_weights: set[str]) -> None:
+    targets = sorted(getattr(lora_config, "target_parameters", None) or [])
+    wanted = [t for t in targets if t.rsplit(".", 1)[-1] in expert_weights]
+    if wanted:
+        raise UnsupportedSetupError(
+            f"LoRA on mixture-of-experts weights ({wanted}) is not supported on 4-bit experts yet. Train LoRA on the "
+            "attention (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']) with the experts in 4 bits, or "
+            "pass quantize_experts=False to load_qlora_model to keep the experts 16-bit for expert LoRA."
+        )
