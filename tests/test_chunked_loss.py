@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_fsdp_qlora.train.loss import head_loss
-from hf_fsdp_qlora.train.loss_paths import DEFAULT_LOSS_CHUNK_SIZE
+from hf_fsdp_qlora.loss_paths import DEFAULT_LOSS_CHUNK_SIZE
 
 # Measured: float32 losses agree to 2e-7 relative, gradients to 1e-6 (only the summation order differs).
 RTOL, ATOL = 1e-5, 1e-6
@@ -167,6 +167,129 @@ def test_loss_chunk_size_must_be_positive(tmp_path):
 
     with pytest.raises(ValueError, match="loss_chunk_size=0"):
         FSDPQLoRATrainingArguments(output_dir=str(tmp_path), loss_chunk_size=0, use_cpu=True, report_to=[])
+
+
+def _tiny_from(config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _mixtral():
+    from transformers import MixtralConfig
+
+    return _tiny_from(MixtralConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=1.0,
+    ))  # fmt: skip
+
+
+def _recurrent_gemma(cap=2.0):
+    from transformers import RecurrentGemmaConfig
+
+    return _tiny_from(RecurrentGemmaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=8, lru_width=32, attention_window_size=16, logits_soft_cap=cap,
+    ))  # fmt: skip
+
+
+def _batch():
+    data = _Data()
+    return {k: torch.stack([data[i][k] for i in (0, 1)]) for k in ("input_ids", "labels", "attention_mask")}
+
+
+def _assert_same_loss_and_grads(stock, ours, batch, num_items=None):
+    expected = stock.compute_loss(stock.model, dict(batch), num_items_in_batch=num_items)
+    got = ours.compute_loss(ours.model, dict(batch), num_items_in_batch=num_items)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    if stock.model.training:
+        expected.backward()
+        got.backward()
+        for (name, a), (_, b) in zip(stock.model.named_parameters(), ours.model.named_parameters(), strict=True):
+            if a.grad is not None or b.grad is not None:
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+        stock.model.zero_grad()
+        ours.model.zero_grad()
+    return float(expected.detach())
+
+
+def test_moe_router_aux_loss_equals_stock(tmp_path):
+    """Issue 25.1: a mixture of experts with output_router_logits adds router_aux_loss_coef * aux_loss to the stock
+    loss; the chunked loss adds it too (the model's own code does), with and without num_items_in_batch, and the
+    gradients (router included) are the stock ones. Before: 4.172 where the stock loss is 5.174 (the aux term lost)."""
+    from hf_fsdp_qlora.train.loss import trainer_loss_path
+
+    model = _mixtral()
+    stock, ours = _trainer(tmp_path, copy.deepcopy(model), False), _trainer(tmp_path, copy.deepcopy(model), True)
+    batch = _batch()
+    with torch.no_grad():
+        aux = model(**{k: v for k, v in batch.items() if k != "labels"}).aux_loss
+    assert float(aux) > 1.0  # the term the chunked loss used to drop is not negligible here
+    for num_items in (None, torch.tensor(37)):
+        _assert_same_loss_and_grads(stock, ours, batch, num_items)
+    assert trainer_loss_path(ours) == "ours"
+
+
+@pytest.mark.parametrize("by_name", [True, False], ids=["config-name", "generic-probe"])
+def test_logit_transform_keeps_stock_loss(tmp_path, monkeypatch, by_name):
+    """Issue 25.2: RecurrentGemma soft-caps its logits (`logits_soft_cap`, 2 here) after the head. Our trainer keeps
+    the stock loss, in training and in evaluation: known by the config's name, and without the name list at all (the
+    one-time probe sees the logits change between the head and the loss function). Before: 1.941 (tanh of the loss)
+    where the stock loss is 4.206."""
+    import hf_fsdp_qlora.loss_paths as loss_paths
+    from hf_fsdp_qlora.train.loss import trainer_loss_path
+
+    if not by_name:
+        monkeypatch.setattr(loss_paths, "LOGIT_TRANSFORMS", ())
+    model = _recurrent_gemma()
+    stock, ours = _trainer(tmp_path, copy.deepcopy(model), False), _trainer(tmp_path, copy.deepcopy(model), True)
+    batch = _batch()
+    for training in (True, False):
+        stock.model.train(training)
+        ours.model.train(training)
+        _assert_same_loss_and_grads(stock, ours, batch)
+    assert trainer_loss_path(ours) == "stock"
+    decided = ours.__dict__["_hf_fsdp_qlora_loss"]
+    assert (decided["static"][0] == "stock") == by_name
+    assert by_name or decided[("probe", True)] and decided[("probe", False)]
+
+
+def test_stock_fallback_decided_and_logged_once(tmp_path, monkeypatch):
+    """Issue 25.5: the trainer decides its loss path once (settings and config once, the probe once per mode), and
+    says once why it keeps the stock loss; a trainer on the chunked path says nothing."""
+    import logging
+
+    import hf_fsdp_qlora.loss_paths as loss_paths
+    from hf_fsdp_qlora.train import loss
+
+    monkeypatch.setattr(loss_paths, "LOGIT_TRANSFORMS", ())  # found by the probe
+    calls = {"facts": 0, "probe": 0}
+    for name in calls:
+        original = getattr(loss, f"_{name}")
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(loss, f"_{name}", counted)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("hf_fsdp_qlora.train.loss").addHandler(handler)
+    try:
+        trainer = _trainer(tmp_path, _recurrent_gemma(), True)
+        for _ in range(3):
+            trainer.compute_loss(trainer.model, _batch())
+        chunked = _trainer(tmp_path, _tiny(), True)
+        for _ in range(2):
+            chunked.compute_loss(chunked.model, _batch())
+    finally:
+        logging.getLogger("hf_fsdp_qlora.train.loss").removeHandler(handler)
+    assert calls == {"facts": 2, "probe": 2}  # once per trainer (one mode each)
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    assert "stock" in records[0].getMessage() and "transforms its logits" in records[0].getMessage()
 
 
 # --- under FSDP1 and FSDP2: one 2-rank launch each ---------------------------------------------------------------
