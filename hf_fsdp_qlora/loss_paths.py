@@ -135,13 +135,14 @@ def logits_bytes(
     Per logit: the logits in the compute dtype, transformers' float32 copy and the float32 log-softmax / gradient
     (at least 12 bytes). Our chunked path also keeps the labelled positions' hidden states and their gradient (held
     from the forward to the backward) and, for a trained head (a full fine-tune), the float32 ``[vocab x hidden]``
-    weight gradient it accumulates over the chunks in the forward.
+    weight gradient it accumulates over the chunks in the forward plus one chunk's product in the compute dtype.
     """
     per_logit = max(act_bytes + (4 if act_bytes < 4 else 0) + 4, 12)
     if loss_path == "stock":
         return tokens * vocab * per_logit
     if loss_path == "ours":
-        held = 2 * tokens * hidden * act_bytes + (vocab * hidden * 4 if head_trained else 0)
+        # a trained head: its float32 gradient, and each chunk's [vocab x hidden] product before it is added in
+        held = 2 * tokens * hidden * act_bytes + (vocab * hidden * (4 + act_bytes) if head_trained else 0)
         return min(tokens, chunk) * vocab * per_logit + held
     if loss_path in ("sft", "dpo"):
         # One tile in the compute dtype plus its float32 working copy, and trl's per-token float32 outputs.
