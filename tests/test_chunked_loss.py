@@ -555,7 +555,8 @@ def test_plan_covers_what_the_chunked_loss_holds(trained):
     """Issue 25.4: the plan's `ours` logits term against the measured peak of the loss's forward (float32 head of
     8192 x 256, 512 tokens, chunks of 64, the chunk size the plan is given; float32: bf16 matmuls are emulated on
     CPUs without avx512_bf16). A trained head's fp32 weight gradient is held from the forward to the backward:
-    measured 19.0 MiB, planned 23.0 MiB (before: 6.25 MiB, and 12 MiB at the default chunk size it was given)."""
+    measured 19.0 MiB, planned 23.0 MiB (before: 6.5 MiB; and the doctor planned the default chunk size whatever
+    loss_chunk_size was)."""
     from hf_fsdp_qlora.loss_paths import logits_bytes
 
     vocab, hidden, tokens, chunk = 8192, 256, 512, 64
