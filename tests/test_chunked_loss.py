@@ -440,7 +440,9 @@ def test_doctor_cli_loss_path_changes_the_plan(capsys):
 
     guard = str(Path(__file__).parent / "data" / "llamaguard3_1b_config.json")
     found = {}
-    for option in ([], ["--loss-path", "stock"], ["--trainer", "transformers"], ["--loss-path", "sft"]):
+    options = ([], ["--loss-path", "stock"], ["--trainer", "transformers"], ["--loss-path", "sft"],
+               ["--trainer-class", "SFTTrainer"], ["--loss-chunk-size", "1024"])  # fmt: skip
+    for option in options:
         args = ["doctor", "--accelerate-config", "llamaguard3_1b_1x24gb", "--model", guard, "--full-finetune",
                 "--seq-len", "4096", "--gpu-memory", "24GB", "--json", *option]  # fmt: skip
         assert main(args) in (0, None)
@@ -451,6 +453,10 @@ def test_doctor_cli_loss_path_changes_the_plan(capsys):
     assert stock == found["--trainer transformers"][1] == 4096 * 128256 * 12
     # a full fine-tune: ours holds the trained head's gradient (1.5 GiB of its 2.23 GiB)
     assert ours < stock / 2 and sft < stock / 7 and len({stock, ours, sft}) == 3
+    # trl's sft.py under `python -m hf_fsdp_qlora.run`: its SFTTrainer's loss, not ours
+    assert found["--trainer-class SFTTrainer"] == ("sft", sft)
+    # the chunk size planned is the run's: 512 more tokens x vocab x 12 bytes
+    assert found["--loss-chunk-size 1024"] == ("ours", ours + 512 * 128256 * 12)
     with pytest.raises(SystemExit) as err:
         main(["doctor", "--accelerate-config", "fsdp2_qlora", "--model", guard, "--loss-path", "fused"])
     assert err.value.code == 2
