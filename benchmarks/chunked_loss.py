@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from hf_fsdp_qlora.train.loss_paths import DEFAULT_LOSS_CHUNK_SIZE  # torch-free
+from hf_fsdp_qlora.loss_paths import DEFAULT_LOSS_CHUNK_SIZE  # torch-free
 
 
 def _loss_once(kind: str, vocab: int, hidden: int, tokens: int, chunk: int) -> dict:

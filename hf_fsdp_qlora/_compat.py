@@ -356,8 +356,14 @@ WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
         key="chunked_loss_head_forward",
         upstream="transformers <= 5.23: Trainer.compute_loss / ForCausalLMLoss need the full logits",
-        works_around="[batch x seq x vocab] logits + fp32 copy + grad: the head's forward is a chunked loss for one call",
-        where=(f"{_MIXIN}.compute_loss", f"{_MIXIN}.prediction_step", "hf_fsdp_qlora.train.loss._fused_head"),
+        works_around="[batch x seq x vocab] logits + fp32 copy + grad: the head's forward is a chunked loss for one "
+        "call, and the model's loss_function (transformers' setter keeps it in `_loss_function`) passes it through",
+        where=(
+            f"{_MIXIN}.compute_loss",
+            f"{_MIXIN}.prediction_step",
+            "hf_fsdp_qlora.train.loss._fused_head",
+            "hf_fsdp_qlora.train.loss._replaced",
+        ),
         remove_when="transformers computes the causal-LM loss from the hidden states in chunks itself",
         canary="tests/test_chunked_loss.py::test_compute_loss_num_items_and_all_masked",
     ),

@@ -17,7 +17,7 @@ import json
 
 from hf_fsdp_qlora.cli._command import Command, CommandError
 from hf_fsdp_qlora.cli._options import FLOAT_DTYPES, dtype_type
-from hf_fsdp_qlora.train.loss_paths import LOSS_PATHS
+from hf_fsdp_qlora.loss_paths import DEFAULT_LOSS_CHUNK_SIZE, LOSS_PATHS
 
 __all__ = ["DoctorCommand"]
 
@@ -62,6 +62,8 @@ def _settings(args: argparse.Namespace) -> dict:
         "lora_target_modules": targets,
         "trainer": args.trainer,
         "loss_path": args.loss_path,
+        "trainer_class": args.trainer_class,
+        "loss_chunk_size": args.loss_chunk_size,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
         "eval_batch_size": args.eval_batch_size,
@@ -84,7 +86,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 # Values no run can have: a usage error (exit 2, one line), not a report built on a division by zero.
-_AT_LEAST_ONE = ("lora_r", "seq_len", "batch_size", "eval_batch_size", "num_gpus")
+_AT_LEAST_ONE = ("lora_r", "seq_len", "batch_size", "eval_batch_size", "num_gpus", "loss_chunk_size")
 
 
 def _impossible(args: argparse.Namespace) -> str | None:
@@ -167,8 +169,21 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
             choices=LOSS_PATHS,
             help="whose loss holds the logits: ours (our trainers and routes: chunked, one chunk of logits), sft (trl "
             "SFTTrainer: fused LM head tiles), stock (a Trainer without our mixin, or chunked_loss=False: full logits "
-            "+ fp32 copy + gradient), dpo (trl DPOTrainer: fused head over chosen+rejected). Default: ours with "
-            "--trainer hf_fsdp_qlora, else stock",
+            "+ fp32 copy + gradient), dpo (trl DPOTrainer: fused head over chosen+rejected). Default: the path the "
+            "run takes (trainer, --trainer-class and the model's config decide, as the trainer does at run time)",
+        )
+        parser.add_argument(
+            "--trainer-class",
+            metavar="NAME",
+            help="the Trainer class the script builds when it has a loss of its own, e.g. SFTTrainer for trl's sft.py "
+            "under `python -m hf_fsdp_qlora.run` (its loss runs, not ours); DPOTrainer for dpo.py",
+        )
+        parser.add_argument(
+            "--loss-chunk-size",
+            type=_positive,
+            default=DEFAULT_LOSS_CHUNK_SIZE,
+            help=f"tokens per chunk of our chunked loss (FSDPQLoRATrainingArguments.loss_chunk_size; default "
+            f"{DEFAULT_LOSS_CHUNK_SIZE})",
         )
         parser.add_argument("--seq-len", type=_positive, default=2048, help="tokens per sample (default 2048)")
         parser.add_argument("--batch-size", type=_positive, default=1, help="per_device_train_batch_size (default 1)")

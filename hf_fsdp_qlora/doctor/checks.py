@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..train.loss_paths import LOSS_PATHS
+from ..loss_paths import LOSS_PATHS
 from ._launch_rules import (
     checkpoint_rules,
     checkpointing_rules,

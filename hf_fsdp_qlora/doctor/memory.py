@@ -21,8 +21,10 @@ Parts, per GPU (bytes), in the order they are reported:
   saved tensor without checkpointing) wait in host RAM (``host["activations_offloaded"]``); the GPU keeps one
   layer's saved tensors as backward brings them back (or recomputes them), and the transients.
 * ``logits_loss``: the logits and the loss's fp32 working memory, as the run's loss path holds them
-  (:mod:`hf_fsdp_qlora.train.loss_paths`): ``stock`` (a Trainer without our mixin) the whole ``batch x seq x vocab``
-  logits, their fp32 copy and log-softmax/gradient; ``ours`` one chunk of them plus the labelled hidden states;
+  (:mod:`hf_fsdp_qlora.loss_paths`, which also decides the path: the trainer, its class and the model's config, as
+  the trainer decides it at run time): ``stock`` the whole ``batch x seq x vocab`` logits, their fp32 copy and
+  log-softmax/gradient; ``ours`` one ``loss_chunk_size`` chunk of them plus the labelled hidden states and their
+  gradient, and for a full fine-tune the fp32 ``[vocab x hidden]`` head gradient held from forward to backward;
   ``sft``/``dpo`` one tile of trl's fused LM head (DPO also doubles the tokens of the activations).
 * ``dequant_workspace``: the largest quantized weight dequantized for one matmul.
 * ``runtime_overhead``: CUDA context, cuBLAS workspace, NCCL buffers (a fixed 1 GiB).
@@ -40,11 +42,11 @@ import math
 from dataclasses import dataclass, field
 
 from ..dtype_names import dtype_bytes
-from ..train.loss_paths import logits_bytes, sequences_factor
+from ..loss_paths import logits_bytes, loss_path, sequences_factor
 from .setup import RunSetup
 from .shapes import ModelShape
 
-__all__ = ["GIB", "MemoryPlan", "dtype_bytes", "format_size", "parse_gpu_memory", "plan_memory"]
+__all__ = ["GIB", "MemoryPlan", "dtype_bytes", "format_size", "parse_gpu_memory", "plan_memory", "planned_loss_path"]
 
 GIB = 1024**3
 RUNTIME_OVERHEAD = 1 * GIB
@@ -110,6 +112,7 @@ class MemoryPlan:
     # per-rank local shards of persistent state, for comparison with a measured run
     shard: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    loss_path: str = "ours"  # the loss path planned (hf_fsdp_qlora.loss_paths)
 
     @property
     def total(self) -> int:
@@ -210,11 +213,13 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     quant = None if setup.full_finetune else setup.quantization
     lora = not setup.full_finetune
     mixed = setup.effective_mixed_precision != "no"
-    loss_path = setup.effective_loss_path
+    path, why = planned_loss_path(setup, shape)
     # DPO runs chosen and rejected sequences through the model in one forward: twice the tokens.
-    tokens = setup.batch_size * setup.seq_len * sequences_factor(loss_path)
+    tokens = setup.batch_size * setup.seq_len * sequences_factor(path)
     notes: list[str] = []
-    if loss_path == "dpo":
+    if why is not None and path == "stock" and setup.trainer == "hf_fsdp_qlora":
+        notes.append(f"the run keeps transformers' stock loss (full logits): {why}")
+    if path == "dpo":
         notes.append("DPO: chosen and rejected sequences run together, twice batch x seq tokens per forward")
 
     storage_floating = setup.storage not in ("uint8", "int8")
@@ -326,7 +331,9 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         on_gpu = tokens * per_layer + transient
         offloaded_activations = max(0.0, activations - on_gpu)
         activations -= offloaded_activations
-    logits = logits_bytes(loss_path, tokens, shape.vocab_size, act, shape.hidden_size)
+    # A full fine-tune trains the plain nn.Linear head: our loss holds its fp32 gradient from forward to backward.
+    logits = logits_bytes(path, tokens, shape.vocab_size, act, shape.hidden_size, setup.loss_chunk_size,
+                          head_trained=setup.full_finetune)  # fmt: skip
     workspace = max((lin.numel for lin in shape.linears if lin.quantized), default=0) * act if quant else 0
     if setup.use_dora and lora:
         workspace = max(workspace, shape.dora_workspace() * act)
@@ -383,4 +390,12 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         checkpoint=ckpt,
         shard={k: int(v) for k, v in local.items()},
         notes=notes,
+        loss_path=path,
     )
+
+
+def planned_loss_path(setup: RunSetup, shape: ModelShape) -> tuple[str, str | None]:
+    """The loss path the run takes, and why it is not ours: the predicate the trainer asks at run time."""
+    if setup.loss_path is not None:
+        return setup.loss_path, None
+    return loss_path(setup.trainer, setup.trainer_class, config=shape.logit_transforms)

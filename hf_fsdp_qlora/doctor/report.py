@@ -24,7 +24,7 @@ def to_json(diagnosis: Diagnosis) -> dict:
     f = s.fsdp
     setup = {key: getattr(s, key) for key in _SETUP_KEYS}
     setup.update(
-        loss_path=s.effective_loss_path,
+        loss_path=diagnosis.plan.loss_path if diagnosis.plan else s.effective_loss_path,
         quant_storage=s.storage if s.quantization == "4bit" else None,
         compute_dtype=s.compute,
         adapter_dtype=None if s.full_finetune else s.adapter,
@@ -65,7 +65,7 @@ def render(diagnosis: Diagnosis, width: int = 100) -> str:
         s.quantization, "LoRA on a 16-bit base")  # fmt: skip
     fsdp = f"FSDP{s.fsdp.version}" if s.fsdp.version else "no FSDP"
     lines.append(f"hf-fsdp-qlora doctor: {s.model or 'model'} | {mode} | {fsdp} | {s.world_size} GPU(s) | "
-                 f"trainer {s.trainer} | loss {s.effective_loss_path} | batch {s.batch_size} x {s.seq_len} tokens")  # fmt: skip
+                 f"trainer {s.trainer} | loss {plan.loss_path if plan else s.effective_loss_path} | batch {s.batch_size} x {s.seq_len} tokens")  # fmt: skip
     lines.append("")
     if diagnosis.findings:
         lines.append(f"{'SEVERITY':<8}  {'CHECK':<40}  SETTING -> VALUE")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..dtype_names import DTYPE_OF_MIXED_PRECISION
 from ..errors import SetupInputError
+from ..loss_paths import DEFAULT_LOSS_CHUNK_SIZE, loss_path
 
 __all__ = [
     "TRAINERS",
@@ -84,9 +85,13 @@ class RunSetup:
     lora_target_modules: str | list[str] = "all-linear"
     device_map: str | None = None
     trainer: str = "hf_fsdp_qlora"
-    # Whose loss computes the logits: "ours", "sft", "stock" or "dpo" (hf_fsdp_qlora.train.loss_paths); None: ours
-    # with trainer="hf_fsdp_qlora", stock otherwise.
+    # Whose loss computes the logits: "ours", "sft", "stock" or "dpo" (hf_fsdp_qlora.loss_paths); None: what the run
+    # takes (hf_fsdp_qlora.loss_paths.loss_path: the trainer, its class and the model's config decide).
     loss_path: str | None = None
+    # The Trainer class the script builds when it has a loss of its own (trl's "SFTTrainer", "DPOTrainer", e.g. trl's
+    # sft.py under `python -m hf_fsdp_qlora.run`); None: a Trainer that keeps transformers' loss.
+    trainer_class: str | None = None
+    loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE  # FSDPQLoRATrainingArguments.loss_chunk_size
     gradient_checkpointing: bool = (
         False  # TrainingArguments.activation_checkpointing (formerly gradient_checkpointing)
     )
@@ -124,9 +129,8 @@ class RunSetup:
 
     @property
     def effective_loss_path(self) -> str:
-        from ..train.loss_paths import default_loss_path
-
-        return self.loss_path or default_loss_path(self.trainer)
+        """The loss path without the model's config (the memory plan also asks the config: MemoryPlan.loss_path)."""
+        return self.loss_path or loss_path(self.trainer, self.trainer_class)[0]
 
     @property
     def world_size(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..causal_lm import causal_lm_problem
+from ..loss_paths import LOGIT_TRANSFORMS
 from .setup import SetupInputError
 
 __all__ = ["LinearShape", "ModelShape", "apply_checkpoint_quantization", "load_model_config", "model_shape"]
@@ -54,6 +55,8 @@ class ModelShape:
     num_tensors: int = 0  # parameter tensors, tied ones once
     max_positions: int | None = None  # max_position_embeddings (n_positions), if the config has one
     rotary: bool = True  # positions from RoPE (a longer sequence runs, degraded), not a learned table
+    # the config's transforms of the logits after the head (hf_fsdp_qlora.loss_paths.LOGIT_TRANSFORMS) that are set
+    logit_transforms: dict = field(default_factory=dict)
 
     @property
     def total_params(self) -> int:
@@ -234,6 +237,7 @@ def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_positions=getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
         rotary=any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_theta", "rotary_dim")),
+        logit_transforms={k: getattr(text, k) for k in LOGIT_TRANSFORMS if getattr(text, k, None) is not None},
     )
     linear_weights = set()
     for name, sub in module.named_modules():

@@ -232,13 +232,9 @@ class FSDPSaveMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # The chunked loss where the trainer keeps transformers' stock one (see hf_fsdp_qlora.train.loss).
-        from .loss import chunked_loss_reason, compute_chunked_loss
+        from .loss import compute_loss
 
-        if chunked_loss_reason(self, inputs, return_outputs) is None:
-            return compute_chunked_loss(self, model, inputs, return_outputs, num_items_in_batch)
-        return super().compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
+        return compute_loss(self, super().compute_loss, model, inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # A loss-only evaluation takes the chunked loss; predict() / compute_metrics get the model's logits.

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .loss_paths import DEFAULT_LOSS_CHUNK_SIZE
+from ..loss_paths import DEFAULT_LOSS_CHUNK_SIZE
 
 __all__ = ["FSDPQLoRATrainingArguments", "DEFAULT_COLLECTIVE_TIMEOUT_S"]
 

@@ -3,10 +3,13 @@
 Scenarios, each training the tiny 4-bit QLoRA Llama 2 optimizer steps (gradient accumulation 2, prompts masked
 with -100) from the same seed and data, then evaluating:
 ``stock`` (chunked_loss=False: the oracle), ``chunked`` (chunks of 4 tokens: several per micro-batch), the same two
-as a full fine-tune of the bf16 model (``full_stock``, ``full_chunked``: the LM head is trained), and ``sft`` (our SFT trainer: trl's fused LM head, each step's loss compared with the
-unfused loss computed from the full logits of the same inputs and weights). Each rank writes rank<N>.json with the
+as a full fine-tune of the bf16 model (``full_stock``, ``full_chunked``: the LM head is trained), the same two for a
+tiny bf16 Mixtral with ``output_router_logits`` (``moe_stock``, ``moe_chunked``: the router's auxiliary loss is part
+of the loss), and ``sft`` (our SFT trainer: trl's fused LM head, each step's loss compared with the unfused loss
+computed from the full logits of the same inputs and weights). Each rank writes rank<N>.json with the
 logged losses, eval loss, the loss path taken, FSDP engagement, the all-gathers issued, and grads_<name>_rank<N>.pt
-(the local gradient shards at the first optimizer step).
+(the local gradient shards at the first optimizer step). The all-gathers of the chunked loss's one-time probe (a
+forward without gradients) are counted apart.
 """
 
 from __future__ import annotations
@@ -31,9 +34,28 @@ SCENARIOS = {
     "chunked": {"loss_chunk_size": 4},
     "full_stock": {"chunked_loss": False},  # full fine-tune: the LM head is trained (its gradient reduce-scattered)
     "full_chunked": {"loss_chunk_size": 4},
+    "moe_stock": {"chunked_loss": False},  # tiny Mixtral, full fine-tune, router aux loss on
+    "moe_chunked": {"loss_chunk_size": 4},
     "sft": {},
 }
 GATHERS = [0]
+PROBE_GATHERS = [0]
+
+
+def count_probe_gathers():
+    """The probe runs once per trainer and mode: its all-gathers are counted apart from the loss's."""
+    from hf_fsdp_qlora.train import loss
+
+    original = loss._probe
+
+    def counted(*args, **kwargs):
+        before = GATHERS[0]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            PROBE_GATHERS[0] += GATHERS[0] - before
+
+    loss._probe = counted
 
 
 def count_gathers():
@@ -93,10 +115,11 @@ def run(name, path, out, version):
             return loss
 
     torch.manual_seed(0)
-    if name.startswith("full"):
+    if name.startswith(("full", "moe")):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        where = Path(path).parent / "mixtral" if name.startswith("moe") else path
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.bfloat16)
     else:
         model = load_qlora_model(path, lora_config=ts.lora_config())
     common = dict(  # noqa: C408 - keyword arguments of TrainingArguments
@@ -104,7 +127,7 @@ def run(name, path, out, version):
         max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
         dataloader_drop_last=True, seed=0, optim="sgd", average_tokens_across_devices=True,
     )  # fmt: skip
-    GATHERS[0] = 0
+    GATHERS[0] = PROBE_GATHERS[0] = 0
     if name == "sft":
         from trl import SFTConfig
 
@@ -117,7 +140,7 @@ def run(name, path, out, version):
             model=model, args=args, train_dataset=MaskedData(), eval_dataset=MaskedData(), callbacks=[FirstGrads()]
         )
     trainer.train()
-    gathers_train = GATHERS[0]
+    gathers_train, probe_gathers = GATHERS[0] - PROBE_GATHERS[0], PROBE_GATHERS[0]
     found = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "eval_loss": trainer.evaluate()["eval_loss"],
@@ -125,6 +148,7 @@ def run(name, path, out, version):
         "engaged": seen["engaged"],
         "distributed_type": str(trainer.accelerator.distributed_type),
         "gathers_train": gathers_train,
+        "probe_gathers": probe_gathers,
         "fused": seen["fused"],
         "unfused": seen["unfused"],
     }
@@ -142,6 +166,7 @@ def main():
     out, path = Path(args.out), str(Path(args.models) / "llama")
     out.mkdir(parents=True, exist_ok=True)
     count_gathers()
+    count_probe_gathers()
     found = {}
     for name in args.scenarios.split(","):
         try:
