@@ -72,22 +72,22 @@ replaced, no CUDA for --device cuda).
         )
         parser.add_argument(
             "--dequantize",
-            choices=["nf4", "fp4"],
+            choices=["nf4", "fp4", "int8"],
             default=None,
-            help="merge onto the 4-bit round trip of the base that QLoRA trained against, with this "
-            "bnb_4bit_quant_type (default: merge onto the 16-bit base as is)",
+            help="merge onto the quantization round trip of the base that training saw: nf4 / fp4 (the "
+            "bnb_4bit_quant_type of QLoRA) or int8 (load_in_8bit) (default: merge onto the 16-bit base as is)",
         )
         parser.add_argument(
             "--no-double-quant",
             dest="double_quant",
             action="store_false",
-            help="with --dequantize: training used bnb_4bit_use_double_quant=False (default: double quant on)",
+            help="with --dequantize nf4/fp4: training used bnb_4bit_use_double_quant=False (default: double quant on)",
         )
         parser.add_argument(
             "--quant-blocksize",
             type=int,
             default=64,
-            help="with --dequantize: the 4-bit block size of training (default: 64)",
+            help="with --dequantize nf4/fp4: the 4-bit block size of training (default: 64)",
         )
         parser.add_argument(
             "--untie-embeddings",

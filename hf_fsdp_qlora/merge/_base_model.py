@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 from hf_fsdp_qlora.safetensors_io import INDEX_NAME, TensorEntry, checkpoint_shards, read_header
 
 __all__ = ["INDEX_NAME", "base_entries", "check_base_name", "quantized_keys", "tied_map"]
@@ -106,6 +106,14 @@ def quantized_keys(base: Path) -> set[str]:
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    experts = next((n for n, p in model.named_parameters() if p.dim() == 3 and p.is_floating_point()), None)
+    if experts is not None:
+        # load_qlora_model quantizes each expert of a fused experts tensor on its own; that round trip is not
+        # rebuilt here, and merging the rest onto 4-bit weights and the experts onto 16-bit ones would be neither.
+        raise MergeUsageError(
+            f"`dequantize` is not supported for mixture-of-experts bases yet ({base} has fused experts, e.g. "
+            f"{experts}): merge without `dequantize` (onto the 16-bit base, experts included)"
+        )
     try:
         from transformers.quantizers.base import get_keys_to_not_convert
         from transformers.quantizers.quantizers_utils import should_convert_module

@@ -52,7 +52,6 @@ _UNSUPPORTED = (
     "kasa_config",
     "use_qalora",
     "layer_replication",
-    "target_parameters",
 )
 
 
@@ -130,12 +129,14 @@ def _token_indices(config: dict, module: str, key: str, delta: torch.Tensor) -> 
     return torch.tensor(indices, dtype=torch.long)
 
 
-def collect_updates(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, TensorUpdate]:
+def collect_updates(config: dict, tensors: dict[str, torch.Tensor], params=None) -> dict[str, TensorUpdate]:
     """Group the adapter's tensors by the base tensor they change.
 
     Args:
         config: `adapter_config.json` as a dict.
         tensors: the adapter tensors, keys in peft's saved format.
+        params: the base's parameters `target_parameters` names (:func:`~._experts.read_param_targets`); needed
+            when the config sets `target_parameters`.
 
     Returns:
         base tensor name (e.g. `model.layers.0.self_attn.q_proj.weight`) -> its update.
@@ -144,6 +145,11 @@ def collect_updates(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str,
         MergeError: an unsupported variant, an empty/meta tensor, half of a LoRA pair, or an unknown key.
     """
     _check_config(config)
+    if config.get("target_parameters") and params is None:
+        raise MergeError(
+            "adapter_config.json sets target_parameters: the LoRA on parameters needs the base's parameters to be "
+            "placed; merge with merge_adapters(base, adapter, output)"
+        )
     modules: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     updates: dict[str, TensorUpdate] = {}
     for key, tensor in tensors.items():
@@ -180,6 +186,9 @@ def collect_updates(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str,
                 f"the adapter has {have} but not both LoRA factors of {module}: the adapter file is incomplete, save it again"
             )
         (a_src, a), (b_src, b) = parts[a_key], parts[b_key]
+        if params is not None and not embedding and params.names_wrapper(module):
+            _add_param_updates(updates, params.updates(module, a, b, config, [a_src, b_src]), [a_src, b_src], module)
+            continue
         if a.dim() != 2 or b.dim() != 2:
             raise MergeError(
                 f"{a_src} has {a.dim()} dimensions: only LoRA on Linear and Embedding layers can be merged"
@@ -211,6 +220,15 @@ def collect_updates(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str,
     return updates
 
 
+def _add_param_updates(updates: dict, found, sources: list[str], module: str) -> None:
+    for key, (a, b, scaling) in found:
+        update = updates.setdefault(key, TensorUpdate())
+        if update.lora is not None:
+            raise MergeError(f"adapter tensors {update.sources[0]} and {sources[0]} both hold a LoRA of {key}")
+        update.lora = LoraFactors(a, b, scaling, False, False, None, module)
+        update.sources += sources
+
+
 def _implied_shapes(key: str, update: TensorUpdate) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(adapter key, shape it implies for the base tensor, or None, and for DoRA the number of output rows)."""
     found = []
@@ -220,9 +238,11 @@ def _implied_shapes(key: str, update: TensorUpdate) -> list[tuple[str, tuple[int
         f = update.lora
         if f.embedding:  # A: (r, num_embeddings), B: (embedding_dim, r)
             found.append((update.sources[-2], (f.a.shape[1], f.b.shape[0]), None))
-        else:
-            shape = (f.b.shape[0], f.a.shape[1])
-            found.append((update.sources[-2], shape[::-1] if f.fan_in_fan_out else shape, None))
+        else:  # (out, in), after the expert dimension of a fused 3-D tensor
+            out_in = (f.b.shape[-2], f.a.shape[-1])
+            found.append(
+                (update.sources[-2], (*f.a.shape[:-2], *(out_in[::-1] if f.fan_in_fan_out else out_in)), None)
+            )
         if f.magnitude is not None:
             found.append((f"{f.module}.lora_magnitude_vector", None, f.magnitude.numel()))
     if update.lora_bias is not None:
@@ -287,7 +307,8 @@ def apply_update(
         a = f.a.to(device=device, dtype=torch.float32)
         b = f.b.to(device=device, dtype=torch.float32)
         # Same association as peft, transpose(B @ A) * scaling, then added: bit-identical float32 values.
-        delta = torch.matmul(b, a, out=buffer("delta", (b.shape[0], a.shape[1])))
+        # Batched over the experts of a fused 3-D tensor: (E, out, r) @ (E, r, in).
+        delta = torch.matmul(b, a, out=buffer("delta", (*a.shape[:-2], b.shape[-2], a.shape[-1])))
         delta.mul_(f.scaling)
         w.add_(_t(delta, f.embedding or f.fan_in_fan_out))
         if f.magnitude is not None:
@@ -329,13 +350,22 @@ def apply_update_into(
         and update.lora_bias is None
         and update.token_rows is None
         and weight is not None
-        and weight.dim() == 2
+        and weight.dim() == f.a.dim()
+        and weight.dim() in (2, 3)
     )
     if not blockwise:
         return out.copy_(apply_update(weight, update, device, scratch))
     a = f.a.to(device=device, dtype=torch.float32)
     b = f.b.to(device=device, dtype=torch.float32)
     left, right = (a.T, b.T) if (f.embedding or f.fan_in_fan_out) else (b, a)
+    if weight.dim() == 3:  # a fused experts tensor: expert by expert, each a 2-D update
+        for expert in range(weight.shape[0]):
+            _blockwise(out[expert], weight[expert], left[expert], right[expert], f.scaling, device, scratch)
+        return out
+    return _blockwise(out, weight, left, right, f.scaling, device, scratch)
+
+
+def _blockwise(out, weight, left, right, scaling: float, device, scratch) -> torch.Tensor:
     rows, cols = weight.shape
     step = max(1, _BLOCK_ELEMENTS // max(cols, 1))
     if scratch is None:
@@ -347,19 +377,25 @@ def apply_update_into(
         w, d = block[: stop - start], delta[: stop - start]
         w.copy_(weight[start:stop])
         torch.matmul(left[start:stop], right, out=d)
-        d.mul_(f.scaling)  # (B @ A) * scaling, then added: peft's association
+        d.mul_(scaling)  # (B @ A) * scaling, then added: peft's association
         w.add_(d)
         out[start:stop].copy_(w)
     return out
 
 
 def quantize_roundtrip(weight: torch.Tensor, quant_type: str, blocksize: int, double_quant: bool) -> torch.Tensor:
-    """Quantize to 4 bit and back with bitsandbytes, as QLoRA training saw the weight.
+    """Quantize to 4 bit (nf4 / fp4) or 8 bit (int8) and back with bitsandbytes, as training saw the weight.
 
     Computed from the 16-bit base tensor: never from a weight bitsandbytes already packed (on CPUs with
     avx512_bf16 an eval-mode forward repacks 4-bit weights in place and dequantizing those is wrong).
     """
     import bitsandbytes.functional as bnb_f
+
+    if quant_type == "int8":
+        # Int8Params quantizes the float16 copy of the loaded weight, one absmax scale per row (LLM.int8); its
+        # outlier handling splits activations, never the stored weight, so this is the weight training used.
+        codes, row_scales, _ = bnb_f.int8_vectorwise_quant(weight.to(torch.float16).contiguous())
+        return bnb_f.int8_vectorwise_dequant(codes, row_scales)
 
     packed, state = bnb_f.quantize_4bit(
         weight.contiguous(), blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type

@@ -30,6 +30,7 @@ from hf_fsdp_qlora.merge._base_model import (
     task_model,
     tied_map,
 )
+from hf_fsdp_qlora.merge._experts import read_param_targets
 from hf_fsdp_qlora.merge._lora_math import (
     apply_update_into,
     collect_updates,
@@ -75,16 +76,17 @@ def _check_usage(base, adapter, output, force, dtype, device, dequantize, max_sh
     if adapter_config is not None:
         inputs.append(("`adapter_config`", adapter_config))
     out = check_output(output, inputs, force)
-    if dequantize is not None and blocksize not in _BLOCKSIZES:
+    if dequantize in ("nf4", "fp4") and blocksize not in _BLOCKSIZES:
         raise MergeUsageError(
             f"`quant_blocksize` {blocksize} is not a 4-bit block size bitsandbytes uses: pass the "
             f"bnb_4bit_blocksize of training, one of {', '.join(map(str, _BLOCKSIZES))} (default 64)"
         )
     if dtype is not None and dtype not in DTYPES and dtype not in DTYPES.values():
         raise MergeUsageError(f"`dtype` {dtype} is not supported: use one of {', '.join(DTYPES)}")
-    if dequantize not in (None, "nf4", "fp4"):
+    if dequantize not in (None, "nf4", "fp4", "int8"):
         raise MergeUsageError(
-            f"`dequantize` {dequantize} is not supported: use nf4 or fp4 (the bnb_4bit_quant_type of training)"
+            f"`dequantize` {dequantize} is not supported: use nf4 or fp4 (the bnb_4bit_quant_type of a 4-bit "
+            "training), or int8 (a base loaded with load_in_8bit)"
         )
     try:
         max_bytes = parse_shard_size(max_shard_size)
@@ -258,9 +260,10 @@ def merge_adapters(
             nothing else (the old folder is kept until the new one is complete). Nothing else is ever replaced:
             an output that is, contains or lies inside an input (after resolving symlinks and `..`), `""`,
             the current or home folder, or a folder with other content is refused.
-        dequantize: "nf4" or "fp4" to merge onto the 4-bit round trip of the base that QLoRA trained against.
-        double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize`).
-        quant_blocksize: the 4-bit block size of training (bitsandbytes' default 64; only with `dequantize`).
+        dequantize: "nf4" or "fp4" to merge onto the 4-bit round trip of the base that QLoRA trained against;
+            "int8" onto the 8-bit round trip (LLM.int8 row scales) of a base trained with load_in_8bit.
+        double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize` nf4 / fp4).
+        quant_blocksize: the 4-bit block size of training (bitsandbytes' default 64; only with nf4 / fp4).
         untie_embeddings: when the adapter changes only one side of tied embeddings, write both sides
             (tie_word_embeddings=false) instead of failing.
         adapter_config: the run's adapter_config.json, for an FSDP sharded checkpoint saved without one.
@@ -291,7 +294,8 @@ def merge_adapters(
         entries = base_entries(base)
         loaded = load_adapter(adapter, config_path=adapter_config)
         base_model = loaded.config.get("base_model_name_or_path")
-        updates = collect_updates(loaded.config, loaded.tensors)
+        params = read_param_targets(base, loaded.config, entries) if loaded.config.get("target_parameters") else None
+        updates = collect_updates(loaded.config, loaded.tensors, params)
         tied = tied_map(base, config, entries)
         quantized = quantized_keys(base) if dequantize else set()
         heads = {

@@ -1,0 +1,227 @@
+"""LoRA on parameters (peft's `target_parameters`, e.g. the fused 3-D experts of mixture-of-experts models).
+
+peft wraps each targeted parameter in a `ParamWrapper`. Two targets on one module nest: the parameter the module
+registers first is wrapped first and sits innermost, and the saved keys name the module, not the parameter
+(`mlp.experts.lora_A.weight` is the module's last targeted parameter, `mlp.experts.base_layer.lora_A.weight` the one
+before it). For a 3-D parameter of E experts, `lora_A` is `[r*E, in]` (expert-major rows) and `lora_B` is
+`[out, r*E]` (rank-major columns), so expert e's update is `scaling * B[:, e::E] @ A[e*r:(e+1)*r]`, transposed for
+families that store `[E, in, out]` (gpt-oss: `is_transposed`). That is peft's `ParamWrapper.get_delta_weight`.
+
+The base may store such a parameter fused, as the model holds it, or per expert (`experts.0.gate_proj.weight`, ...:
+transformers' `save_pretrained` writes Qwen3-MoE and Mixtral that way, and so are their Hub checkpoints).
+transformers' own conversion mapping says which file tensor is which slice of which expert; each is merged on its
+own, so the output keeps the base's layout.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hf_fsdp_qlora.errors import MergeError
+
+__all__ = ["ParamTargets", "read_param_targets"]
+
+_WRAPPER_KEY = re.compile(r"^(?P<module>.+?)(?P<nest>(\.base_layer)*)$")
+
+
+@dataclass
+class _Slice:
+    """One tensor of the base's files holding part of a model parameter: expert `expert`, `start:stop` of `dim`
+    of that expert's matrix (the whole matrix when `dim` is None); `expert` None: the whole parameter."""
+
+    disk_key: str
+    expert: int | None = None
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass
+class ParamTargets:
+    """What the merge needs to know about the base's parameters that `target_parameters` may name."""
+
+    target_names: list[str]
+    module_params: dict[str, list[str]]  # module -> its own parameter names, in registration order
+    shapes: dict[str, tuple[int, ...]]  # parameter -> shape, as the model holds it
+    transposed: set[str]  # modules whose 3-D parameters are stored [experts, in, out]
+    on_disk: dict[str, list[_Slice]] = field(default_factory=dict)  # parameter -> where its values lie in the files
+
+    def targeted(self, module: str) -> list[str]:
+        """The parameters of `module` peft wraps, innermost first (its own matching rule: a name equal to a
+        target or ending with `.` + a target)."""
+        return [
+            p
+            for p in self.module_params.get(module, [])
+            if any(f"{module}.{p}" == t or f"{module}.{p}".endswith(f".{t}") for t in self.target_names)
+        ]
+
+    def names_wrapper(self, module: str) -> bool:
+        """Whether a LoRA module key belongs to a ParamWrapper: its unwrapped module is named by a target."""
+        base = _WRAPPER_KEY.match(module)["module"]
+        return bool(self.targeted(base)) or any(
+            f".{base}.".endswith(f".{t.rpartition('.')[0]}.") for t in self.target_names if "." in t
+        )
+
+    def updates(self, module: str, a: torch.Tensor, b: torch.Tensor, config: dict, sources: list[str]):
+        """[(base file tensor, (a, b, scaling))]: the wrapper at `module` as plain low-rank factors per file tensor,
+        so that `scaling * b @ a` is that tensor's update (batched over experts for a fused 3-D tensor)."""
+        import math
+
+        from hf_fsdp_qlora.merge._lora_math import _pattern_value
+
+        match = _WRAPPER_KEY.match(module)
+        owner, depth = match["module"], match["nest"].count(".base_layer")
+        params = self.targeted(owner)
+        if depth >= len(params):
+            have = ", ".join(f"{owner}.{p}" for p in self.module_params.get(owner, [])) or "no such module"
+            raise MergeError(
+                f"adapter tensor {sources[0]} belongs to a LoRA on a parameter of {owner}, but adapter_config.json's "
+                f"target_parameters={self.target_names} name {len(params)} parameter(s) of that module in the base "
+                f"({have}): the adapter was trained on a different model. Pass the model it was trained on as `base`."
+            )
+        key = f"{owner}.{params[len(params) - 1 - depth]}"
+        # peft matches rank_pattern / alpha_pattern against the parameter's name for these wrappers
+        rank = _pattern_value(config.get("rank_pattern"), key, config.get("r", 8))
+        alpha = _pattern_value(config.get("alpha_pattern"), key, config.get("lora_alpha", 8))
+        rslora = bool(config.get("use_rslora"))
+        shape = self.shapes[key]
+        experts, out_f, in_f = (1, *shape) if len(shape) == 2 else shape
+        if owner in self.transposed and len(shape) == 3:
+            in_f, out_f = out_f, in_f
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or tuple(a.shape) != (rank * experts, in_f)
+            or tuple(b.shape)
+            != (
+                out_f,
+                rank * experts,
+            )
+        ):
+            raise MergeError(
+                f"adapter tensors {sources[0]} {tuple(a.shape)} and {sources[1]} {tuple(b.shape)} do not fit {key} of "
+                f"the base, shape {shape} (LoRA of rank {rank} on it has lora_A {(rank * experts, in_f)} and lora_B "
+                f"{(out_f, rank * experts)}): the adapter was trained on a different model, or adapter_config.json's r "
+                "/ rank_pattern does not belong to these weights. Pass the model it was trained on as `base`."
+            )
+        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        a3 = a.reshape(experts, rank, in_f)  # [E, r, in]
+        b3 = b.reshape(out_f, rank, experts).permute(2, 0, 1)  # [E, out, r]
+        if owner in self.transposed and len(shape) == 3:  # the stored matrix is (B_e @ A_e).T
+            left, right = a3.transpose(-2, -1), b3.transpose(-2, -1)
+        else:
+            left, right = b3, a3
+        if len(shape) == 2:
+            left, right = left[0], right[0]
+        found = []
+        for piece in self.on_disk.get(key, [_Slice(key)]):
+            lhs, rhs = left, right
+            if piece.expert is not None:
+                lhs, rhs = lhs[piece.expert], rhs[piece.expert]
+            if piece.dim == 0:
+                lhs = lhs[piece.start : piece.stop]
+            elif piece.dim == 1:
+                rhs = rhs[:, piece.start : piece.stop]
+            found.append((piece.disk_key, (rhs, lhs, scaling)))
+        return found
+
+
+def read_param_targets(base: Path, config: dict, entries) -> ParamTargets:
+    """The base's parameters that `target_parameters` may name, and where their values lie in its files.
+
+    Built on the meta device from config.json (nothing is allocated).
+
+    Raises:
+        MergeError: no parameter of the base matches `target_parameters`, or a targeted parameter is stored in a
+            layout the merge cannot map.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    names = list(config.get("target_parameters") or [])
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    module_params, shapes, transposed = {}, {}, set()
+    for name, module in model.named_modules():
+        own = [p for p, v in module._parameters.items() if v is not None]
+        if own:
+            module_params[name] = own
+            for p in own:
+                shapes[f"{name}.{p}" if name else p] = tuple(module._parameters[p].shape)
+        if getattr(module, "is_transposed", False):
+            transposed.add(name)
+    targets = ParamTargets(names, module_params, shapes, transposed)
+    wanted = [f"{m}.{p}" for m in module_params for p in targets.targeted(m)]
+    if not wanted:
+        raise MergeError(
+            f"adapter_config.json's target_parameters={names} match no parameter of the base {base} (a "
+            f"{type(model).__name__}): the adapter was trained on a different model. Pass the model it was trained "
+            "on as `base`."
+        )
+    missing = [k for k in wanted if k not in entries]
+    if missing:
+        targets.on_disk = _per_expert_files(model, missing, entries)
+    return targets
+
+
+def _per_expert_files(model, params: list[str], entries) -> dict[str, list[_Slice]]:
+    """Where the base's files hold `params` (absent from them under the model's names): per expert, mapped
+    with transformers' conversion mapping (the one `from_pretrained` applies)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        WeightRenaming,
+        rename_source_key,
+    )
+
+    transforms = get_model_conversion_mapping(model, add_legacy=False)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    wanted, found = set(params), {}
+    for disk_key, entry in entries.items():
+        model_key, pattern = rename_source_key(disk_key, renamings, converters)
+        if model_key not in wanted:
+            continue
+        if pattern is None:  # only renamed: the whole parameter in one tensor
+            found.setdefault(model_key, []).append((_Slice(disk_key), None, tuple(entry.shape)))
+            continue
+        converter = by_pattern[pattern]
+        ops = converter.operations
+        if not (
+            isinstance(ops[0], MergeModulelist)
+            and ops[0].dim == 0
+            and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim >= 1))
+        ):
+            raise MergeError(
+                f"the base stores {model_key} as {disk_key}, converted by transformers with "
+                f"{[type(op).__name__ for op in ops]} when loading; merge-adapters maps only experts stacked (and "
+                "concatenated) from per-expert tensors. Save the base with its experts fused, "
+                "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE, save_original_format=False), and "
+                "pass that as `base`."
+            )
+        expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), disk_key)
+        index = converter.source_patterns.index(pattern)
+        dim = ops[1].dim - 1 if len(ops) == 2 else None
+        found.setdefault(model_key, []).append((_Slice(disk_key, int(expert[1]), dim), index, tuple(entry.shape)))
+    out = {}
+    for key in params:
+        pieces = found.get(key)
+        if not pieces:
+            raise MergeError(
+                f"the adapter changes {key}, which the base's files do not hold, fused or per expert: the adapter "
+                "was trained on a different model. Pass the model it was trained on as `base`."
+            )
+        for piece, index, shape in pieces:
+            if piece.dim is not None:  # offset of this source within the concatenation: earlier sources' sizes
+                sizes = {i: s[piece.dim] for p, i, s in pieces if p.expert == piece.expert}
+                piece.start = sum(sizes[i] for i in range(index))
+                piece.stop = piece.start + shape[piece.dim]
+        out[key] = [piece for piece, _, _ in pieces]
+    return out

@@ -1,0 +1,270 @@
+"""merge_adapters on mixture-of-experts bases and on adapters trained on 8-bit bases, against peft's own merge.
+
+Expert LoRA is peft's `target_parameters` (a `ParamWrapper` per fused 3-D expert tensor, nested when a module has
+two targets) beside attention LoRA (`target_modules`). The base is stored the two ways transformers 5 reads:
+per expert (`experts.0.gate_proj.weight`, ...: what `save_pretrained` writes for Qwen3-MoE and Mixtral, and what
+their Hub checkpoints hold) and fused (`experts.gate_up_proj`: gpt-oss, or `save_original_format=False`).
+
+The oracle is `PeftModel.from_pretrained(base, adapter).merge_and_unload()`: on the float32 upcast of the bf16 base,
+rounded once to bf16, it must equal ours bit for bit; on the bf16 base (peft rounds the update to bf16, then the
+sum) within two bf16 roundings. Our output is compared after transformers loads it, so a wrong expert, slice or
+on-disk name shows up as a wrong fused tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_models import build_tiny_model, tiny_config
+
+from hf_fsdp_qlora.cli.main import merge_adapters_main
+from hf_fsdp_qlora.errors import MergeError, MergeUsageError
+from hf_fsdp_qlora.merge.pipeline import merge_adapters
+
+warnings.filterwarnings(
+    "ignore", message=".*(gemm_4bit|MatMul8bitLt|RoPE scaling|inputs will be cast|_pattern keys did not match).*"
+)
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _load(path, dtype=torch.bfloat16, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+
+
+def _disk_keys(path: Path) -> set[str]:
+    keys = set()
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as fh:
+            keys |= set(fh.keys())
+    return keys
+
+
+def _make_adapter(base: Path, out: Path, seed: int = 1, model=None, **lora_kwargs) -> Path:
+    """A real peft adapter whose every LoRA tensor is non-zero (lora_B starts at zero), saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(model if model is not None else _load(base), LoraConfig(lora_dropout=0.0, **lora_kwargs))
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+def _peft_merged(base, adapter, dtype) -> dict[str, torch.Tensor]:
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(_load(base, dtype), adapter).merge_and_unload().state_dict()
+
+
+def _assert_equals_peft(base: Path, adapter: Path, out: Path, must_change: list[str]) -> dict:
+    ours = _load(out).state_dict()
+    ref32, ref16, before = (
+        _peft_merged(base, adapter, torch.float32),
+        _peft_merged(base, adapter, torch.bfloat16),
+        _load(base).state_dict(),
+    )
+    assert set(ours) == set(ref32)
+    for key, tensor in ours.items():
+        assert torch.equal(tensor, ref32[key].to(torch.bfloat16)), key
+        # peft's bf16 merge rounds the update, then the sum: two roundings of bf16 at most.
+        scale = ref32[key].abs() + (ref32[key] - before[key].float()).abs()
+        assert bool(
+            ((tensor.float() - ref16[key].float()).abs() <= 2 * torch.finfo(torch.bfloat16).eps * scale).all()
+        ), key
+    changed = {k for k in ours if not torch.equal(ours[k], before[k])}
+    assert all(any(k.endswith(suffix) for k in changed) for suffix in must_change), (must_change, sorted(changed))
+    return ours
+
+
+# ---------------------------------------------------------------- MoE bases
+
+
+@pytest.fixture(scope="module")
+def moe_bases(tmp_path_factory):
+    """{name: path}: Qwen3-MoE and Mixtral as save_pretrained writes them (per expert), Qwen3-MoE fused, gpt-oss."""
+    root = tmp_path_factory.mktemp("moe_bases")
+    out = {arch: build_tiny_model(root / arch, arch) for arch in ("qwen3_moe", "mixtral", "gpt_oss")}
+    out["qwen3_moe_fused"] = root / "qwen3_moe_fused"
+    _load(out["qwen3_moe"]).save_pretrained(out["qwen3_moe_fused"], save_original_format=False)
+    return out
+
+
+SCENARIOS = {
+    # name: (base, LoraConfig kwargs, tensors that must change (suffixes, as transformers names them))
+    "qwen3_moe_per_expert": (
+        "qwen3_moe",
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "target_parameters": EXPERTS},
+        ["experts.gate_up_proj", "experts.down_proj", "q_proj.weight"],
+    ),
+    "qwen3_moe_fused_patterns": (
+        "qwen3_moe_fused",
+        {
+            "r": 4,
+            "lora_alpha": 8,
+            "use_rslora": True,
+            "rank_pattern": {"gate_up_proj": 2},
+            "alpha_pattern": {"layers.1.mlp.experts.down_proj": 32},
+            "target_modules": ["o_proj"],
+            "target_parameters": EXPERTS,
+        },
+        ["experts.gate_up_proj", "experts.down_proj", "o_proj.weight"],
+    ),
+    "mixtral_per_expert_one_target": (
+        "mixtral",
+        {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj"], "target_parameters": ["mlp.experts.gate_up_proj"]},
+        ["experts.gate_up_proj", "q_proj.weight"],
+    ),
+    "mixtral_per_expert_down_only": (
+        "mixtral",
+        {"r": 4, "target_modules": ["k_proj"], "target_parameters": ["mlp.experts.down_proj"]},
+        ["experts.down_proj", "k_proj.weight"],
+    ),
+    "gpt_oss_transposed": (
+        "gpt_oss",
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "target_parameters": EXPERTS},
+        ["experts.gate_up_proj", "experts.down_proj", "q_proj.weight"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_expert_and_attention_lora_equal_peft_merge(moe_bases, tmp_path, name):
+    base_name, kwargs, must_change = SCENARIOS[name]
+    base = moe_bases[base_name]
+    adapter = _make_adapter(base, tmp_path / "adapter", **kwargs)
+    out = merge_adapters(base, adapter, tmp_path / "merged", max_shard_size="100KB", progress=False)
+    # The output keeps the base's on-disk layout (per expert stays per expert), sharded like any merge.
+    assert _disk_keys(out) == _disk_keys(base)
+    assert len(list(out.glob("*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    _assert_equals_peft(base, adapter, out, must_change)
+
+
+def test_merged_logits_equal_unmerged_peft_and_cli(moe_bases, tmp_path, capsys):
+    """Through the command (progress bars on), in float32: the merged model computes what the adapter did."""
+    from peft import PeftModel
+
+    base = moe_bases["qwen3_moe"]
+    adapter = _make_adapter(base, tmp_path / "adapter", r=4, target_modules=["q_proj"], target_parameters=EXPERTS)
+    out = tmp_path / "merged"
+    argv = ["--base", str(base), "--adapter", str(adapter), "--output", str(out), "--dtype", "float32"]
+    assert merge_adapters_main(argv) == 0
+    assert "model.safetensors" in capsys.readouterr().err  # the per-shard progress bar
+    ids = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64]])
+    with torch.no_grad():
+        ours = _load(out, torch.float32).eval()(ids).logits
+        ref = PeftModel.from_pretrained(_load(base, torch.float32), adapter).eval()(ids).logits
+        plain = _load(base, torch.float32).eval()(ids).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(plain, ref, rtol=1e-4, atol=1e-4)  # the adapter matters: the test could fail
+
+
+# ---------------------------------------------------------------- bad input: clear error, nothing written
+
+
+def _other_qwen3_moe(path: Path, **changes) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("qwen3_moe")
+    for key, value in changes.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_bad_expert_adapters_fail_before_writing(moe_bases, tmp_path):
+    base = moe_bases["qwen3_moe"]
+    adapter = _make_adapter(base, tmp_path / "adapter", r=4, target_modules=["q_proj"], target_parameters=EXPERTS)
+    llama = build_tiny_model(tmp_path / "llama", "llama")
+    cases = [
+        # target_parameters that match nothing in the base
+        (llama, adapter, "target_parameters=.* match no parameter of the base"),
+        # the experts have other shapes (expert width 32, not 64)
+        (_other_qwen3_moe(tmp_path / "narrow", moe_intermediate_size=32), adapter, "do not fit .*experts"),
+        # another number of experts
+        (_other_qwen3_moe(tmp_path / "four", num_experts=4), adapter, "do not fit .*experts"),
+    ]
+    wrong_rank = tmp_path / "wrong_rank"
+    wrong_rank.mkdir()
+    (wrong_rank / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes())
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (wrong_rank / "adapter_config.json").write_text(json.dumps({**config, "rank_pattern": {"down_proj": 2}}))
+    cases.append((base, wrong_rank, "do not fit .*down_proj.*rank_pattern"))
+    for i, (to_base, to_adapter, message) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        with pytest.raises(MergeError, match=message):
+            merge_adapters(to_base, to_adapter, out, progress=False)
+        assert not out.exists() and not list(tmp_path.glob(f".out{i}*"))
+    with pytest.raises(MergeUsageError, match="`dequantize` is not supported for mixture-of-experts"):
+        merge_adapters(base, adapter, tmp_path / "deq", dequantize="nf4", progress=False)
+    assert not (tmp_path / "deq").exists()
+
+
+# ---------------------------------------------------------------- adapters trained on an 8-bit base
+
+
+@pytest.fixture(scope="module")
+def int8_run(tmp_path_factory):
+    """A tiny Llama loaded with load_in_8bit (bitsandbytes' CPU backend), LoRA trained 2 steps with stock peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitsAndBytesConfig
+
+    root = tmp_path_factory.mktemp("int8")
+    base = build_tiny_model(root / "llama", "llama")
+    model = _load(base, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(3, 256, (2, 16))
+    for _ in range(2):
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    peft_model.save_pretrained(root / "adapter")
+    return base, root / "adapter"
+
+
+def test_adapter_from_8bit_base_merges_equal_peft(int8_run, tmp_path):
+    base, adapter = int8_run
+    out = merge_adapters(base, adapter, tmp_path / "merged", progress=False)
+    _assert_equals_peft(base, adapter, out, ["q_proj.weight", "v_proj.weight", "up_proj.weight"])
+
+
+def test_dequantize_int8_merges_onto_the_weights_training_saw(int8_run, tmp_path):
+    """`dequantize="int8"`: every 8-bit Linear is the LLM.int8 round trip training used (the loaded model's own
+    int8 codes and row scales, dequantized), plus the update; the rest (embeddings, norms, lm_head) as stored."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import int8_vectorwise_dequant
+    from peft import PeftModel
+    from transformers import BitsAndBytesConfig
+
+    base, adapter = int8_run
+    model8 = _load(base, quantization_config=BitsAndBytesConfig(load_in_8bit=True))  # no forward ran on it
+    out = merge_adapters(base, adapter, tmp_path / "merged", dequantize="int8", dtype="float32", progress=False)
+    ours, stored = _load(out, torch.float32).state_dict(), _load(base).state_dict()
+    peft16 = PeftModel.from_pretrained(_load(base, torch.float32), adapter)
+    deltas = {
+        f"{name.removeprefix('base_model.model.')}.weight": module.get_delta_weight("default")
+        for name, module in peft16.named_modules()
+        if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {})
+    }
+    int8 = {f"{n}.weight": m for n, m in model8.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)}
+    assert len(int8) == 14 and len(deltas) == 6
+    for key, tensor in ours.items():
+        if key in int8:
+            weight = int8_vectorwise_dequant(int8[key].weight.data, int8[key].weight.SCB)
+            expected = weight + deltas[key] if key in deltas else weight
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=1e-6, msg=key)
+            assert not torch.equal(tensor, stored[key].float()), key
+        else:
+            assert torch.equal(tensor, stored[key].float()), key
