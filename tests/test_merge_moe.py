@@ -23,7 +23,7 @@ from safetensors import safe_open
 from tiny_models import build_tiny_model, tiny_config
 
 from hf_fsdp_qlora.cli.main import merge_adapters_main
-from hf_fsdp_qlora.errors import MergeError, MergeUsageError
+from hf_fsdp_qlora.errors import MergeError
 from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
 warnings.filterwarnings(
@@ -205,9 +205,53 @@ def test_bad_expert_adapters_fail_before_writing(moe_bases, tmp_path):
         with pytest.raises(MergeError, match=message):
             merge_adapters(to_base, to_adapter, out, progress=False)
         assert not out.exists() and not list(tmp_path.glob(f".out{i}*"))
-    with pytest.raises(MergeUsageError, match="`dequantize` is not supported for mixture-of-experts"):
-        merge_adapters(base, adapter, tmp_path / "deq", dequantize="nf4", progress=False)
-    assert not (tmp_path / "deq").exists()
+
+
+# ---------------------------------------------------------------- --dequantize nf4 on experts
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_fused", "gpt_oss"])
+def test_dequantize_nf4_round_trips_experts_as_load_qlora_model(moe_bases, tmp_path, name):
+    """Each expert's matrix is round-tripped as `quantize_experts` (load_qlora_model) quantizes it, also where the
+    base stores gate and up of an expert apart; the expert LoRA is added on top of that round trip."""
+    from peft import PeftModel
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from hf_fsdp_qlora.loading.experts import QuantizedExperts, quantize_experts
+
+    base = moe_bases[name]
+    adapter = _make_adapter(
+        base, tmp_path / "adapter", r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]
+    )
+    out = merge_adapters(base, adapter, tmp_path / "merged", dequantize="nf4", progress=False)
+    ours, stored = _load(out).state_dict(), _load(base).state_dict()
+    trained = _load(base)
+    quantize_experts(trained, quant_type="nf4", double_quant=True, dtype=torch.bfloat16)
+    peft32 = PeftModel.from_pretrained(_load(base, torch.float32), adapter)
+    deltas = {
+        f"{n.removeprefix('base_model.model.').replace('.base_layer', '')}.{m.parameter_name}": m.get_delta_weight(
+            "default"
+        )
+        for n, m in peft32.named_modules()
+        if isinstance(m, ParamWrapper)
+    }
+    layers = [(n, m) for n, m in trained.named_modules() if isinstance(m, QuantizedExperts)]
+    assert len(layers) == 2 and len(deltas) == 2
+    eps = torch.finfo(torch.bfloat16).eps
+    for module_name, module in layers:
+        for param in ("gate_up_proj", "down_proj"):
+            key = f"{module_name}.{param}"
+            seen = torch.stack([module.dequantize_expert(param, e) for e in range(module.num_experts)])
+            assert not torch.equal(seen, stored[key])
+            if key in deltas:  # the update added in float32 to the round trip, rounded once
+                expected = seen.float() + deltas[key]
+                assert bool(((ours[key].float() - expected).abs() <= eps * expected.abs()).all()), key
+            else:
+                assert torch.equal(ours[key], seen), key
+    kept = merge_adapters(base, adapter, tmp_path / "kept", dequantize="nf4", dequantize_experts=False, progress=False)
+    kept = _load(kept).state_dict()
+    gate_up = [k for k in kept if k.endswith("gate_up_proj")]
+    assert gate_up and all(torch.equal(kept[k], stored[k]) for k in gate_up)
 
 
 # ---------------------------------------------------------------- adapters trained on an 8-bit base

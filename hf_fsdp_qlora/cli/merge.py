@@ -90,6 +90,13 @@ replaced, no CUDA for --device cuda).
             help="with --dequantize nf4/fp4: the 4-bit block size of training (default: 64)",
         )
         parser.add_argument(
+            "--no-dequantize-experts",
+            dest="dequantize_experts",
+            action="store_false",
+            help="with --dequantize nf4/fp4 on a mixture of experts: training kept the experts in 16 bits "
+            "(quantize_experts=False); default: the experts are round-tripped expert by expert as well",
+        )
+        parser.add_argument(
             "--untie-embeddings",
             action="store_true",
             help="if the adapter changes only one side of tied input/output embeddings, write both "
@@ -113,6 +120,7 @@ replaced, no CUDA for --device cuda).
             dequantize=args.dequantize,
             double_quant=args.double_quant,
             quant_blocksize=args.quant_blocksize,
+            dequantize_experts=args.dequantize_experts,
             untie_embeddings=args.untie_embeddings,
             adapter_config=args.adapter_config,
             allow_other_base=args.allow_other_base,

@@ -6,6 +6,7 @@ weights bitsandbytes would quantize when QLoRA loads it; and whether the adapter
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from hf_fsdp_qlora.errors import MergeError, MergeUsageError
+from hf_fsdp_qlora.errors import MergeError
 from hf_fsdp_qlora.safetensors_io import INDEX_NAME, TensorEntry, checkpoint_shards, read_header
 
-__all__ = ["INDEX_NAME", "base_entries", "check_base_name", "quantized_keys", "tied_map"]
+__all__ = ["INDEX_NAME", "base_entries", "check_base_name", "meta_model", "quantized_keys", "tied_map"]
 
 _INDEX = INDEX_NAME  # short local name
 
@@ -97,23 +98,27 @@ def tied_map(base: Path, config: dict, keys) -> dict[str, str]:
     return {alias: source for alias, source in mapping.items() if source in keys}
 
 
-def quantized_keys(base: Path) -> set[str]:
-    """Weights bitsandbytes 4-bit quantizes when transformers loads this base: every nn.Linear (and GPT-2's
-    Conv1D) except the modules transformers keeps in 16 bit (output head, tied weights, fp32 modules).
-    Built on the meta device, so nothing is allocated."""
+def meta_model(base: Path):
+    """The base's causal-LM class built from its config.json on the meta device (nothing is allocated); built
+    once per config, as several steps of a merge ask (a 48-layer, 128-expert model takes seconds)."""
+    return _meta_model(str(Path(base).resolve()), (Path(base) / "config.json").read_text())
+
+
+@functools.lru_cache(maxsize=2)
+def _meta_model(base: str, config_text: str):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
-    experts = next((n for n, p in model.named_parameters() if p.dim() == 3 and p.is_floating_point()), None)
-    if experts is not None:
-        # load_qlora_model quantizes each expert of a fused experts tensor on its own; that round trip is not
-        # rebuilt here, and merging the rest onto 4-bit weights and the experts onto 16-bit ones would be neither.
-        raise MergeUsageError(
-            f"`dequantize` is not supported for mixture-of-experts bases yet ({base} has fused experts, e.g. "
-            f"{experts}): merge without `dequantize` (onto the 16-bit base, experts included)"
-        )
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+
+
+def quantized_keys(base: Path, experts: bool = True) -> set[str]:
+    """Weights bitsandbytes quantizes when transformers loads this base in 4 or 8 bits: every nn.Linear (and
+    GPT-2's Conv1D) except the modules transformers keeps in 16 bit (output head, tied weights, fp32 modules);
+    with `experts`, also the fused 3-D expert weights of MoE models (load_qlora_model quantizes them, expert by
+    expert), under the model's names (they may be stored per expert: see :mod:`._experts`)."""
+    model = meta_model(base)
     try:
         from transformers.quantizers.base import get_keys_to_not_convert
         from transformers.quantizers.quantizers_utils import should_convert_module
@@ -121,11 +126,14 @@ def quantized_keys(base: Path) -> set[str]:
         skip = list(get_keys_to_not_convert(model)) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
     except ImportError:  # older transformers: at least keep the output head unquantized, as they all did
         skip, should_convert_module = ["lm_head"], lambda name, pats: not any(name.endswith(p) for p in pats)
-    return {
+    found = {
         f"{name}.weight"
         for name, module in model.named_modules()
         if (type(module) is torch.nn.Linear or type(module).__name__ == "Conv1D") and should_convert_module(name, skip)
     }
+    if experts:
+        found |= {n for n, p in model.named_parameters() if p.dim() == 3 and p.is_floating_point()}
+    return found
 
 
 def check_base_name(adapter_config: dict, base: Path, base_config: dict, allow_other: bool = False) -> None:

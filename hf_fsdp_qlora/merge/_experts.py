@@ -23,7 +23,7 @@ import torch
 
 from hf_fsdp_qlora.errors import MergeError
 
-__all__ = ["ParamTargets", "read_param_targets"]
+__all__ = ["ParamTargets", "quantized_files", "read_param_targets"]
 
 _WRAPPER_KEY = re.compile(r"^(?P<module>.+?)(?P<nest>(\.base_layer)*)$")
 
@@ -139,12 +139,10 @@ def read_param_targets(base: Path, config: dict, entries) -> ParamTargets:
         MergeError: no parameter of the base matches `target_parameters`, or a targeted parameter is stored in a
             layout the merge cannot map.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from hf_fsdp_qlora.merge._base_model import meta_model
 
     names = list(config.get("target_parameters") or [])
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    model = meta_model(base)
     module_params, shapes, transposed = {}, {}, set()
     for name, module in model.named_modules():
         own = [p for p, v in module._parameters.items() if v is not None]
@@ -225,3 +223,26 @@ def _per_expert_files(model, params: list[str], entries) -> dict[str, list[_Slic
                 piece.stop = piece.start + shape[piece.dim]
         out[key] = [piece for piece, _, _ in pieces]
     return out
+
+
+def quantized_files(base: Path, params: set[str], entries) -> tuple[set[str], dict[str, tuple[list, int, int, int]]]:
+    """Where the base's files hold the quantized weights `params` (model names), fused or per expert.
+
+    Returns:
+        (the disk tensors, {disk tensor: (the entries of its expert's whole matrix in concatenation order, the
+        dimension, its start, its stop)} for slices of an expert, e.g. gate and up stored apart). An expert is
+        quantized as one matrix, so a slice's 4-bit round trip is that slice of the whole matrix's round trip.
+    """
+    from hf_fsdp_qlora.merge._base_model import meta_model
+
+    keys, groups = {k for k in params if k in entries}, {}
+    missing = sorted(k for k in params if k not in entries)
+    if not missing:
+        return keys, groups
+    for pieces in _per_expert_files(meta_model(base), missing, entries).values():
+        for piece in pieces:
+            keys.add(piece.disk_key)
+            if piece.dim is not None:
+                parts = sorted((p for p in pieces if p.expert == piece.expert), key=lambda p: p.start)
+                groups[piece.disk_key] = ([entries[p.disk_key] for p in parts], piece.dim, piece.start, piece.stop)
+    return keys, groups

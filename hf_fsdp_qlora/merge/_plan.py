@@ -30,6 +30,7 @@ class Item:
     quantize: bool = False
     ready: torch.Tensor | None = None  # computed ahead (tied embeddings, task heads the base lacks)
     resized: tuple[int, ...] | None = None  # the output shape, where the adapter resized the vocabulary
+    group: tuple | None = None  # a slice of an expert quantized as one matrix: (its entries, dim, start, stop)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ from hf_fsdp_qlora.merge._base_model import (
     task_model,
     tied_map,
 )
-from hf_fsdp_qlora.merge._experts import read_param_targets
+from hf_fsdp_qlora.merge._experts import quantized_files, read_param_targets
 from hf_fsdp_qlora.merge._lora_math import (
     apply_update_into,
     collect_updates,
@@ -135,11 +135,30 @@ def _produce(item: Item, fh, device: torch.device, quant, scratch: _Scratch, slo
         weight = weight.to(device)
     if item.quantize:
         # Quantized from the tensor in the dtype training loaded it in (the output dtype), as bnb does.
-        weight = quantize_roundtrip(weight.to(out), *quant)
+        weight = _roundtrip(item, weight.to(out), quant)
     target = scratch(f"out{slot}", item.shape, out)
     if item.update is not None:
         return apply_update_into(target, weight, item.update, device, scratch)
     return target.copy_(weight)
+
+
+def _roundtrip(item: Item, weight: torch.Tensor, quant) -> torch.Tensor:
+    """The quantization round trip training saw: per expert for fused experts (load_qlora_model quantizes each
+    expert's matrix on its own), and for a slice of an expert (gate or up stored apart) that slice of its whole
+    matrix's round trip."""
+    if item.group is not None:
+        parts, dim, start, stop = item.group
+        pieces = []
+        for entry in parts:
+            if entry.name == item.name:
+                pieces.append(weight)
+                continue
+            with open(entry.path, "rb", buffering=0) as fh:
+                pieces.append(read_tensor(fh, entry).to(weight.device, weight.dtype))
+        return quantize_roundtrip(torch.cat(pieces, dim=dim), *quant).narrow(dim, start, stop - start)
+    if weight.dim() == 3:
+        return torch.stack([quantize_roundtrip(expert, *quant) for expert in weight])
+    return quantize_roundtrip(weight, *quant)
 
 
 @contextlib.contextmanager
@@ -241,6 +260,7 @@ def merge_adapters(
     dequantize: str | None = None,
     double_quant: bool = True,
     quant_blocksize: int = 64,
+    dequantize_experts: bool = True,
     untie_embeddings: bool = False,
     adapter_config: str | Path | None = None,
     allow_other_base: bool = False,
@@ -264,6 +284,9 @@ def merge_adapters(
             "int8" onto the 8-bit round trip (LLM.int8 row scales) of a base trained with load_in_8bit.
         double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize` nf4 / fp4).
         quant_blocksize: the 4-bit block size of training (bitsandbytes' default 64; only with nf4 / fp4).
+        dequantize_experts: with `dequantize` nf4 / fp4, also round-trip the fused experts of an MoE base, expert by
+            expert, as load_qlora_model quantizes them (quantize_experts=True, its default); False for a run that
+            kept them in 16 bits.
         untie_embeddings: when the adapter changes only one side of tied embeddings, write both sides
             (tie_word_embeddings=false) instead of failing.
         adapter_config: the run's adapter_config.json, for an FSDP sharded checkpoint saved without one.
@@ -297,7 +320,13 @@ def merge_adapters(
         params = read_param_targets(base, loaded.config, entries) if loaded.config.get("target_parameters") else None
         updates = collect_updates(loaded.config, loaded.tensors, params)
         tied = tied_map(base, config, entries)
-        quantized = quantized_keys(base) if dequantize else set()
+        groups = {}
+        if dequantize:  # experts: 4-bit only; bitsandbytes' 8-bit loading leaves them in 16 bits
+            quantized, groups = quantized_files(
+                base, quantized_keys(base, experts=dequantize_experts and dequantize != "int8"), entries
+            )
+        else:
+            quantized = set()
         heads = {
             k: tuple(u.replacement.shape)
             for k, u in updates.items()
@@ -305,6 +334,8 @@ def merge_adapters(
         }
         task = task_model(base, config, loaded.config, heads) if heads else None
         items, untied = plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model, task)
+        for item in items:
+            item.group = groups.get(item.name)
         if task is not None:  # e.g. a reward model: loads with AutoModelForSequenceClassification
             config.update(task[2])
         vocab = next((item.shape[0] for item in items if item.resized and is_input_embedding(item.name)), None)
