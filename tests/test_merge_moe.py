@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from test_merge import make_adapter, peft_merged
 from tiny_models import build_tiny_model, tiny_config
 
 from hf_fsdp_qlora.cli.main import merge_adapters_main
@@ -46,31 +47,15 @@ def _disk_keys(path: Path) -> set[str]:
     return keys
 
 
-def _make_adapter(base: Path, out: Path, seed: int = 1, model=None, **lora_kwargs) -> Path:
-    """A real peft adapter whose every LoRA tensor is non-zero (lora_B starts at zero), saved to `out`."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(model if model is not None else _load(base), LoraConfig(lora_dropout=0.0, **lora_kwargs))
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.requires_grad:
-                param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(out)
-    return out
-
-
-def _peft_merged(base, adapter, dtype) -> dict[str, torch.Tensor]:
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(_load(base, dtype), adapter).merge_and_unload().state_dict()
+def _make_adapter(base: Path, out: Path, **lora_kwargs) -> Path:
+    return make_adapter(base, out, lora_dropout=0.0, **lora_kwargs)  # peft refuses dropout on parameter targets
 
 
 def _assert_equals_peft(base: Path, adapter: Path, out: Path, must_change: list[str]) -> dict:
     ours = _load(out).state_dict()
     ref32, ref16, before = (
-        _peft_merged(base, adapter, torch.float32),
-        _peft_merged(base, adapter, torch.bfloat16),
+        peft_merged(base, adapter, torch.float32),
+        peft_merged(base, adapter, torch.bfloat16),
         _load(base).state_dict(),
     )
     assert set(ours) == set(ref32)
