@@ -297,3 +297,17 @@ def test_dequantize_int8_merges_onto_the_weights_training_saw(int8_run, tmp_path
             assert not torch.equal(tensor, stored[key].float()), key
         else:
             assert torch.equal(tensor, stored[key].float()), key
+
+
+def test_fused_expert_update_blockwise_equals_whole_tensor():
+    """The CPU path (expert by expert, a block of rows at a time) computes what the whole-tensor path (CUDA) does."""
+    from hf_fsdp_qlora.merge._lora_math import LoraFactors, TensorUpdate, apply_update, apply_update_into
+
+    torch.manual_seed(0)
+    weight = torch.randn(8, 96, 48).to(torch.bfloat16)
+    update = TensorUpdate(lora=LoraFactors(torch.randn(8, 4, 48), torch.randn(8, 96, 4), 0.5, False, False, None, "m"))
+    whole = apply_update(weight, update, torch.device("cpu"))
+    blockwise = apply_update_into(torch.empty(8, 96, 48), weight, update, torch.device("cpu"))
+    torch.testing.assert_close(blockwise, whole, rtol=1e-6, atol=1e-6)
+    expected = weight.float() + 0.5 * torch.stack([b @ a for a, b in zip(update.lora.a, update.lora.b)])
+    torch.testing.assert_close(whole, expected, rtol=1e-6, atol=1e-6)

@@ -15,6 +15,7 @@ own, so the output keeps the base's layout.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.merge._lora_math import _pattern_value
 
 __all__ = ["ParamTargets", "quantized_files", "read_param_targets"]
 
@@ -69,10 +71,6 @@ class ParamTargets:
     def updates(self, module: str, a: torch.Tensor, b: torch.Tensor, config: dict, sources: list[str]):
         """[(base file tensor, (a, b, scaling))]: the wrapper at `module` as plain low-rank factors per file tensor,
         so that `scaling * b @ a` is that tensor's update (batched over experts for a fused 3-D tensor)."""
-        import math
-
-        from hf_fsdp_qlora.merge._lora_math import _pattern_value
-
         match = _WRAPPER_KEY.match(module)
         owner, depth = match["module"], match["nest"].count(".base_layer")
         params = self.targeted(owner)
@@ -92,16 +90,8 @@ class ParamTargets:
         experts, out_f, in_f = (1, *shape) if len(shape) == 2 else shape
         if owner in self.transposed and len(shape) == 3:
             in_f, out_f = out_f, in_f
-        if (
-            a.dim() != 2
-            or b.dim() != 2
-            or tuple(a.shape) != (rank * experts, in_f)
-            or tuple(b.shape)
-            != (
-                out_f,
-                rank * experts,
-            )
-        ):
+        fits = tuple(a.shape) == (rank * experts, in_f) and tuple(b.shape) == (out_f, rank * experts)
+        if not fits:
             raise MergeError(
                 f"adapter tensors {sources[0]} {tuple(a.shape)} and {sources[1]} {tuple(b.shape)} do not fit {key} of "
                 f"the base, shape {shape} (LoRA of rank {rank} on it has lora_A {(rank * experts, in_f)} and lora_B "
@@ -205,6 +195,12 @@ def _per_expert_files(model, params: list[str], entries) -> dict[str, list[_Slic
                 "pass that as `base`."
             )
         expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), disk_key)
+        if expert is None:
+            raise MergeError(
+                f"cannot tell which expert the base's tensor {disk_key} holds (transformers converts it with the "
+                f"pattern {pattern!r}). Save the base with its experts fused, AutoModelForCausalLM.from_pretrained(BASE)"
+                ".save_pretrained(NEW_BASE, save_original_format=False), and pass that as `base`."
+            )
         index = converter.source_patterns.index(pattern)
         dim = ops[1].dim - 1 if len(ops) == 2 else None
         found.setdefault(model_key, []).append((_Slice(disk_key, int(expert[1]), dim), index, tuple(entry.shape)))
