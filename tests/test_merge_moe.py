@@ -109,10 +109,10 @@ SCENARIOS = {
         {"r": 4, "lora_alpha": 16, "target_modules": ["q_proj"], "target_parameters": ["mlp.experts.gate_up_proj"]},
         ["experts.gate_up_proj", "q_proj.weight"],
     ),
-    "mixtral_per_expert_down_only": (
+    "mixtral_per_expert_down_and_router": (  # the router is a 2-D parameter, stored as block_sparse_moe.gate
         "mixtral",
-        {"r": 4, "target_modules": ["k_proj"], "target_parameters": ["mlp.experts.down_proj"]},
-        ["experts.down_proj", "k_proj.weight"],
+        {"r": 4, "target_modules": ["k_proj"], "target_parameters": ["mlp.gate.weight", "mlp.experts.down_proj"]},
+        ["experts.down_proj", "mlp.gate.weight", "k_proj.weight"],
     ),
     "gpt_oss_transposed": (
         "gpt_oss",
