@@ -26,7 +26,7 @@ _SECONDS = {
     "test_dora.py": 80,
     "test_prequantized.py": 40, "test_packing.py": 20,
     "test_moe.py": 50,
-    "test_merge_moe.py": 25,
+    "test_merge_moe.py": 35,
 }  # fmt: skip
 
 
