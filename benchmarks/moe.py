@@ -337,7 +337,8 @@ def main(argv=None) -> int:
     result["goal"] = (
         f"expert bytes per rank >= 3.5x below stock's bf16 experts: {r['expert_bytes_per_rank']:.2f}x "
         f"{'met' if r['expert_bytes_per_rank'] >= 3.5 else 'MISSED'}; step time <= 1.5x stock on CPU: "
-        f"{r['step_time_ours_over_stock']:.2f}x {'met' if r['step_time_ours_over_stock'] <= 1.5 else 'MISSED'}"
+        f"{r['step_time_ours_over_stock']:.2f}x {'met' if r['step_time_ours_over_stock'] <= 1.5 else 'MISSED'} "
+        f"(CPU time {r['step_cpu_ours_over_stock']:.2f}x: steadier than the wall clock on a shared machine)"
     )
     print_table(result)
     if args.json:
