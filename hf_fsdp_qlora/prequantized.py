@@ -7,7 +7,8 @@ transformers always loads such a checkpoint with that config (a ``quantization_c
 Its storage dtype is bitsandbytes' default ``uint8`` unless it was saved otherwise; the packed bytes are then
 *viewed* as the run's dtype (:func:`hf_fsdp_qlora.dtypes.view_packed_storage_as`), never re-quantized.
 
-Torch-free: the loader and the doctor both ask it, before any weight is read.
+Torch-free (:func:`checkpoint_tensor_names` imports torch when called): the loader and the doctor both ask it,
+before any weight is read.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from dataclasses import dataclass
 from .dtype_names import BYTES, canonical_name
 from .errors import UnsupportedSetupError
 
-__all__ = ["CheckpointQuantization", "checkpoint_quantization", "quantized_bits", "refuse_unviewable_storage"]
+__all__ = [
+    "CheckpointQuantization",
+    "checkpoint_quantization",
+    "checkpoint_tensor_names",
+    "quantized_bits",
+    "refuse_saved_quantized_experts",
+    "refuse_unviewable_storage",
+    "saved_quantized_experts",
+]
 
 # Storage dtypes whose packed bytes we view as the run's dtype (bitsandbytes accepts any of these).
 _STORAGE_BYTES = {**BYTES, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4}
@@ -137,4 +146,68 @@ def refuse_unviewable_storage(quant: CheckpointQuantization, dtype: str, weights
             f"{len(odd)} weight(s) (e.g. {odd[0]}) are not a multiple of {width} bytes, so they cannot be viewed as "
             f'{dtype} and FSDP cannot flatten them with the rest of the model ("Cannot flatten integer dtype '
             f'tensors"). To train it, {fix} (load_qlora_model quantizes a 16-bit checkpoint in any dtype).'
+        )
+
+
+# --- mixture-of-experts checkpoints --------------------------------------------------------------------------------
+# A stock 4-bit MoE checkpoint (saved after `load_in_4bit`) holds packed linear layers and 16-bit experts: the loader
+# quantizes those experts as it would a 16-bit model's, with the checkpoint's quant type. A checkpoint saved from a
+# model holding hf_fsdp_qlora's `QuantizedExperts` is another matter: its experts are packed bytes named
+# `<experts>.<weight>_4bit`, and their quantization constants are buffers save_pretrained does not write.
+
+PACKED_EXPERTS_SUFFIX = "_4bit"
+
+
+def saved_quantized_experts(tensor_names, expert_weights) -> list[str]:
+    """The tensors of a checkpoint that are hf_fsdp_qlora's packed 4-bit expert weights.
+
+    Args:
+        tensor_names: every tensor name of the checkpoint (its safetensors headers or index).
+        expert_weights: the fused expert weight names we quantize (e.g. ``{"gate_up_proj", "down_proj"}``).
+    """
+    packed = {w + PACKED_EXPERTS_SUFFIX for w in expert_weights}
+    return sorted(n for n in tensor_names if n.rsplit(".", 1)[-1] in packed)
+
+
+def checkpoint_tensor_names(model_name_or_path) -> list[str]:
+    """Tensor names of a local safetensors checkpoint (headers or index only, no weight read); [] for a Hub id."""
+    import os
+    from pathlib import Path
+
+    from .errors import MergeError
+    from .safetensors_io import checkpoint_shards, read_header  # imports torch: only when a loader asks
+
+    folder = Path(os.path.expanduser(os.fspath(model_name_or_path)))
+    try:
+        shards = checkpoint_shards(folder) if folder.is_dir() else None
+        if shards is None:
+            return []
+        files, weight_map = shards
+        return list(weight_map) if weight_map else [n for f in files for n in read_header(folder / f)[0]]
+    except MergeError:  # a damaged checkpoint: from_pretrained says what is wrong with it
+        return []
+
+
+def refuse_saved_quantized_experts(model_name_or_path, expert_weights) -> None:
+    """Raise if the checkpoint was saved from a model with hf_fsdp_qlora's 4-bit experts (it cannot be restored).
+
+    Args:
+        model_name_or_path: the checkpoint (a local folder is checked from its safetensors headers; a Hub id is not).
+        expert_weights: the fused expert weight names we quantize (e.g. ``{"gate_up_proj", "down_proj"}``).
+
+    Raises:
+        UnsupportedSetupError: the checkpoint holds packed expert bytes without their quantization constants;
+            transformers would initialise the model's experts at random instead (its load report only lists them
+            as missing), and the loader would then quantize noise.
+    """
+    found = saved_quantized_experts(checkpoint_tensor_names(model_name_or_path), expert_weights)
+    if found:
+        raise UnsupportedSetupError(
+            f"This checkpoint was saved from a model with hf_fsdp_qlora's 4-bit experts: it holds {len(found)} packed "
+            f"expert weight(s) (e.g. {found[0]!r}) but not their quantization constants (QuantizedExperts keeps them "
+            "in buffers that save_pretrained does not write), so its experts cannot be restored; loaded anyway, "
+            "transformers would initialise them at random. Load the original 16-bit checkpoint instead "
+            "(load_qlora_model quantizes its experts itself). To keep a fine-tuned model, save the adapter "
+            "(PeftModel.save_pretrained writes only the LoRA weights) or merge it into the 16-bit base with "
+            "`merge-adapters`."
         )

@@ -25,8 +25,8 @@ _SECONDS = {
     "test_slurm_recipe.py": 60, "test_finish.py": 25,
     "test_dora.py": 80,
     "test_prequantized.py": 40, "test_packing.py": 20,
-    "test_moe.py": 50,
     "test_merge_moe.py": 35,
+    "test_moe.py": 50, "test_moe_prequantized.py": 25, "test_moe_benchmark.py": 45,
 }  # fmt: skip
 
 

@@ -12,8 +12,8 @@ from ..causal_lm import causal_lm_problem
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
-from ..prequantized import checkpoint_quantization, refuse_unviewable_storage
-from .experts import check_no_expert_lora, lora_config_for_experts
+from ..prequantized import checkpoint_quantization, refuse_saved_quantized_experts, refuse_unviewable_storage
+from .experts import EXPERT_LAYOUTS, check_no_expert_lora, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
 
 __all__ = ["load_qlora_model", "default_lora_config"]
@@ -134,6 +134,8 @@ def load_qlora_model(
         double_quant: quantize the quantization constants too (saves ~0.4 bit/parameter).
             A pre-quantized 4-bit checkpoint (saved after 4-bit loading, e.g. the shared ``*-bnb-4bit`` repos)
             keeps its own quant type and double quant; its packed bytes are viewed as `dtype`, never re-quantized.
+            A pre-quantized MoE checkpoint's experts (16-bit: bitsandbytes packs only linear layers) are quantized
+            with the checkpoint's quant type and double quant too.
         gradient_checkpointing: enable activation checkpointing in the model (turn it off when the
             accelerate config enables ``fsdp_activation_checkpointing`` instead).
         trust_remote_code: passed to transformers.
@@ -151,7 +153,8 @@ def load_qlora_model(
         FileNotFoundError: the path does not exist or holds no config.json.
         UnsupportedSetupError: not a causal LM; LoRA targets match nothing; 8-bit asked for; a pre-quantized
             checkpoint that is 8-bit, not bitsandbytes, or whose packed bytes cannot be viewed as `dtype`
-            (raised before any weight is read); an MoE family whose experts we cannot quantize (pass
+            (raised before any weight is read); a checkpoint saved from a model with our 4-bit experts (their
+            quantization constants are not saved); an MoE family whose experts we cannot quantize (pass
             ``quantize_experts=False`` to keep them 16-bit knowingly).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -169,6 +172,7 @@ def load_qlora_model(
     _check_causal_lm(config)
 
     prequantized = _prequantized_check(config, dtype)
+    refuse_saved_quantized_experts(model_name_or_path, {w for lay in EXPERT_LAYOUTS.values() for w in lay.weights})
     quantization_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant_type,
@@ -209,6 +213,10 @@ def load_qlora_model(
         # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
         view_packed_storage_as(model, dtype)
     if quantize_experts:
+        if (
+            prequantized is not None
+        ):  # a stock 4-bit MoE checkpoint: its 16-bit experts take the checkpoint's quantization
+            quant_type, double_quant = prequantized.quant_type, prequantized.double_quant
         quantize_expert_weights(model, quant_type=quant_type, double_quant=double_quant, dtype=dtype)
     disable_cpu_repack_in_model(model)
     _freeze_for_kbit_training(model, gradient_checkpointing)
