@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 from ..dtype_names import dtype_bytes
 from ..loss_paths import logits_bytes, loss_path, sequences_factor
+from .activations import layer_activation_bytes, layer_activations, mlp_width
+from .experts_plan import expert_bytes
 from .setup import RunSetup
 from .shapes import ModelShape
 
@@ -113,6 +115,9 @@ class MemoryPlan:
     shard: dict[str, int]
     notes: list[str] = field(default_factory=list)
     loss_path: str = "ours"  # the loss path planned (hf_fsdp_qlora.loss_paths)
+    # total / active (per token) / expert parameters, and for MoE the experts' bytes and the per-GPU total as held
+    # and with 16-bit experts (what a stock load_in_4bit holds)
+    parameters: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -147,6 +152,7 @@ class MemoryPlan:
             "load_peak_per_gpu": self.load_peak_per_gpu,
             "checkpoint": self.checkpoint,
             "local_shard": self.shard,
+            "parameters": self.parameters,
             "verdict": self.verdict,
             "headroom": None if self.gpu_memory is None else self.gpu_memory - self.total,
             "notes": self.notes,
@@ -166,33 +172,6 @@ def _quant_state_bytes(numel: int, double_quant: bool) -> int:
     if not double_quant:
         return blocks * 4 + 64  # fp32 absmax + the 16-entry code
     return blocks + math.ceil(blocks / NESTED_BLOCKSIZE) * 4 + 4 + 64 + 1024  # uint8 absmax, nested, codes
-
-
-def _layer_activation_bytes(shape: ModelShape, setup: RunSetup, act: int, lora: bool) -> float:
-    """Bytes saved for backward per token in one decoder layer (see the module docstring)."""
-    h, inter = shape.hidden_size, shape.intermediate_size
-    q = shape.num_heads * shape.head_dim
-    kv = shape.num_kv_heads * shape.head_dim
-    # transformers repeats K/V to all heads before sdpa/eager attention; flash attention takes GQA as is.
-    kv_saved = kv if setup.attn_implementation.startswith("flash") else q
-    norms = 2 * (4 * h + act * h)  # fp32 input copy + normalised value, twice per layer
-    attention = act * h + act * (q + 2 * kv_saved) + act * q + 4 * shape.num_heads + act * q
-    if setup.attn_implementation == "eager":  # attention probabilities, fp32 softmax and its cast
-        attention += shape.num_heads * setup.seq_len * (4 + act)
-    mlp = act * h + 4 * act * inter
-    extra = 0.0
-    if lora and shape.num_layers:
-        ins = shape.lora_in_features()
-        dropout = (act + 1) * sum(ins) if setup.lora_dropout > 0 else 0  # dropout output + mask per adapter
-        extra = (dropout + act * setup.lora_r * len(ins)) / shape.num_layers
-        if setup.use_dora:  # DoRA saves the base output and the LoRA output of each adapted Linear for backward
-            extra += (
-                2
-                * act
-                * sum(lin.out_features for lin in shape.linears if lin.lora and lin.layer is not None)
-                / shape.num_layers
-            )
-    return norms + attention + mlp + extra
 
 
 def _shard_factor(setup: RunSetup) -> int:
@@ -232,13 +211,16 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     adapter_dtype = base_dtype if setup.trainer == "hf_fsdp_qlora" else setup.adapter
 
     quantized_numel = sum(lin.numel for lin in shape.linears if lin.quantized) if quant else 0
-    other_numel = shape.total_params - quantized_numel
+    experts = expert_bytes(shape, quant == "4bit" and setup.quantize_experts, setup.double_quant, tokens)
+    other_numel = shape.total_params - quantized_numel - experts.quantized_numel
     if quant == "4bit":
-        packed = sum(math.ceil(lin.numel / 2) for lin in shape.linears if lin.quantized)
+        packed = sum(math.ceil(lin.numel / 2) for lin in shape.linears if lin.quantized) + experts.packed
         qstate = sum(_quant_state_bytes(lin.numel, setup.double_quant) for lin in shape.linears if lin.quantized)
+        qstate += experts.quant_state
     elif quant == "8bit":
-        packed = quantized_numel + sum(4 * lin.out_features for lin in shape.linears if lin.quantized)
-        qstate = 0
+        # LLM.int8: one byte per weight; the fp32 row scales (SCB, one per output row) counted whole on every rank.
+        packed = quantized_numel
+        qstate = sum(4 * lin.out_features for lin in shape.linears if lin.quantized)
     else:
         packed = qstate = 0
     trainable = shape.total_params if setup.full_finetune else shape.lora_params(setup.lora_r)
@@ -258,6 +240,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     whole_units_trainable = fsdp.version == 1 and setup.trainer == "accelerate" and lora
     sharded = storage_floating or fsdp.version == 1 or setup.integer_storage_sharded
     quant_shard = shard if quant == "4bit" and sharded else 1
+    if quant == "8bit" and setup.trainer == "hf_fsdp_qlora":
+        quant_shard = shard  # our 8-bit route holds the int8 bytes as a parameter FSDP shards (stock: refused)
     if fsdp.version is None and quant:
         quant_shard = 1
     base_quantized = packed / quant_shard
@@ -266,10 +250,12 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     layer_base = (
         shape.per_layer("linear") * (0.5 if quant == "4bit" else 1 if quant else dtype_bytes(base_dtype))
         + shape.per_layer("other") * other_b
+        + experts.per_layer_numel * (0.5 if experts.quantized_numel else other_b)
     )
     extra_grads = 0.0
     if whole_units_trainable:
-        in_layers = packed + shape.other_in_layers * other_b if quant else shape.total_params * other_b
+        in_layers = packed + (shape.other_in_layers + shape.expert_params - experts.quantized_numel) * other_b
+        in_layers = in_layers if quant else shape.total_params * other_b
         extra_grads = in_layers / shard
         if mixed:
             upcast = 4 / dtype_bytes(setup.storage if quant == "4bit" else base_dtype)
@@ -296,7 +282,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     if fsdp.version is not None:
         gather_b = dtype_bytes(fsdp.param_dtype) if fsdp.param_dtype and not quant else other_b
         root = shape.other_outside * gather_b + sum(lin.numel * gather_b for lin in shape.linears if lin.layer is None)
-        layer = layer_base if quant else shape.per_layer("linear") * gather_b + shape.per_layer("other") * gather_b
+        layer = layer_base if quant else (shape.per_layer("linear") + shape.per_layer("other")
+                                          + shape.per_layer("experts")) * gather_b  # fmt: skip
         no_wrap = fsdp.auto_wrap_policy == "NO_WRAP" and not setup.peft_wraps
         if no_wrap or fsdp.sharding_strategy == "SHARD_GRAD_OP":
             gathered = packed + other_numel * gather_b if quant else shape.total_params * gather_b
@@ -310,11 +297,13 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         elif whole_units_trainable:
             gathered += layer
 
-    per_layer = _layer_activation_bytes(shape, setup, act, lora)
+    per_layer = layer_activation_bytes(shape, setup, act, lora)
+    per_layer, all_layers = layer_activations(shape, act, per_layer)
+    saved_experts = experts.saved_numel * act  # one layer's routed experts, dequantized, kept for backward
     final = tokens * (4 * shape.hidden_size + 2 * act * shape.hidden_size)
-    transient = tokens * (3 * act * shape.intermediate_size + 2 * act * shape.hidden_size)
-    with_ckpt = tokens * (shape.num_layers * act * shape.hidden_size + per_layer) + final + transient
-    without_ckpt = tokens * shape.num_layers * per_layer + final + transient
+    transient = tokens * (3 * act * mlp_width(shape) + 2 * act * shape.hidden_size)
+    with_ckpt = tokens * (shape.num_layers * act * shape.hidden_size + per_layer) + final + transient + saved_experts
+    without_ckpt = tokens * all_layers + final + transient + saved_experts * len(shape.moe_layers)
     if fsdp.activation_checkpointing:
         checkpointing = "fsdp"
     elif setup.gradient_checkpointing:
@@ -328,13 +317,14 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     if setup.activation_offloading:
         # What stays: the layer being back-propagated (brought back, or recomputed under checkpointing) and the
         # transients; the final norm / LM-head inputs move too. The logits stay: they are the forward's output.
-        on_gpu = tokens * per_layer + transient
+        on_gpu = tokens * per_layer + transient + saved_experts
         offloaded_activations = max(0.0, activations - on_gpu)
         activations -= offloaded_activations
     # A full fine-tune trains the plain nn.Linear head: our loss holds its fp32 gradient from forward to backward.
     logits = logits_bytes(path, tokens, shape.vocab_size, act, shape.hidden_size, setup.loss_chunk_size,
                           head_trained=setup.full_finetune)  # fmt: skip
     workspace = max((lin.numel for lin in shape.linears if lin.quantized), default=0) * act if quant else 0
+    workspace = max(workspace, experts.workspace_numel * act)
     if setup.use_dora and lora:
         workspace = max(workspace, shape.dora_workspace() * act)
         notes.append("DoRA: each adapted Linear's weight is dequantized for its norm in every forward")
@@ -369,8 +359,10 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     full_model = packed + qstate + other_numel * other_b if quant else shape.total_params * dtype_bytes(setup.dtype)
     if quant:
         # transformers 5.x has no rank-0-only loading path for bitsandbytes: every rank loads and quantizes the
-        # whole model on its own GPU before FSDP shards it.
-        load_peak = full_model + max((lin.numel for lin in shape.linears), default=0) * dtype_bytes(setup.dtype)
+        # whole model on its own GPU before FSDP shards it. Fused experts arrive 16-bit, quantized after the load.
+        unquantized = experts.quantized_numel * dtype_bytes(setup.dtype) - experts.packed - experts.quant_state
+        largest = max([lin.numel for lin in shape.linears] + [experts.workspace_numel])
+        load_peak = full_model + unquantized + largest * dtype_bytes(setup.dtype)
         load_peak += RUNTIME_OVERHEAD
     else:
         load_peak = 0  # a 16-bit model loads on the CPU; FSDP moves one shard at a time
@@ -378,7 +370,15 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     weights = trainable * master_b if not setup.full_finetune else shape.total_params * master_b
     ckpt = {"weights": int(weights), "optimizer": 0 if setup.save_only_model else int(optimizer * shard)}
     ckpt["total"] = ckpt["weights"] + ckpt["optimizer"]
+    params = {"total": shape.total_params, "active": shape.active_params, "experts": shape.expert_params}
+    if shape.experts:
+        params["experts_bytes"] = experts.packed + experts.quant_state + (
+            shape.expert_params - experts.quantized_numel) * dtype_bytes(setup.dtype)  # fmt: skip
+        params["experts_bytes_16bit"] = shape.expert_params * dtype_bytes(setup.dtype)
+        if experts.quantized_numel:  # what the same run needs with the experts a stock load_in_4bit leaves 16-bit
+            params["total_with_16bit_experts"] = plan_memory(shape, setup.replace(quantize_experts=False)).total
     return MemoryPlan(
+        parameters=params,
         num_gpus=n,
         gpu_memory=setup.gpu_memory,
         parts={k: int(v) for k, v in parts.items()},

@@ -57,6 +57,20 @@ def _wrap(text: str, width: int, indent: str) -> str:
     return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent)
 
 
+def _parameters(params: dict) -> list[str]:
+    """The mixture-of-experts lines of the memory plan: parameters, and the experts' bytes as held and in 16 bits."""
+    if not params.get("experts"):
+        return []
+    line = (f"  parameters: {params['total'] / 1e9:.2f}B total, {params['active'] / 1e9:.2f}B active per token, "
+            f"experts {params['experts'] / 1e9:.2f}B: {format_size(params['experts_bytes'])} as held "
+            f"({format_size(params['experts_bytes_16bit'])} in 16 bits)")  # fmt: skip
+    lines = [line]
+    if "total_with_16bit_experts" in params:
+        lines.append(f"  with 16-bit experts (a stock load_in_4bit): {format_size(params['total_with_16bit_experts'])}"
+                     " per GPU")  # fmt: skip
+    return lines
+
+
 def render(diagnosis: Diagnosis, width: int = 100) -> str:
     """A human-readable report: the setup line, the findings table, the memory table and the verdict."""
     s, plan = diagnosis.setup, diagnosis.plan
@@ -77,6 +91,7 @@ def render(diagnosis: Diagnosis, width: int = 100) -> str:
     if plan is not None:
         lines.append("")
         lines.append(f"Memory plan per GPU ({plan.num_gpus} GPU(s), activations: checkpointing={plan.checkpointing})")
+        lines.extend(_parameters(plan.parameters))
         for name in PART_NAMES:
             size = plan.parts[name]
             if size:
