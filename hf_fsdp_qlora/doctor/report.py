@@ -106,7 +106,7 @@ def render(diagnosis: Diagnosis, width: int = 100) -> str:
                 f"  activations offloaded to host RAM per process: {format_size(plan.host['activations_offloaded'])}"
             )
         if plan.load_peak_per_gpu:
-            lines.append(f"  loading peak per GPU (whole quantized model): {format_size(plan.load_peak_per_gpu)}")
+            lines.append(f"  loading peak per GPU (whole model as loaded): {format_size(plan.load_peak_per_gpu)}")
         lines.append(f"  checkpoint: weights {format_size(plan.checkpoint['weights'])}, optimizer "
                      f"{format_size(plan.checkpoint['optimizer'])}")  # fmt: skip
         gpu = format_size(plan.gpu_memory) if plan.gpu_memory else "unknown (pass --gpu-memory)"
