@@ -656,3 +656,35 @@ def test_8bit_setups_we_cannot_support(tiny, tiny_moe, tmp_path):
     assert {f.id for f in moe.errors} == {"8bit-moe-experts"}
     assert "Qwen3MoeExperts" in moe.errors[0].problem
     assert not diagnose(tiny_moe["qwen3_moe"], accelerate_config=F2Q, quantization="4bit").errors
+
+
+def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe):
+    """One expert is dequantized at a time, but autograd keeps every routed expert's 16-bit weight for the input
+    gradient until backward: the plan's saved expert bytes equal what autograd really saves (saved-tensor hooks)."""
+    import torch
+
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.doctor import model_shape
+    from hf_fsdp_qlora.doctor.experts_plan import expert_bytes
+    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+
+    model = load_qlora_model(str(tiny_moe["qwen3_moe"]), gradient_checkpointing=False)
+    experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
+    tokens, k, hidden = 64, model.config.num_experts_per_tok, model.config.hidden_size
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.stack([torch.randperm(experts.num_experts, generator=torch.Generator().manual_seed(i))[:k]
+                         for i in range(tokens)])  # fmt: skip
+    weights = {tuple(experts.dequantize_expert(n, 0).shape) for n in experts.layout.weights}
+    weights |= {s[::-1] for s in weights}  # F.linear saves the weight, `x @ w` its transpose
+    saved = {}
+
+    def keep(tensor):
+        saved[tensor.data_ptr()] = tensor  # by storage: a tensor saved twice is held once
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        experts(x, index, torch.rand(tokens, k, dtype=torch.bfloat16))
+    kept = sum(t.numel() * t.element_size() for t in saved.values() if tuple(t.shape) in weights)
+    shape = model_shape(tiny_moe["qwen3_moe"])
+    planned = expert_bytes(shape, quantized=True, double_quant=True, tokens=tokens).saved_numel * 2
+    assert kept == planned > 0
