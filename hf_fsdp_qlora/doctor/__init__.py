@@ -52,7 +52,7 @@ a removal or a change of meaning bumps ``schema_version``::
       }
     }
 
-Finding ids: ``8bit-under-fsdp``, ``8bit-moe-experts``, ``fsdp1-integer-storage``, ``fsdp2-integer-storage``,
+Finding ids: ``8bit-under-fsdp``, ``8bit-moe-experts``, ``experts-not-quantizable``, ``fsdp1-integer-storage``, ``fsdp2-integer-storage``,
 ``storage-vs-param-dtype``, ``mixed-precision-vs-storage``, ``storage-vs-compute-dtype``, ``fsdp{1,2}-fp32-adapters``, ``fsdp{1,2}-fp32-norms``,
 ``fsdp1-use-orig-params``, ``device-map-under-fsdp``, ``cpu-ram-efficient-loading-without-sync``,
 ``cpu-rehearsal-needs-gpu``, ``not-fsdp``, ``wrap-class-missing``, ``no-auto-wrap``,

@@ -120,6 +120,22 @@ def _eight_bit(ctx: Context):
         )  # fmt: skip
 
 
+def experts_rule(ctx: Context):
+    """Fused experts load_qlora_model cannot quantize: it refuses them rather than leave them 16-bit silently."""
+    s, shape = ctx.setup, ctx.shape
+    if shape is None or s.quantization != "4bit" or not s.quantize_experts:
+        return
+    unknown = sorted({e.family for e in shape.experts if not e.quantizable})
+    if unknown:
+        yield _finding(
+            "experts-not-quantizable", "error",
+            f"{', '.join(unknown)} holds mixture-of-experts weights as 3-D parameters in a layout hf_fsdp_qlora "
+            "cannot quantize to 4 bits yet: load_qlora_model raises UnsupportedSetupError for it rather than leave "
+            "the experts 16-bit silently. The plan counts them 16-bit.",
+            "load_qlora_model", "quantize_experts=False (doctor: --no-quantize-experts), the experts 16-bit knowingly",
+        )  # fmt: skip
+
+
 def dtype_rules(ctx: Context):
     """Storage vs FSDP param dtype vs compute dtype; fp32 adapters or norms beside a 16-bit base."""
     s = ctx.setup

@@ -3,10 +3,12 @@
 Parts, per GPU (bytes), in the order they are reported:
 
 * ``base_quantized``: packed 4-bit weights (half a byte per weight; the storage dtype only changes how many
-  elements hold them) or int8 weights, sharded 1/N by FSDP. Integer 4-bit storage under FSDP2 stays unsharded
-  (accelerate excludes it from sharding); 8-bit weights are never sharded.
+  elements hold them; MoE experts too, see :mod:`.experts_plan`) or int8 weights (one byte per weight), sharded
+  1/N by FSDP. Integer 4-bit storage under FSDP2 stays unsharded (accelerate excludes it from sharding); 8-bit
+  weights are sharded on our route (``load_qlora_model(path, bits=8)``), not on the stock one (refused).
 * ``base_quant_state``: bitsandbytes' quantization constants (absmax per 64 weights, the second-level constants
-  with double quant, the code tables). They are module attributes, not parameters: every GPU holds all of them.
+  with double quant, the code tables; for 8 bits the fp32 row scales). They are module attributes or buffers, not
+  parameters: every GPU holds all of them.
 * ``base_other``: embeddings, norms, biases, the output head (full fine-tune: every weight), sharded 1/N.
 * ``adapter``, ``gradients``, ``optimizer``: trainable parameters, their gradients and AdamW's two states,
   sharded 1/N, in the master dtype (fp32 where accelerate upcasts: FSDP2 with mixed precision and no 4-bit
@@ -26,7 +28,8 @@ Parts, per GPU (bytes), in the order they are reported:
   log-softmax/gradient; ``ours`` one ``loss_chunk_size`` chunk of them plus the labelled hidden states and their
   gradient, and for a full fine-tune the fp32 ``[vocab x hidden]`` head gradient held from forward to backward;
   ``sft``/``dpo`` one tile of trl's fused LM head (DPO also doubles the tokens of the activations).
-* ``dequant_workspace``: the largest quantized weight dequantized for one matmul.
+* ``dequant_workspace``: the largest quantized weight (or one expert's) dequantized for one matmul. The routed
+  experts' dequantized weights autograd keeps for backward count in ``activations``.
 * ``runtime_overhead``: CUDA context, cuBLAS workspace, NCCL buffers (a fixed 1 GiB).
 
 With ``fsdp_offload_params`` the sharded parameters, gradients and optimizer states live in host RAM
