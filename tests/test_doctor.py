@@ -709,3 +709,46 @@ def test_moe_family_we_cannot_quantize_is_an_error(tmp_path):
     assert "GraniteMoeExperts" in d.errors[0].problem and "quantize_experts=False" in d.errors[0].message
     assert d.plan.parameters["experts_bytes"] == d.plan.parameters["experts_bytes_16bit"]
     assert not diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit", quantize_experts=False).errors
+
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_expert_lora_count_and_refusals_match_peft(tiny_moe, arch):
+    """LoRA on the experts (peft's target_parameters, trl's --lora_target_parameters): the planned trainable count
+    equals peft's own on the 16-bit model (gpt-oss' transposed experts included); a dropout is refused and a name
+    that matches nothing warned about, each with peft's own text (peft raises / warns it: the oracle)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp_qlora.doctor import model_shape
+
+    def peft_model(**kw):
+        model = AutoModelForCausalLM.from_pretrained(tiny_moe[arch])
+        return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], **kw))
+
+    expected = sum(p.numel() for p in peft_model(target_parameters=EXPERT_TARGETS, lora_dropout=0.0).parameters()
+                   if p.requires_grad)  # fmt: skip
+    shape = model_shape(tiny_moe[arch], ["q_proj"])
+    assert shape.lora_params(4) + shape.expert_lora_params(4, EXPERT_TARGETS) == expected
+    settings = {"quantization": "4bit", "lora_r": 4, "lora_target_modules": ["q_proj"]}
+    plain = diagnose(tiny_moe[arch], accelerate_config=F2Q, num_gpus=1, **settings).plan
+    adapted = diagnose(tiny_moe[arch], accelerate_config=F2Q, num_gpus=1, lora_dropout=0.0,
+                       lora_target_parameters=EXPERT_TARGETS, **settings)  # fmt: skip
+    assert not adapted.errors
+    assert adapted.plan.shard["params_trainable"] - plain.shard["params_trainable"] == 2 * (
+        expected - shape.lora_params(4))  # fmt: skip
+    with pytest.raises(ValueError) as real:
+        peft_model(target_parameters=EXPERT_TARGETS, lora_dropout=0.05)
+    found = diagnose(tiny_moe[arch], accelerate_config=F2Q, lora_target_parameters=EXPERT_TARGETS, **settings)
+    assert {f.id for f in found.errors} == {"expert-lora-dropout"} and str(real.value) in found.errors[0].problem
+    # A name that matches no expert weight: peft only warns, and trains without LoRA on the experts.
+    with pytest.warns(RuntimeWarning) as real:
+        peft_model(target_parameters=["mlp.experts.up_proj"], lora_dropout=0.0)
+    found = {f.id: f for f in diagnose(tiny_moe[arch], accelerate_config=F2Q, lora_dropout=0.0,
+                                       lora_target_parameters=["mlp.experts.up_proj"], **settings).findings}  # fmt: skip
+    warned = [str(w.message) for w in real if "target_parameters" in str(w.message)]
+    assert found["expert-lora-no-match"].severity == "warning" and "mlp.experts.up_proj" in warned[0]
+    stable = warned[0].split("]", 1)[-1].split("}", 1)[-1]  # peft shows the targets as a list or a set
+    assert stable == " were set but no parameter was matched." and stable in found["expert-lora-no-match"].problem

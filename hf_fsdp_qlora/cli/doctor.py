@@ -61,6 +61,8 @@ def _settings(args: argparse.Namespace) -> dict:
         "lora_dropout": args.lora_dropout,
         "use_dora": args.use_dora,
         "lora_target_modules": targets,
+        "lora_target_parameters": [t.strip() for t in (args.lora_target_parameters or "").split(",") if t.strip()]
+        or None,
         "trainer": args.trainer,
         "loss_path": args.loss_path,
         "trainer_class": args.trainer_class,
@@ -170,6 +172,12 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
         parser.add_argument("--use-dora", action="store_true", help="LoraConfig(use_dora=True): plan DoRA's memory")
         parser.add_argument(
             "--lora-target-modules", default="all-linear", help="'all-linear' or comma-separated names"
+        )
+        parser.add_argument(
+            "--lora-target-parameters",
+            metavar="NAMES",
+            help="LoRA on mixture-of-experts weights: peft's target_parameters (trl: --lora_target_parameters), "
+            "comma-separated, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj",
         )
         parser.add_argument(
             "--trainer",

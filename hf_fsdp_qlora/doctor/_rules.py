@@ -120,10 +120,31 @@ def _eight_bit(ctx: Context):
         )  # fmt: skip
 
 
+def _expert_weight_names(shape: ModelShape) -> str:
+    return ", ".join(f"{e.name}.{n}" for e in shape.experts[:1] for n in e.weights) or "none"
+
+
 def experts_rule(ctx: Context):
-    """Fused experts load_qlora_model cannot quantize: it refuses them rather than leave them 16-bit silently."""
+    """LoRA on experts (peft's target_parameters) that peft refuses; fused experts load_qlora_model cannot quantize
+    (it refuses them rather than leave them 16-bit silently)."""
     s, shape = ctx.setup, ctx.shape
-    if shape is None or s.quantization != "4bit" or not s.quantize_experts:
+    if shape is None or s.full_finetune:
+        return
+    if s.lora_target_parameters and not shape.expert_lora_targets(s.lora_target_parameters):
+        yield _finding(
+            "expert-lora-no-match", "warning",
+            f"peft warns 'target_parameters={s.lora_target_parameters} were set but no parameter was matched.' "
+            f"and trains without LoRA on the experts. The model's expert weights: {_expert_weight_names(shape)} (a "
+            "target matches a parameter's full name or its ending).",
+            "target_parameters", "e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj",
+        )  # fmt: skip
+    elif s.lora_target_parameters and s.lora_dropout > 0:
+        yield _finding(
+            "expert-lora-dropout", "error",
+            "peft refuses dropout on parameter targets: 'lora.ParamWrapper does not work with lora_dropout != 0.'",
+            "lora_dropout", "0 (trl: --lora_dropout 0)",
+        )  # fmt: skip
+    if s.quantization != "4bit" or not s.quantize_experts:
         return
     unknown = sorted({e.family for e in shape.experts if not e.quantizable})
     if unknown:

@@ -227,6 +227,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     else:
         packed = qstate = 0
     trainable = shape.total_params if setup.full_finetune else shape.lora_params(setup.lora_r)
+    expert_lora = [] if setup.full_finetune else shape.expert_lora_targets(setup.lora_target_parameters)
+    trainable += shape.expert_lora_params(setup.lora_r, setup.lora_target_parameters) if expert_lora else 0
     if setup.use_dora and lora:  # DoRA's magnitude vectors train beside A and B
         trainable += shape.dora_params()
 
@@ -276,7 +278,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     )
     if setup.optimizer != "sgd":  # AdamW's fp32 `step` counter, one per trainable tensor on every rank
         per_adapted = 3 if setup.use_dora else 2  # A, B (and DoRA's magnitude)
-        optimizer += 4 * (per_adapted * sum(lin.lora for lin in shape.linears) if lora else shape.num_tensors)
+        adapted = per_adapted * sum(lin.lora for lin in shape.linears) + 2 * len(expert_lora)
+        optimizer += 4 * (adapted if lora else shape.num_tensors)
     if fsdp.version is None:
         gradients *= 2  # DDP's gradient buckets hold a second copy
 
@@ -301,6 +304,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
             gathered += layer
 
     per_layer = layer_activation_bytes(shape, setup, act, lora)
+    # Expert LoRA: each routed token's rank-r intermediate per adapted expert weight, per MoE layer.
+    per_layer += len(expert_lora) / max(1, len(shape.moe_layers)) * shape.experts_per_token * setup.lora_r * act
     per_layer, all_layers = layer_activations(shape, act, per_layer)
     saved_experts = experts.saved_numel * act  # one layer's routed experts, dequantized, kept for backward
     final = tokens * (4 * shape.hidden_size + 2 * act * shape.hidden_size)

@@ -14,7 +14,7 @@ SCHEMA_VERSION = 1
 _SETUP_KEYS = (
     "model", "quantization", "full_finetune", "dtype", "quant_storage", "compute_dtype", "adapter_dtype",
     "lora_r", "use_dora", "trainer", "loss_path", "seq_len", "batch_size", "gradient_checkpointing", "optimizer", "num_gpus",
-    "gpu_memory", "device_map",
+    "gpu_memory", "device_map", "quantize_experts", "lora_target_parameters",
 )  # fmt: skip
 
 

@@ -87,6 +87,7 @@ class RunSetup:
     lora_dropout: float = 0.05
     use_dora: bool = False  # LoraConfig(use_dora=True): magnitude vectors, and a weight norm in every forward
     lora_target_modules: str | list[str] = "all-linear"
+    lora_target_parameters: list[str] | None = None  # peft's target_parameters (trl: --lora_target_parameters)
     device_map: str | None = None
     trainer: str = "hf_fsdp_qlora"
     # Whose loss computes the logits: "ours", "sft", "stock" or "dpo" (hf_fsdp_qlora.loss_paths); None: what the run

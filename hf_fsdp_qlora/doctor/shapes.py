@@ -115,6 +115,21 @@ class ModelShape:
     def lora_params(self, r: int) -> int:
         return sum(r * (lin.in_features + lin.out_features) for lin in self.linears if lin.lora)
 
+    def expert_lora_targets(self, targets) -> list[tuple[ExpertsShape, str]]:
+        """The expert weights peft's ``target_parameters`` adapt: a parameter's full name equals a target or ends
+        with ``"." + target`` (peft's own rule)."""
+        targets = list(targets or [])
+        return [
+            (experts, name)
+            for experts in self.experts
+            for name in experts.weights
+            if any(f"{experts.name}.{name}" == t or f"{experts.name}.{name}".endswith(f".{t}") for t in targets)
+        ]
+
+    def expert_lora_params(self, r: int, targets) -> int:
+        """peft's LoRA on a fused ``[E, rows, cols]`` weight: ``lora_A`` ``[r*E, cols]``, ``lora_B`` ``[rows, r*E]``."""
+        return sum(r * e.num_experts * sum(e.weights[name]) for e, name in self.expert_lora_targets(targets))
+
     def lora_in_features(self) -> list[int]:
         return [lin.in_features for lin in self.linears if lin.lora and lin.layer is not None]
 
