@@ -61,7 +61,8 @@ CHECKS = [
     ("fsdp1-integer-storage", "error", F1Q, dict(STOCK, quant_storage="uint8"), F1Q, STOCK),
     # A stock Trainer leaves uint8-stored weights unsharded (warning); ours views them as bf16 (info, below).
     ("fsdp2-integer-storage", "warning", F2Q, dict(STOCK, quant_storage="uint8"), F2Q, STOCK),
-    ("8bit-under-fsdp", "error", F2Q, {"quantization": "8bit"}, F2Q, Q4),
+    ("8bit-under-fsdp", "error", F2Q, {"quantization": "8bit", "trainer": "transformers"}, F2Q,
+     {"quantization": "8bit"}),
     ("storage-vs-param-dtype", "error", _cfg("fsdp2_qlora", mixed_precision="fp16"), STOCK,
      _cfg("fsdp2_qlora", mixed_precision="fp16"), Q4),
     # Ours fixes FSDP's param dtype, but fp16 autocast and a grad scaler over bf16 weights remain: refused.
@@ -253,8 +254,11 @@ def test_cli_json_and_exit_codes(capsys):
     assert set(memory["activations"]) == {"checkpointing", "with_checkpointing", "without_checkpointing"}
     for finding in doc["findings"]:
         assert set(finding) == {"id", "severity", "problem", "setting", "value"}
-    code, out, _ = _cli(capsys, "--accelerate-config", "fsdp2_qlora", "--model", LLAMA3_70B, "--load-in-8bit")
+    code, out, _ = _cli(capsys, "--accelerate-config", "fsdp2_qlora", "--model", LLAMA3_70B, "--load-in-8bit",
+                        "--trainer", "transformers")  # fmt: skip
     assert code == 1 and "8bit-under-fsdp" in out and "ERROR" in out
+    code, out, _ = _cli(capsys, "--accelerate-config", "fsdp2_qlora", "--model", LLAMA3_70B, "--load-in-8bit")
+    assert code == 0 and "8bit-under-fsdp" in out and "LoRA on 8-bit" in out
 
 
 @pytest.mark.parametrize(
@@ -376,6 +380,8 @@ def _doctor_settings(spec: dict, trainer: str, training: dict) -> dict:
         "quant_storage": spec.get("quant_storage"), "adapter_dtype": spec.get("adapter_dtype"),
         "norm_dtype": "float32" if spec.get("kbit_prep") else None, "device_map": spec.get("device_map"),
         "trainer": trainer, "gradient_checkpointing": training.get("activation_checkpointing", False), "lora_r": 4,
+        # the worker loads 8 bits the stock way (load_in_8bit=True: Int8Params), not through load_qlora_model(bits=8)
+        "int8_unsupported": "a stock load_in_8bit load" if spec.get("quantization") == "8bit" else None,
     }  # fmt: skip
 
 
@@ -494,3 +500,255 @@ def test_bert_style_model_is_not_ready_to_launch(tmp_path, capsys, architectures
         (tmp_path / "config.json").write_text(json.dumps(data))
     code, out, err = _cli(capsys, "--accelerate-config", "fsdp2_qlora", "--model", tmp_path, "--load-in-4bit")
     assert code == 2 and "ready to launch" not in out and "no causal-LM head" in err, (out, err)
+
+
+# --- issue 27 item 6: mixture-of-experts plans; issue 28 item 4: the 8-bit plan ----------------------------------
+
+QWEN3_30B = DATA / "qwen3_30b_a3b_config.json"
+QWEN3_235B = DATA / "qwen3_235b_a22b_config.json"
+MIXTRAL = DATA / "mixtral_8x7b_config.json"
+LLAMA31_70B = DATA / "llama3_1_70b_config.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from tiny_models import MOE_ARCHS
+
+    root = tmp_path_factory.mktemp("doctor_moe")
+    return {arch: build_tiny_model(root / arch, arch) for arch in MOE_ARCHS}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_moe_plan_matches_a_loaded_model(tiny_moe, arch):
+    """The plan's weight bytes of a tiny MoE model - 4-bit linear layers and experts (packed bytes, absmax, nested
+    absmax, offsets, code tables), 16-bit router, norms, embeddings and gpt-oss' expert biases, LoRA - equal the
+    bytes load_qlora_model really holds (oracle)."""
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+
+    model = load_qlora_model(str(tiny_moe[arch]), gradient_checkpointing=False)
+    real = dict.fromkeys(("params_quantized", "quant_state", "params_other", "params_trainable"), 0)
+    packed = set()
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit" and not hasattr(module, "base_layer"):
+            qs = module.weight.quant_state
+            real["quant_state"] += sum(t.numel() * t.element_size() for t in
+                                       (qs.absmax, qs.code, qs.offset, qs.state2.absmax, qs.state2.code))  # fmt: skip
+            packed.add(id(module.weight))
+        if isinstance(module, QuantizedExperts):
+            real["quant_state"] += sum(b.numel() * b.element_size() for b in module.buffers())
+            packed |= {id(p) for n, p in module.named_parameters() if n.endswith("_4bit")}
+    assert any(isinstance(m, QuantizedExperts) for m in model.modules())
+    for p in model.parameters():
+        key = "params_trainable" if p.requires_grad else "params_quantized" if id(p) in packed else "params_other"
+        real[key] += p.numel() * p.element_size()
+    plan = diagnose(str(tiny_moe[arch]), accelerate_config=_yaml("fsdp2_qlora"), num_gpus=1, quantization="4bit").plan
+    assert {k: plan.shard[k] for k in real} == real
+    # Kept 16-bit (a stock load_in_4bit): the experts move from the packed bytes into the 16-bit weights.
+    stock = diagnose(str(tiny_moe[arch]), accelerate_config=_yaml("fsdp2_qlora"), num_gpus=1, quantization="4bit",
+                     quantize_experts=False).plan  # fmt: skip
+    experts = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_4bit"))
+    assert stock.shard["params_quantized"] < plan.shard["params_quantized"]
+    assert stock.parameters["experts_bytes"] == stock.parameters["experts_bytes_16bit"] > 2 * experts
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "deepseek_v3"])
+def test_moe_parameter_counts_match_transformers(arch, tmp_path):
+    """Total, expert and active parameters from the shapes equal transformers' own meta-device model of the config
+    (dense first layers and shared experts included)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_fsdp_qlora.doctor import model_shape
+
+    small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+             "num_experts_per_tok": 2, "num_hidden_layers": 3}  # fmt: skip
+    extra = {
+        "qwen3_moe": {"num_experts": 8, "moe_intermediate_size": 32, "mlp_only_layers": [0], "intermediate_size": 96},
+        "mixtral": {"num_local_experts": 4, "intermediate_size": 48},
+        "gpt_oss": {"num_local_experts": 4, "intermediate_size": 48, "head_dim": 16},
+        "qwen2_moe": {"num_experts": 8, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 40},
+        "deepseek_v3": {"n_routed_experts": 8, "n_shared_experts": 1, "moe_intermediate_size": 32,
+                        "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                        "qk_nope_head_dim": 8, "v_head_dim": 8, "n_group": 1, "topk_group": 1,
+                        "num_key_value_heads": 4},
+    }[arch]  # fmt: skip
+    config = AutoConfig.for_model(arch, **{**small, **extra})
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        oracle = AutoModelForCausalLM.from_config(config)
+    shape = model_shape(tmp_path)
+    assert shape.total_params == sum(p.numel() for p in oracle.parameters())
+    expert_params = [p for n, p in oracle.named_parameters() if ".experts." in n and "shared" not in n]
+    assert shape.expert_params == sum(p.numel() for p in expert_params) > 0
+    per_layer = sum(p.numel() for p in expert_params) // len(shape.moe_layers)
+    k, e = shape.experts_per_token, shape.experts[0].num_experts
+    assert shape.active_params == shape.total_params - len(shape.moe_layers) * per_layer * (e - k) // e
+    assert len(shape.moe_layers) == (2 if arch in ("qwen3_moe", "deepseek_v3") else 3)
+
+
+@pytest.mark.parametrize(
+    "config, gpus, gpu_memory, fits_with_16bit_experts",
+    [(QWEN3_30B, 2, 24, False), (QWEN3_30B, 1, 80, True), (MIXTRAL, 2, 24, False), (QWEN3_235B, 8, 80, True)],
+)
+def test_moe_plans_of_published_models(config, gpus, gpu_memory, fits_with_16bit_experts):
+    """The named plans from the published config.json files: 4-bit experts fit; the stock load's 16-bit experts
+    need about 4x their bytes. The published figures: Qwen3-30B-A3B's experts 28.99B parameters, 57.98 GB in bf16,
+    14.96 GB in NF4 with double quant; Mixtral-8x7B's 45.10B, 90.19 GB -> 23.26 GB."""
+    d = diagnose(config, accelerate_config="fsdp2_qlora", quantization="4bit", num_gpus=gpus,
+                 gpu_memory=gpu_memory * GB)  # fmt: skip
+    params = d.plan.parameters
+    assert d.plan.verdict == "fits", d.plan.total / GB
+    stock = diagnose(config, accelerate_config="fsdp2_qlora", quantization="4bit", num_gpus=gpus,
+                     gpu_memory=gpu_memory * GB, quantize_experts=False)  # fmt: skip
+    assert stock.plan.total == params["total_with_16bit_experts"] > d.plan.total
+    assert (stock.plan.verdict == "fits") == fits_with_16bit_experts
+    assert 3.8 < params["experts_bytes_16bit"] / params["experts_bytes"] < 3.9
+    published = {QWEN3_30B: (28.99e9, 57.98e9, 14.96e9, 3.3e9), MIXTRAL: (45.10e9, 90.19e9, 23.26e9, 12.9e9),
+                 QWEN3_235B: (227.1e9, 454.2e9, 117.1e9, 22.2e9)}[config]  # fmt: skip
+    got = (params["experts"], params["experts_bytes_16bit"], params["experts_bytes"], params["active"])
+    assert got == pytest.approx(published, rel=0.02)  # the model cards round: "3.3B activated"
+    # Today every rank loads the whole model with its experts still 16-bit before quantizing them.
+    assert d.plan.load_peak_per_gpu > params["experts_bytes_16bit"]
+
+
+def test_qwen3_30b_a3b_fits_2x24gb_but_loading_does_not():
+    d = diagnose(QWEN3_30B, accelerate_config="fsdp2_qlora", quantization="4bit", gpu_memory=24 * GB, num_gpus=2)
+    assert d.plan.verdict == "fits" and d.plan.total < 16 * GB
+    assert {f.id for f in d.errors} == {"load-does-not-fit"}
+    assert "experts arrive in 16 bits" in d.errors[0].problem
+
+
+def test_8bit_plan_llama31_70b_2x80gb():
+    """LoRA on an 8-bit Llama-3.1-70B on 2x80 GB: 1 byte per linear weight sharded 1/2, fp32 row scales whole on
+    each GPU, 16-bit embeddings and head: fits; the stock load_in_8bit route stays refused."""
+    settings = {"quantization": "8bit", "seq_len": 4096, "gpu_memory": 80 * GB}
+    d = diagnose(LLAMA31_70B, accelerate_config="llama3_70b_2xa100_80gb", **settings)
+    linear = sum(lin.numel for lin in d.shape.linears if lin.quantized)
+    rows = sum(lin.out_features for lin in d.shape.linears if lin.quantized)
+    assert d.plan.parts["base_quantized"] == linear // 2 and d.plan.parts["base_quant_state"] == 4 * rows
+    assert 68e9 < linear < 69e9
+    assert d.plan.verdict == "fits" and not d.errors
+    assert {f.id: f.severity for f in d.findings}["8bit-under-fsdp"] == "info"
+    four = diagnose(LLAMA31_70B, accelerate_config="llama3_70b_2xa100_80gb", **{**settings, "quantization": "4bit"})
+    assert four.plan.total < d.plan.total < 0.9 * 80 * GB
+    stock = diagnose(LLAMA31_70B, accelerate_config="llama3_70b_2xa100_80gb", trainer="transformers", **settings)
+    assert "8bit-under-fsdp" in {f.id for f in stock.errors}
+
+
+def test_8bit_setups_we_cannot_support(tiny, tiny_moe, tmp_path):
+    """A stock load_in_8bit model (Int8Params) under FSDP, a pre-quantized 8-bit checkpoint and 8 bits on an MoE
+    model are errors naming the fix; 8 bits through our loader is a plan."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    assert _ids(tiny / "llama", F2Q, "info", quantization="8bit") >= {"8bit-under-fsdp"}
+    stock = AutoModelForCausalLM.from_pretrained(tiny / "llama", quantization_config=BitsAndBytesConfig(
+        load_in_8bit=True))  # fmt: skip
+    found = {f.id: f for f in diagnose(stock, accelerate_config=F2Q).findings}
+    assert found["8bit-under-fsdp"].severity == "error" and "Int8Params" in found["8bit-under-fsdp"].problem
+    assert "bits=8" in found["8bit-under-fsdp"].message
+    checkpoint = json.loads((tiny / "llama" / "config.json").read_text())
+    checkpoint["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (tmp_path / "config.json").write_text(json.dumps(checkpoint))
+    pre = diagnose(tmp_path, accelerate_config=F2Q)
+    assert pre.setup.quantization == "8bit" and "8bit-under-fsdp" in {f.id for f in pre.errors}
+    moe = diagnose(tiny_moe["qwen3_moe"], accelerate_config=F2Q, quantization="8bit")
+    assert {f.id for f in moe.errors} == {"8bit-moe-experts"}
+    assert "Qwen3MoeExperts" in moe.errors[0].problem
+    assert not diagnose(tiny_moe["qwen3_moe"], accelerate_config=F2Q, quantization="4bit").errors
+
+
+def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe):
+    """One expert is dequantized at a time, but autograd keeps every routed expert's 16-bit weight for the input
+    gradient until backward: the plan's saved expert bytes equal what autograd really saves (saved-tensor hooks)."""
+    import torch
+
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.doctor import model_shape
+    from hf_fsdp_qlora.doctor.experts_plan import expert_bytes
+    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+
+    model = load_qlora_model(str(tiny_moe["qwen3_moe"]), gradient_checkpointing=False)
+    experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
+    tokens, k, hidden = 64, model.config.num_experts_per_tok, model.config.hidden_size
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.stack([torch.randperm(experts.num_experts, generator=torch.Generator().manual_seed(i))[:k]
+                         for i in range(tokens)])  # fmt: skip
+    weights = {tuple(experts.dequantize_expert(n, 0).shape) for n in experts.layout.weights}
+    weights |= {s[::-1] for s in weights}  # F.linear saves the weight, `x @ w` its transpose
+    saved = {}
+
+    def keep(tensor):
+        saved[tensor.data_ptr()] = tensor  # by storage: a tensor saved twice is held once
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        experts(x, index, torch.rand(tokens, k, dtype=torch.bfloat16))
+    kept = sum(t.numel() * t.element_size() for t in saved.values() if tuple(t.shape) in weights)
+    shape = model_shape(tiny_moe["qwen3_moe"])
+    planned = expert_bytes(shape, quantized=True, double_quant=True, tokens=tokens).saved_numel * 2
+    assert kept == planned > 0
+
+
+def test_moe_family_we_cannot_quantize_is_an_error(tmp_path):
+    """GraniteMoE's fused experts are not in the experts table: load_qlora_model refuses them (the real loader, the
+    oracle), and the doctor says so with the fix; with --no-quantize-experts it plans them 16-bit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.errors import UnsupportedSetupError
+
+    config = AutoConfig.for_model("granitemoe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  vocab_size=256, num_hidden_layers=2, intermediate_size=32, num_local_experts=4,
+                                  num_experts_per_tok=2)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedSetupError, match="GraniteMoeExperts"):
+        load_qlora_model(str(tmp_path))
+    d = diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit")
+    assert {f.id for f in d.errors} == {"experts-not-quantizable"}
+    assert "GraniteMoeExperts" in d.errors[0].problem and "quantize_experts=False" in d.errors[0].message
+    assert d.plan.parameters["experts_bytes"] == d.plan.parameters["experts_bytes_16bit"]
+    assert not diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit", quantize_experts=False).errors
+
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_expert_lora_count_and_refusals_match_peft(tiny_moe, arch):
+    """LoRA on the experts (peft's target_parameters, trl's --lora_target_parameters): the planned trainable count
+    equals peft's own on the 16-bit model (gpt-oss' transposed experts included); a dropout is refused and a name
+    that matches nothing warned about, each with peft's own text (peft raises / warns it: the oracle)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp_qlora.doctor import model_shape
+
+    def peft_model(**kw):
+        model = AutoModelForCausalLM.from_pretrained(tiny_moe[arch])
+        return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], **kw))
+
+    expected = sum(p.numel() for p in peft_model(target_parameters=EXPERT_TARGETS, lora_dropout=0.0).parameters()
+                   if p.requires_grad)  # fmt: skip
+    shape = model_shape(tiny_moe[arch], ["q_proj"])
+    assert shape.lora_params(4) + shape.expert_lora_params(4, EXPERT_TARGETS) == expected
+    settings = {"quantization": "4bit", "lora_r": 4, "lora_target_modules": ["q_proj"]}
+    plain = diagnose(tiny_moe[arch], accelerate_config=F2Q, num_gpus=1, **settings).plan
+    adapted = diagnose(tiny_moe[arch], accelerate_config=F2Q, num_gpus=1, lora_dropout=0.0,
+                       lora_target_parameters=EXPERT_TARGETS, **settings)  # fmt: skip
+    assert not adapted.errors
+    assert adapted.plan.shard["params_trainable"] - plain.shard["params_trainable"] == 2 * (
+        expected - shape.lora_params(4))  # fmt: skip
+    with pytest.raises(ValueError) as real:
+        peft_model(target_parameters=EXPERT_TARGETS, lora_dropout=0.05)
+    found = diagnose(tiny_moe[arch], accelerate_config=F2Q, lora_target_parameters=EXPERT_TARGETS, **settings)
+    assert {f.id for f in found.errors} == {"expert-lora-dropout"} and str(real.value) in found.errors[0].problem
+    # A name that matches no expert weight: peft only warns, and trains without LoRA on the experts.
+    with pytest.warns(RuntimeWarning) as real:
+        peft_model(target_parameters=["mlp.experts.up_proj"], lora_dropout=0.0)
+    found = {f.id: f for f in diagnose(tiny_moe[arch], accelerate_config=F2Q, lora_dropout=0.0,
+                                       lora_target_parameters=["mlp.experts.up_proj"], **settings).findings}  # fmt: skip
+    warned = [str(w.message) for w in real if "target_parameters" in str(w.message)]
+    assert found["expert-lora-no-match"].severity == "warning" and "mlp.experts.up_proj" in warned[0]
+    stable = warned[0].split("]", 1)[-1].split("}", 1)[-1]  # peft shows the targets as a list or a set
+    assert stable == " were set but no parameter was matched." and stable in found["expert-lora-no-match"].problem

@@ -56,10 +56,13 @@ def _settings(args: argparse.Namespace) -> dict:
         "adapter_dtype": args.adapter_dtype,
         "norm_dtype": "float32" if args.kbit_prep else None,
         "double_quant": not args.no_double_quant,
+        "quantize_experts": not args.no_quantize_experts,
         "lora_r": args.lora_r,
         "lora_dropout": args.lora_dropout,
         "use_dora": args.use_dora,
         "lora_target_modules": targets,
+        "lora_target_parameters": [t.strip() for t in (args.lora_target_parameters or "").split(",") if t.strip()]
+        or None,
         "trainer": args.trainer,
         "loss_path": args.loss_path,
         "trainer_class": args.trainer_class,
@@ -115,7 +118,8 @@ class DoctorCommand(Command):
     description = """\
 Check a QLoRA/FSDP setup before launch: every known inconsistency (dtypes, 8-bit or integer 4-bit storage
 under FSDP, use_orig_params, device maps, activation checkpointing, wrap classes, loading, checkpoint timeouts)
-with the setting to change and the value to use, and how much memory each GPU needs."""
+with the setting to change and the value to use, and how much memory each GPU needs (mixture-of-experts models:
+total and active parameters, experts in 4 bits)."""
     epilog = """\
 examples:
   hf-fsdp-qlora doctor --accelerate-config fsdp2_qlora --model ./Llama-3.1-8B --load-in-4bit --gpu-memory 24GB
@@ -135,7 +139,12 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
         parser.add_argument("--model", required=True, metavar="PATH", help="model directory or its config.json")
         quant = parser.add_mutually_exclusive_group()
         quant.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base + LoRA")
-        quant.add_argument("--load-in-8bit", action="store_true", help="8-bit base + LoRA (cannot be sharded by FSDP)")
+        quant.add_argument(
+            "--load-in-8bit",
+            action="store_true",
+            help="LLM.int8 base + LoRA: load_qlora_model(path, bits=8) with our trainers (int8 weights sharded by FSDP; "
+            "a stock load_in_8bit base is refused)",
+        )
         quant.add_argument("--full-finetune", action="store_true", help="train every weight: no quantization, no LoRA")
         parser.add_argument(
             "--dtype", type=_dtype, default="bfloat16", help="dtype of the base model (default bfloat16)"
@@ -152,11 +161,23 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
             "--kbit-prep", action="store_true", help="prepare_model_for_kbit_training is called (fp32 norms)"
         )
         parser.add_argument("--no-double-quant", action="store_true", help="bnb_4bit_use_double_quant=False")
+        parser.add_argument(
+            "--no-quantize-experts",
+            action="store_true",
+            help="mixture of experts: keep the fused experts 16-bit, as a stock load_in_4bit does "
+            "(load_qlora_model(..., quantize_experts=False)); default: experts in 4 bits, as load_qlora_model does",
+        )
         parser.add_argument("--lora-r", type=_positive, default=16, help="LoRA rank (default 16)")
         parser.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA dropout (default 0.05)")
         parser.add_argument("--use-dora", action="store_true", help="LoraConfig(use_dora=True): plan DoRA's memory")
         parser.add_argument(
             "--lora-target-modules", default="all-linear", help="'all-linear' or comma-separated names"
+        )
+        parser.add_argument(
+            "--lora-target-parameters",
+            metavar="NAMES",
+            help="LoRA on mixture-of-experts weights: peft's target_parameters (trl: --lora_target_parameters), "
+            "comma-separated, e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj",
         )
         parser.add_argument(
             "--trainer",

@@ -22,6 +22,7 @@ a removal or a change of meaning bumps ``schema_version``::
         "loss_path": "ours" | "sft" | "stock" | "dpo",
         "seq_len": int, "batch_size": int, "gradient_checkpointing": bool, "optimizer": str,
         "num_gpus": int, "gpu_memory": int | null (bytes), "device_map": str | null, "mixed_precision": str,
+        "quantize_experts": bool, "lora_target_parameters": [str] | null,   # mixture of experts
         "fsdp": {"version": 1 | 2 | null, "source": str, "sharding_strategy": str, "auto_wrap_policy": str,
                  "transformer_cls_to_wrap": [str] | null, "offload_params": bool,
                  "use_orig_params": bool | null, "activation_checkpointing": bool, "state_dict_type": str}
@@ -43,13 +44,16 @@ a removal or a change of meaning bumps ``schema_version``::
         "checkpoint": {"weights": int, "optimizer": int, "total": int},   # bytes written per checkpoint, all ranks
         "local_shard": {"params_quantized", "quant_state", "params_other", "params_trainable", "gradients",
                         "optimizer"},  # per-rank persistent state, as measured by benchmarks/memory_plan.py
+        "parameters": {"total": int, "active": int, "experts": int,   # active: per token (MoE: k routed experts)
+                       "experts_bytes": int, "experts_bytes_16bit": int,   # MoE only: as held / in 16 bits
+                       "total_with_16bit_experts": int},   # MoE with 4-bit experts: the per-GPU total of a stock load
         "verdict": "fits" | "tight" | "does_not_fit" | "unknown",
         "headroom": int | null,        # gpu_memory - total
         "notes": [str]
       }
     }
 
-Finding ids: ``8bit-under-fsdp``, ``fsdp1-integer-storage``, ``fsdp2-integer-storage``,
+Finding ids: ``8bit-under-fsdp``, ``8bit-moe-experts``, ``experts-not-quantizable``, ``expert-lora-dropout``, ``expert-lora-no-match``, ``fsdp1-integer-storage``, ``fsdp2-integer-storage``,
 ``storage-vs-param-dtype``, ``mixed-precision-vs-storage``, ``storage-vs-compute-dtype``, ``fsdp{1,2}-fp32-adapters``, ``fsdp{1,2}-fp32-norms``,
 ``fsdp1-use-orig-params``, ``device-map-under-fsdp``, ``cpu-ram-efficient-loading-without-sync``,
 ``cpu-rehearsal-needs-gpu``, ``not-fsdp``, ``wrap-class-missing``, ``no-auto-wrap``,

@@ -122,10 +122,16 @@ def memory_rules(ctx: Context):
         return
     mem = plan.gpu_memory
     if plan.load_peak_per_gpu > mem:
+        experts = ""
+        if ctx.shape is not None and ctx.shape.experts and s.quantization:
+            sixteen = plan.parameters.get("experts_bytes_16bit", 0)
+            experts = (f" The fused experts arrive in 16 bits ({format_size(sixteen)}) and are quantized only after "
+                       "the load.")  # fmt: skip
         yield _finding(
             "load-does-not-fit", "error",
             f"Each rank loads and quantizes the whole model on its own GPU before FSDP shards it (transformers has "
-            f"no rank-0-only path for bitsandbytes): {format_size(plan.load_peak_per_gpu)} > {format_size(mem)}.",
+            f"no rank-0-only path for bitsandbytes): {format_size(plan.load_peak_per_gpu)} > {format_size(mem)}."
+            + experts,
             "num GPUs / GPU size", "GPUs that hold the quantized model whole, or a smaller model",
         )  # fmt: skip
     v = plan.verdict

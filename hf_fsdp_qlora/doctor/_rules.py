@@ -41,24 +41,13 @@ def _float_dtype(setup: RunSetup) -> str:
 
 
 def quantization_rules(ctx: Context):
-    """8-bit under FSDP; integer 4-bit storage under FSDP1 (error) and FSDP2 (unsharded)."""
+    """8-bit under FSDP (planned, or refused); integer 4-bit storage under FSDP1 (error) and FSDP2 (unsharded)."""
     s = ctx.setup
     version = s.fsdp.version
     if version is None or s.full_finetune:
         return
     if s.quantization == "8bit":
-        # FSDP1: "Cannot flatten integer dtype tensors"; FSDP2: "'Parameter' object has no attribute 'CB'";
-        # accelerate FSDP2: "Creating a Parameter from an instance of type Int8Params requires ...".
-        yield _finding(
-            "8bit-under-fsdp", "error",
-            "An 8-bit (load_in_8bit=True) base model cannot be sharded by FSDP: its int8 weights and their scales "
-            "are not floating-point tensors FSDP can flatten or shard (FSDP1: 'Cannot flatten integer dtype "
-            "tensors'; FSDP2: \"'Parameter' object has no attribute 'CB'\"). Load the base in 4 bits - "
-            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_compute_dtype=torch.bfloat16, "
-            "bnb_4bit_quant_storage=torch.bfloat16), which hf_fsdp_qlora.load_qlora_model(path, dtype=torch.bfloat16) "
-            "does - or train 8-bit with DDP.",
-            "BitsAndBytesConfig", "load_in_4bit=True with bnb_4bit_quant_storage=torch.bfloat16 (not load_in_8bit)",
-        )  # fmt: skip
+        yield from _eight_bit(ctx)
     if s.quantization != "4bit" or s.storage not in _INTEGER:
         return
     dtype = f"torch.{_float_dtype(s)}"
@@ -86,6 +75,85 @@ def quantization_rules(ctx: Context):
             "non-floating frozen Params4bit. Excluding from FSDP2 sharding'), so every GPU holds the whole "
             "quantized model. Store them in the compute dtype to shard them.",
             "bnb_4bit_quant_storage", f"{dtype} (the compute dtype)",
+        )  # fmt: skip
+
+
+_STOCK_8BIT = (
+    "A stock 8-bit (load_in_8bit=True) base cannot be sharded by FSDP: bitsandbytes' Int8Params are int8 tensors "
+    "with their row scales as an attribute, which FSDP can neither flatten nor shard (FSDP1: 'Cannot flatten "
+    "integer dtype tensors'; FSDP2: \"'Parameter' object has no attribute 'CB'\")."
+)
+
+
+def _eight_bit(ctx: Context):
+    """8 bits under FSDP: planned on our route, refused where the base is bitsandbytes' own Int8Params."""
+    s = ctx.setup
+    if s.trainer != OURS or s.int8_unsupported:
+        why = f" Here: {s.int8_unsupported}" if s.int8_unsupported else ""
+        # The 4-bit route stays named: it needs no 8-bit loader.
+        yield _finding(
+            "8bit-under-fsdp", "error",
+            f"{_STOCK_8BIT}{why} Load the base with hf_fsdp_qlora.load_qlora_model(path, bits=8) (or train trl's "
+            "--load_in_8bit through `python -m hf_fsdp_qlora.run`), which holds the int8 weights as bytes FSDP "
+            "shards, and train with hf_fsdp_qlora's trainers; or load in 4 bits (load_in_4bit=True with "
+            "bnb_4bit_quant_storage=torch.bfloat16, what load_qlora_model(path) does).",
+            "load_qlora_model", "bits=8 with hf_fsdp_qlora's trainers (or load_in_4bit=True)",
+        )  # fmt: skip
+    else:
+        yield _finding(
+            "8bit-under-fsdp", "info",
+            "LoRA on an 8-bit (LLM.int8) base through hf_fsdp_qlora: load_qlora_model(path, bits=8) holds each "
+            "linear layer's int8 weights as bytes FSDP shards (1 byte per weight, 1/N per GPU) beside their fp32 "
+            "row scales (4 bytes per output row); the memory plan counts them so.",
+            "load_qlora_model", "bits=8",
+        )  # fmt: skip
+    if ctx.shape is not None and ctx.shape.experts:
+        families = ", ".join(sorted({e.family for e in ctx.shape.experts}))
+        yield _finding(
+            "8bit-moe-experts", "error",
+            f"8 bits on a mixture-of-experts model ({families}): bitsandbytes' 8-bit loading replaces nn.Linear "
+            f"only and hf_fsdp_qlora's experts are 4-bit (NF4) only, so the fused experts - "
+            f"{ctx.shape.expert_params / max(1, ctx.shape.total_params):.0%} of the weights - would stay 16-bit "
+            "or make a mixed 4/8-bit model, which hf_fsdp_qlora does not build. Load it in 4 bits: experts and "
+            "linear layers NF4.",
+            "quantization", "load_in_4bit (load_qlora_model(path), bits=4)",
+        )  # fmt: skip
+
+
+def _expert_weight_names(shape: ModelShape) -> str:
+    return ", ".join(f"{e.name}.{n}" for e in shape.experts[:1] for n in e.weights) or "none"
+
+
+def experts_rule(ctx: Context):
+    """LoRA on experts (peft's target_parameters) that peft refuses; fused experts load_qlora_model cannot quantize
+    (it refuses them rather than leave them 16-bit silently)."""
+    s, shape = ctx.setup, ctx.shape
+    if shape is None or s.full_finetune:
+        return
+    if s.lora_target_parameters and not shape.expert_lora_targets(s.lora_target_parameters):
+        yield _finding(
+            "expert-lora-no-match", "warning",
+            f"peft warns 'target_parameters={s.lora_target_parameters} were set but no parameter was matched.' "
+            f"and trains without LoRA on the experts. The model's expert weights: {_expert_weight_names(shape)} (a "
+            "target matches a parameter's full name or its ending).",
+            "target_parameters", "e.g. mlp.experts.gate_up_proj,mlp.experts.down_proj",
+        )  # fmt: skip
+    elif s.lora_target_parameters and s.lora_dropout > 0:
+        yield _finding(
+            "expert-lora-dropout", "error",
+            "peft refuses dropout on parameter targets: 'lora.ParamWrapper does not work with lora_dropout != 0.'",
+            "lora_dropout", "0 (trl: --lora_dropout 0)",
+        )  # fmt: skip
+    if s.quantization != "4bit" or not s.quantize_experts:
+        return
+    unknown = sorted({e.family for e in shape.experts if not e.quantizable})
+    if unknown:
+        yield _finding(
+            "experts-not-quantizable", "error",
+            f"{', '.join(unknown)} holds mixture-of-experts weights as 3-D parameters in a layout hf_fsdp_qlora "
+            "cannot quantize to 4 bits yet: load_qlora_model raises UnsupportedSetupError for it rather than leave "
+            "the experts 16-bit silently. The plan counts them 16-bit.",
+            "load_qlora_model", "quantize_experts=False (doctor: --no-quantize-experts), the experts 16-bit knowingly",
         )  # fmt: skip
 
 

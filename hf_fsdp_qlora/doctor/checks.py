@@ -26,7 +26,7 @@ from ._launch_rules import (
     memory_rules,
     wrap_rules,
 )
-from ._rules import Context, dtype_rules, quantization_rules, requires_grad_rule
+from ._rules import Context, dtype_rules, experts_rule, quantization_rules, requires_grad_rule
 from .memory import MemoryPlan, plan_memory
 from .setup import (
     TRAINERS,
@@ -42,6 +42,7 @@ from .shapes import ModelShape, apply_checkpoint_quantization, model_shape
 RULES = (
     launcher_rules,
     quantization_rules,
+    experts_rule,
     dtype_rules,
     requires_grad_rule,
     device_map_rule,

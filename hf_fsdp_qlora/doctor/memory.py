@@ -3,10 +3,12 @@
 Parts, per GPU (bytes), in the order they are reported:
 
 * ``base_quantized``: packed 4-bit weights (half a byte per weight; the storage dtype only changes how many
-  elements hold them) or int8 weights, sharded 1/N by FSDP. Integer 4-bit storage under FSDP2 stays unsharded
-  (accelerate excludes it from sharding); 8-bit weights are never sharded.
+  elements hold them; MoE experts too, see :mod:`.experts_plan`) or int8 weights (one byte per weight), sharded
+  1/N by FSDP. Integer 4-bit storage under FSDP2 stays unsharded (accelerate excludes it from sharding); 8-bit
+  weights are sharded on our route (``load_qlora_model(path, bits=8)``), not on the stock one (refused).
 * ``base_quant_state``: bitsandbytes' quantization constants (absmax per 64 weights, the second-level constants
-  with double quant, the code tables). They are module attributes, not parameters: every GPU holds all of them.
+  with double quant, the code tables; for 8 bits the fp32 row scales). They are module attributes or buffers, not
+  parameters: every GPU holds all of them.
 * ``base_other``: embeddings, norms, biases, the output head (full fine-tune: every weight), sharded 1/N.
 * ``adapter``, ``gradients``, ``optimizer``: trainable parameters, their gradients and AdamW's two states,
   sharded 1/N, in the master dtype (fp32 where accelerate upcasts: FSDP2 with mixed precision and no 4-bit
@@ -26,7 +28,8 @@ Parts, per GPU (bytes), in the order they are reported:
   log-softmax/gradient; ``ours`` one ``loss_chunk_size`` chunk of them plus the labelled hidden states and their
   gradient, and for a full fine-tune the fp32 ``[vocab x hidden]`` head gradient held from forward to backward;
   ``sft``/``dpo`` one tile of trl's fused LM head (DPO also doubles the tokens of the activations).
-* ``dequant_workspace``: the largest quantized weight dequantized for one matmul.
+* ``dequant_workspace``: the largest quantized weight (or one expert's) dequantized for one matmul. The routed
+  experts' dequantized weights autograd keeps for backward count in ``activations``.
 * ``runtime_overhead``: CUDA context, cuBLAS workspace, NCCL buffers (a fixed 1 GiB).
 
 With ``fsdp_offload_params`` the sharded parameters, gradients and optimizer states live in host RAM
@@ -43,6 +46,8 @@ from dataclasses import dataclass, field
 
 from ..dtype_names import dtype_bytes
 from ..loss_paths import logits_bytes, loss_path, sequences_factor
+from .activations import layer_activation_bytes, layer_activations, mlp_width
+from .experts_plan import expert_bytes
 from .setup import RunSetup
 from .shapes import ModelShape
 
@@ -113,6 +118,9 @@ class MemoryPlan:
     shard: dict[str, int]
     notes: list[str] = field(default_factory=list)
     loss_path: str = "ours"  # the loss path planned (hf_fsdp_qlora.loss_paths)
+    # total / active (per token) / expert parameters, and for MoE the experts' bytes and the per-GPU total as held
+    # and with 16-bit experts (what a stock load_in_4bit holds)
+    parameters: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -147,6 +155,7 @@ class MemoryPlan:
             "load_peak_per_gpu": self.load_peak_per_gpu,
             "checkpoint": self.checkpoint,
             "local_shard": self.shard,
+            "parameters": self.parameters,
             "verdict": self.verdict,
             "headroom": None if self.gpu_memory is None else self.gpu_memory - self.total,
             "notes": self.notes,
@@ -166,33 +175,6 @@ def _quant_state_bytes(numel: int, double_quant: bool) -> int:
     if not double_quant:
         return blocks * 4 + 64  # fp32 absmax + the 16-entry code
     return blocks + math.ceil(blocks / NESTED_BLOCKSIZE) * 4 + 4 + 64 + 1024  # uint8 absmax, nested, codes
-
-
-def _layer_activation_bytes(shape: ModelShape, setup: RunSetup, act: int, lora: bool) -> float:
-    """Bytes saved for backward per token in one decoder layer (see the module docstring)."""
-    h, inter = shape.hidden_size, shape.intermediate_size
-    q = shape.num_heads * shape.head_dim
-    kv = shape.num_kv_heads * shape.head_dim
-    # transformers repeats K/V to all heads before sdpa/eager attention; flash attention takes GQA as is.
-    kv_saved = kv if setup.attn_implementation.startswith("flash") else q
-    norms = 2 * (4 * h + act * h)  # fp32 input copy + normalised value, twice per layer
-    attention = act * h + act * (q + 2 * kv_saved) + act * q + 4 * shape.num_heads + act * q
-    if setup.attn_implementation == "eager":  # attention probabilities, fp32 softmax and its cast
-        attention += shape.num_heads * setup.seq_len * (4 + act)
-    mlp = act * h + 4 * act * inter
-    extra = 0.0
-    if lora and shape.num_layers:
-        ins = shape.lora_in_features()
-        dropout = (act + 1) * sum(ins) if setup.lora_dropout > 0 else 0  # dropout output + mask per adapter
-        extra = (dropout + act * setup.lora_r * len(ins)) / shape.num_layers
-        if setup.use_dora:  # DoRA saves the base output and the LoRA output of each adapted Linear for backward
-            extra += (
-                2
-                * act
-                * sum(lin.out_features for lin in shape.linears if lin.lora and lin.layer is not None)
-                / shape.num_layers
-            )
-    return norms + attention + mlp + extra
 
 
 def _shard_factor(setup: RunSetup) -> int:
@@ -232,16 +214,21 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     adapter_dtype = base_dtype if setup.trainer == "hf_fsdp_qlora" else setup.adapter
 
     quantized_numel = sum(lin.numel for lin in shape.linears if lin.quantized) if quant else 0
-    other_numel = shape.total_params - quantized_numel
+    experts = expert_bytes(shape, quant == "4bit" and setup.quantize_experts, setup.double_quant, tokens)
+    other_numel = shape.total_params - quantized_numel - experts.quantized_numel
     if quant == "4bit":
-        packed = sum(math.ceil(lin.numel / 2) for lin in shape.linears if lin.quantized)
+        packed = sum(math.ceil(lin.numel / 2) for lin in shape.linears if lin.quantized) + experts.packed
         qstate = sum(_quant_state_bytes(lin.numel, setup.double_quant) for lin in shape.linears if lin.quantized)
+        qstate += experts.quant_state
     elif quant == "8bit":
-        packed = quantized_numel + sum(4 * lin.out_features for lin in shape.linears if lin.quantized)
-        qstate = 0
+        # LLM.int8: one byte per weight; the fp32 row scales (SCB, one per output row) counted whole on every rank.
+        packed = quantized_numel
+        qstate = sum(4 * lin.out_features for lin in shape.linears if lin.quantized)
     else:
         packed = qstate = 0
     trainable = shape.total_params if setup.full_finetune else shape.lora_params(setup.lora_r)
+    expert_lora = [] if setup.full_finetune else shape.expert_lora_targets(setup.lora_target_parameters)
+    trainable += shape.expert_lora_params(setup.lora_r, setup.lora_target_parameters) if expert_lora else 0
     if setup.use_dora and lora:  # DoRA's magnitude vectors train beside A and B
         trainable += shape.dora_params()
 
@@ -258,6 +245,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     whole_units_trainable = fsdp.version == 1 and setup.trainer == "accelerate" and lora
     sharded = storage_floating or fsdp.version == 1 or setup.integer_storage_sharded
     quant_shard = shard if quant == "4bit" and sharded else 1
+    if quant == "8bit" and setup.trainer == "hf_fsdp_qlora":
+        quant_shard = shard  # our 8-bit route holds the int8 bytes as a parameter FSDP shards (stock: refused)
     if fsdp.version is None and quant:
         quant_shard = 1
     base_quantized = packed / quant_shard
@@ -266,10 +255,12 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     layer_base = (
         shape.per_layer("linear") * (0.5 if quant == "4bit" else 1 if quant else dtype_bytes(base_dtype))
         + shape.per_layer("other") * other_b
+        + experts.per_layer_numel * (0.5 if experts.quantized_numel else other_b)
     )
     extra_grads = 0.0
     if whole_units_trainable:
-        in_layers = packed + shape.other_in_layers * other_b if quant else shape.total_params * other_b
+        in_layers = packed + (shape.other_in_layers + shape.expert_params - experts.quantized_numel) * other_b
+        in_layers = in_layers if quant else shape.total_params * other_b
         extra_grads = in_layers / shard
         if mixed:
             upcast = 4 / dtype_bytes(setup.storage if quant == "4bit" else base_dtype)
@@ -287,7 +278,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     )
     if setup.optimizer != "sgd":  # AdamW's fp32 `step` counter, one per trainable tensor on every rank
         per_adapted = 3 if setup.use_dora else 2  # A, B (and DoRA's magnitude)
-        optimizer += 4 * (per_adapted * sum(lin.lora for lin in shape.linears) if lora else shape.num_tensors)
+        adapted = per_adapted * sum(lin.lora for lin in shape.linears) + 2 * len(expert_lora)
+        optimizer += 4 * (adapted if lora else shape.num_tensors)
     if fsdp.version is None:
         gradients *= 2  # DDP's gradient buckets hold a second copy
 
@@ -296,7 +288,8 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     if fsdp.version is not None:
         gather_b = dtype_bytes(fsdp.param_dtype) if fsdp.param_dtype and not quant else other_b
         root = shape.other_outside * gather_b + sum(lin.numel * gather_b for lin in shape.linears if lin.layer is None)
-        layer = layer_base if quant else shape.per_layer("linear") * gather_b + shape.per_layer("other") * gather_b
+        layer = layer_base if quant else (shape.per_layer("linear") + shape.per_layer("other")
+                                          + shape.per_layer("experts")) * gather_b  # fmt: skip
         no_wrap = fsdp.auto_wrap_policy == "NO_WRAP" and not setup.peft_wraps
         if no_wrap or fsdp.sharding_strategy == "SHARD_GRAD_OP":
             gathered = packed + other_numel * gather_b if quant else shape.total_params * gather_b
@@ -310,11 +303,15 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
         elif whole_units_trainable:
             gathered += layer
 
-    per_layer = _layer_activation_bytes(shape, setup, act, lora)
+    per_layer = layer_activation_bytes(shape, setup, act, lora)
+    # Expert LoRA: each routed token's rank-r intermediate per adapted expert weight, per MoE layer.
+    per_layer += len(expert_lora) / max(1, len(shape.moe_layers)) * shape.experts_per_token * setup.lora_r * act
+    per_layer, all_layers = layer_activations(shape, act, per_layer)
+    saved_experts = experts.saved_numel * act  # one layer's routed experts, dequantized, kept for backward
     final = tokens * (4 * shape.hidden_size + 2 * act * shape.hidden_size)
-    transient = tokens * (3 * act * shape.intermediate_size + 2 * act * shape.hidden_size)
-    with_ckpt = tokens * (shape.num_layers * act * shape.hidden_size + per_layer) + final + transient
-    without_ckpt = tokens * shape.num_layers * per_layer + final + transient
+    transient = tokens * (3 * act * mlp_width(shape) + 2 * act * shape.hidden_size)
+    with_ckpt = tokens * (shape.num_layers * act * shape.hidden_size + per_layer) + final + transient + saved_experts
+    without_ckpt = tokens * all_layers + final + transient + saved_experts * len(shape.moe_layers)
     if fsdp.activation_checkpointing:
         checkpointing = "fsdp"
     elif setup.gradient_checkpointing:
@@ -328,13 +325,14 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     if setup.activation_offloading:
         # What stays: the layer being back-propagated (brought back, or recomputed under checkpointing) and the
         # transients; the final norm / LM-head inputs move too. The logits stay: they are the forward's output.
-        on_gpu = tokens * per_layer + transient
+        on_gpu = tokens * per_layer + transient + saved_experts
         offloaded_activations = max(0.0, activations - on_gpu)
         activations -= offloaded_activations
     # A full fine-tune trains the plain nn.Linear head: our loss holds its fp32 gradient from forward to backward.
     logits = logits_bytes(path, tokens, shape.vocab_size, act, shape.hidden_size, setup.loss_chunk_size,
                           head_trained=setup.full_finetune)  # fmt: skip
     workspace = max((lin.numel for lin in shape.linears if lin.quantized), default=0) * act if quant else 0
+    workspace = max(workspace, experts.workspace_numel * act)
     if setup.use_dora and lora:
         workspace = max(workspace, shape.dora_workspace() * act)
         notes.append("DoRA: each adapted Linear's weight is dequantized for its norm in every forward")
@@ -369,8 +367,10 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     full_model = packed + qstate + other_numel * other_b if quant else shape.total_params * dtype_bytes(setup.dtype)
     if quant:
         # transformers 5.x has no rank-0-only loading path for bitsandbytes: every rank loads and quantizes the
-        # whole model on its own GPU before FSDP shards it.
-        load_peak = full_model + max((lin.numel for lin in shape.linears), default=0) * dtype_bytes(setup.dtype)
+        # whole model on its own GPU before FSDP shards it. Fused experts arrive 16-bit, quantized after the load.
+        unquantized = experts.quantized_numel * dtype_bytes(setup.dtype) - experts.packed - experts.quant_state
+        largest = max([lin.numel for lin in shape.linears] + [experts.workspace_numel])
+        load_peak = full_model + unquantized + largest * dtype_bytes(setup.dtype)
         load_peak += RUNTIME_OVERHEAD
     else:
         load_peak = 0  # a 16-bit model loads on the CPU; FSDP moves one shard at a time
@@ -378,7 +378,15 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     weights = trainable * master_b if not setup.full_finetune else shape.total_params * master_b
     ckpt = {"weights": int(weights), "optimizer": 0 if setup.save_only_model else int(optimizer * shard)}
     ckpt["total"] = ckpt["weights"] + ckpt["optimizer"]
+    params = {"total": shape.total_params, "active": shape.active_params, "experts": shape.expert_params}
+    if shape.experts:
+        params["experts_bytes"] = experts.packed + experts.quant_state + (
+            shape.expert_params - experts.quantized_numel) * dtype_bytes(setup.dtype)  # fmt: skip
+        params["experts_bytes_16bit"] = shape.expert_params * dtype_bytes(setup.dtype)
+        if experts.quantized_numel:  # what the same run needs with the experts a stock load_in_4bit leaves 16-bit
+            params["total_with_16bit_experts"] = plan_memory(shape, setup.replace(quantize_experts=False)).total
     return MemoryPlan(
+        parameters=params,
         num_gpus=n,
         gpu_memory=setup.gpu_memory,
         parts={k: int(v) for k, v in parts.items()},

@@ -14,7 +14,7 @@ SCHEMA_VERSION = 1
 _SETUP_KEYS = (
     "model", "quantization", "full_finetune", "dtype", "quant_storage", "compute_dtype", "adapter_dtype",
     "lora_r", "use_dora", "trainer", "loss_path", "seq_len", "batch_size", "gradient_checkpointing", "optimizer", "num_gpus",
-    "gpu_memory", "device_map",
+    "gpu_memory", "device_map", "quantize_experts", "lora_target_parameters",
 )  # fmt: skip
 
 
@@ -57,6 +57,20 @@ def _wrap(text: str, width: int, indent: str) -> str:
     return textwrap.fill(text, width=width, initial_indent=indent, subsequent_indent=indent)
 
 
+def _parameters(params: dict) -> list[str]:
+    """The mixture-of-experts lines of the memory plan: parameters, and the experts' bytes as held and in 16 bits."""
+    if not params.get("experts"):
+        return []
+    line = (f"  parameters: {params['total'] / 1e9:.2f}B total, {params['active'] / 1e9:.2f}B active per token, "
+            f"experts {params['experts'] / 1e9:.2f}B: {format_size(params['experts_bytes'])} as held "
+            f"({format_size(params['experts_bytes_16bit'])} in 16 bits)")  # fmt: skip
+    lines = [line]
+    if "total_with_16bit_experts" in params:
+        lines.append(f"  with 16-bit experts (a stock load_in_4bit): {format_size(params['total_with_16bit_experts'])}"
+                     " per GPU")  # fmt: skip
+    return lines
+
+
 def render(diagnosis: Diagnosis, width: int = 100) -> str:
     """A human-readable report: the setup line, the findings table, the memory table and the verdict."""
     s, plan = diagnosis.setup, diagnosis.plan
@@ -77,6 +91,7 @@ def render(diagnosis: Diagnosis, width: int = 100) -> str:
     if plan is not None:
         lines.append("")
         lines.append(f"Memory plan per GPU ({plan.num_gpus} GPU(s), activations: checkpointing={plan.checkpointing})")
+        lines.extend(_parameters(plan.parameters))
         for name in PART_NAMES:
             size = plan.parts[name]
             if size:
@@ -91,7 +106,7 @@ def render(diagnosis: Diagnosis, width: int = 100) -> str:
                 f"  activations offloaded to host RAM per process: {format_size(plan.host['activations_offloaded'])}"
             )
         if plan.load_peak_per_gpu:
-            lines.append(f"  loading peak per GPU (whole quantized model): {format_size(plan.load_peak_per_gpu)}")
+            lines.append(f"  loading peak per GPU (whole model as loaded): {format_size(plan.load_peak_per_gpu)}")
         lines.append(f"  checkpoint: weights {format_size(plan.checkpoint['weights'])}, optimizer "
                      f"{format_size(plan.checkpoint['optimizer'])}")  # fmt: skip
         gpu = format_size(plan.gpu_memory) if plan.gpu_memory else "unknown (pass --gpu-memory)"

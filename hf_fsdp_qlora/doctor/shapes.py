@@ -16,7 +16,14 @@ from ..causal_lm import causal_lm_problem
 from ..loss_paths import LOGIT_TRANSFORMS
 from .setup import SetupInputError
 
-__all__ = ["LinearShape", "ModelShape", "apply_checkpoint_quantization", "load_model_config", "model_shape"]
+__all__ = [
+    "ExpertsShape",
+    "LinearShape",
+    "ModelShape",
+    "apply_checkpoint_quantization",
+    "load_model_config",
+    "model_shape",
+]
 
 
 @dataclass
@@ -33,6 +40,28 @@ class LinearShape:
     @property
     def numel(self) -> int:
         return self.in_features * self.out_features
+
+
+@dataclass
+class ExpertsShape:
+    """One module of fused 3-D expert weights (a mixture-of-experts layer's routed experts)."""
+
+    name: str
+    family: str  # the experts class, e.g. "Qwen3MoeExperts"
+    layer: int | None
+    num_experts: int
+    weights: dict[str, tuple[int, int]]  # weight name -> one expert's (rows, columns) as stored
+    bias_numel: int  # the biases of every expert (gpt-oss), kept in the model's dtype
+    quantizable: bool  # a layout hf_fsdp_qlora.loading.experts quantizes to 4 bits
+
+    def expert_numel(self, name: str) -> int:
+        rows, cols = self.weights[name]
+        return rows * cols
+
+    @property
+    def numel(self) -> int:
+        """Weights of every expert (biases not included)."""
+        return self.num_experts * sum(self.expert_numel(n) for n in self.weights)
 
 
 @dataclass
@@ -57,13 +86,49 @@ class ModelShape:
     rotary: bool = True  # positions from RoPE (a longer sequence runs, degraded), not a learned table
     # the config's transforms of the logits after the head (hf_fsdp_qlora.loss_paths.LOGIT_TRANSFORMS) that are set
     logit_transforms: dict = field(default_factory=dict)
+    # Mixture of experts: the fused expert modules (their weights and biases are in no other count), the experts
+    # each token is routed to, and the MLP widths that drive activation memory.
+    experts: list[ExpertsShape] = field(default_factory=list)
+    experts_per_token: int = 0
+    expert_width: int = 0  # moe_intermediate_size (intermediate_size where the family has no other)
+    shared_expert_width: int = 0  # the always-on shared experts' total width (Qwen2-MoE, DeepSeek)
+
+    @property
+    def expert_params(self) -> int:
+        return sum(e.numel + e.bias_numel for e in self.experts)
 
     @property
     def total_params(self) -> int:
-        return sum(lin.numel for lin in self.linears) + self.other_in_layers + self.other_outside
+        linear = sum(lin.numel for lin in self.linears)
+        return linear + self.other_in_layers + self.other_outside + self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: all but the experts it is not routed to."""
+        idle = sum((e.numel + e.bias_numel) * (1 - self.experts_per_token / e.num_experts) for e in self.experts)
+        return self.total_params - round(idle)
+
+    @property
+    def moe_layers(self) -> set[int]:
+        return {e.layer for e in self.experts if e.layer is not None}
 
     def lora_params(self, r: int) -> int:
         return sum(r * (lin.in_features + lin.out_features) for lin in self.linears if lin.lora)
+
+    def expert_lora_targets(self, targets) -> list[tuple[ExpertsShape, str]]:
+        """The expert weights peft's ``target_parameters`` adapt: a parameter's full name equals a target or ends
+        with ``"." + target`` (peft's own rule)."""
+        targets = list(targets or [])
+        return [
+            (experts, name)
+            for experts in self.experts
+            for name in experts.weights
+            if any(f"{experts.name}.{name}" == t or f"{experts.name}.{name}".endswith(f".{t}") for t in targets)
+        ]
+
+    def expert_lora_params(self, r: int, targets) -> int:
+        """peft's LoRA on a fused ``[E, rows, cols]`` weight: ``lora_A`` ``[r*E, cols]``, ``lora_B`` ``[rows, r*E]``."""
+        return sum(r * e.num_experts * sum(e.weights[name]) for e, name in self.expert_lora_targets(targets))
 
     def lora_in_features(self) -> list[int]:
         return [lin.in_features for lin in self.linears if lin.lora and lin.layer is not None]
@@ -81,11 +146,14 @@ class ModelShape:
         )
 
     def per_layer(self, what: str) -> int:
-        """numel of the largest decoder layer's quantizable linears (``"linear"``) or other params (``"other"``)."""
+        """numel of the largest decoder layer's quantizable linears (``"linear"``), expert weights (``"experts"``) or
+        other params (``"other"``)."""
         if self.num_layers == 0:
             return 0
         if what == "other":
             return self.other_in_layers // self.num_layers
+        if what == "experts":
+            return max((e.numel for e in self.experts if e.layer is not None), default=0)
         sizes: dict[int, int] = {}
         for lin in self.linears:
             if lin.layer is not None:
@@ -143,13 +211,16 @@ def apply_checkpoint_quantization(setup, model) -> None:
 
     config = load_model_config(model)
     bits = quantized_bits(config)
-    if bits == 8:
-        setup.quantization = "8bit"  # the 8bit-under-fsdp finding names the fix
-        return
     try:
         quant = checkpoint_quantization(config)
     except UnsupportedSetupError as err:
-        raise SetupInputError(str(err)) from err
+        if bits != 8:
+            raise SetupInputError(str(err)) from err
+        # The loader refuses this 8-bit checkpoint: the 8bit-under-fsdp finding says why and names the fix.
+        setup.int8_unsupported = str(err)
+    if bits == 8:
+        setup.quantization = "8bit"
+        return
     if quant is None:
         return
     setup.quantization = "4bit"
@@ -240,6 +311,7 @@ def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
         logit_transforms={k: getattr(text, k) for k in LOGIT_TRANSFORMS if getattr(text, k, None) is not None},
     )
     linear_weights = set()
+    _add_experts(shape, module, text, layer_prefixes, linear_weights)
     for name, sub in module.named_modules():
         is_linear = isinstance(sub, linear_types) or type(sub).__name__ in ("Linear4bit", "Linear8bitLt")
         if not is_linear or "lora_" in name or ".base_layer" in name[-11:]:
@@ -269,3 +341,38 @@ def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
         else:
             shape.other_in_layers += param.numel()
     return shape
+
+
+def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], counted: set) -> None:
+    """The fused 3-D expert modules of `module` into `shape` (their parameters' ids into `counted`)."""
+    from ..loading.experts import expert_layout
+
+    for name, sub in module.named_modules():
+        direct = dict(sub.named_parameters(recurse=False))
+        if not any(p.dim() == 3 for p in direct.values()):
+            continue
+        layout = expert_layout(sub)
+        weight_names = layout.weights if layout else tuple(n for n, p in direct.items() if p.dim() == 3)
+        bias_names = layout.biases if layout else ()
+        weights = {n: tuple(int(d) for d in direct[n].shape[1:]) for n in weight_names}
+        shape.experts.append(
+            ExpertsShape(
+                name=name,
+                family=type(sub).__name__,
+                layer=_layer_index(name, layer_prefixes),
+                num_experts=int(direct[weight_names[0]].shape[0]),
+                weights=weights,
+                bias_numel=sum(direct[n].numel() for n in bias_names),
+                quantizable=layout is not None,
+            )
+        )
+        counted.update(id(direct[n]) for n in weight_names + bias_names)
+    if not shape.experts:
+        return
+    shape.experts_per_token = int(getattr(text, "num_experts_per_tok", 0) or getattr(text, "top_k", 0) or 0)
+    width = getattr(text, "moe_intermediate_size", None) or shape.intermediate_size
+    shape.expert_width = int(width)
+    shared = getattr(text, "shared_expert_intermediate_size", None) or 0
+    if not shared and getattr(text, "n_shared_experts", None):  # DeepSeek: n_shared_experts experts of width
+        shared = int(text.n_shared_experts) * shape.expert_width
+    shape.shared_expert_width = int(shared)
