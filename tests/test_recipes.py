@@ -61,26 +61,29 @@ def _split_at_marker(proc):
 
 @pytest.fixture(scope="module")
 def matrices(models, trl_data, tmp_path_factory):
+    """{version: (routes' out dir, trl script's output_dir, the launch)}; checked by the fixtures that read it, so
+    a failure of the trl script fails its tests and leaves the routes' (results written before it) standing."""
     done = {}
     for version, script in IN_MATRIX.items():
         root = tmp_path_factory.mktemp(f"recipes_fsdp{version}")
         out, trl_out = root / "run", root / f"{script}_fsdp{version}"
-        proc = accelerate_launch(
+        done[version] = out, trl_out, accelerate_launch(
             f"cpu_fsdp{version}_rehearsal.yaml", "recipe_scenarios.py",
             "--models", str(models), "--out", str(out), "--fsdp-version", str(version),
             "--trl", script, *_script_args(models / "recipe", trl_data[script], trl_out), timeout=600,
         )  # fmt: skip
-        check(proc)
-        routes_text, trl_text = _split_at_marker(proc)
-        done[version] = (out, read_results(out)[0], routes_text, (trl_out, trl_text))
     return done
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
 def matrix(request, matrices):
     version = request.param
-    out, found, routes_text, _ = matrices[version]
-    return version, out, found, routes_text
+    out, _, proc = matrices[version]
+    found = read_results(out)
+    if sorted(found) != [0, 1]:  # the routes did not finish on both ranks
+        check(proc)
+        raise AssertionError(f"no results from both ranks: {sorted(found)}\n{proc.stderr[-6000:]}")
+    return version, out, found[0], _split_at_marker(proc)[0]
 
 
 def _expected_forwards(version, route):
@@ -169,7 +172,11 @@ def _log(folder):
 def script_runs(models, trl_data, matrices, tmp_path_factory):
     """{(script, version): (output_dir, what the launch printed)}, resumes under (script, version, "resumed")."""
     root = tmp_path_factory.mktemp("trl_scripts")
-    runs = {(script, version): matrices[version][3] for version, script in IN_MATRIX.items()}
+    runs = {}
+    for version, script in IN_MATRIX.items():
+        _, out, proc = matrices[version]
+        check(proc)
+        runs[(script, version)] = (out, _split_at_marker(proc)[1])
     for script, version in (("sft", 2), ("dpo", 1)):
         out = root / f"{script}_fsdp{version}"
         proc = _launch_script(
