@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Seconds on an idle 2-core machine, roughly (pytest --durations); a file not listed counts 30 s if it launches
 # processes (marked distributed), else 5 s.
 _SECONDS = {
-    "test_recipes.py": 290, "test_trainer_fsdp.py": 60, "test_throughput_benchmark.py": 60,
+    "test_recipes.py": 270, "test_trainer_fsdp.py": 60, "test_throughput_benchmark.py": 60,
     "test_speed_options.py": 55, "test_semantics_dist.py": 45, "test_checkpoints.py": 40,
     "test_semantics_pref.py": 40, "test_doctor.py": 35, "test_cpu_rehearsal.py": 25, "test_eval_generate.py": 25,
     "test_low_ram.py": 20, "test_sharding.py": 20, "test_multinode.py": 20, "test_bad_input.py": 20,

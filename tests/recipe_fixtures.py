@@ -12,6 +12,8 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Printed (stdout and stderr) by tests/scripts/recipe_scenarios.py between its routes and the trl script it runs last.
+TRL_MARKER = "recipe_scenarios: the routes are done; now trl's script through hf_fsdp_qlora.run"
 WORDS = "the cat dog sat on a mat red blue green one two three four five and is was".split()
 
 

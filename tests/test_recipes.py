@@ -8,6 +8,10 @@ QLoRA recipe's uint8 4-bit storage), evaluation on, a checkpoint every 2 steps, 
 Each cell asserts: FSDP engaged; activation checkpointing applied exactly once (counted recomputations); the
 saved adapter (final and checkpoint) equal bit for bit to the trained weights gathered independently (FSDP2
 `full_tensor`, FSDP1 `summon_full_params`); checkpoints holding adapter + optimizer state; resume == uninterrupted.
+
+Launches (each costs ~15 CPU s of launcher and imports before any work): one per FSDP version for the matrix, which
+then runs one trl script (sft.py under FSDP1, dpo.py under FSDP2) through the function behind
+`-m hf_fsdp_qlora.run`; the other two trl scripts and their resumes as users launch them.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import BIN, CONFIGS, REPO, SCRIPTS, _run, accelerate_launch, check, free_port, read_results
-from recipe_fixtures import build_chat_dataset, build_preference_dataset, build_recipe_model
+from recipe_fixtures import TRL_MARKER, build_chat_dataset, build_preference_dataset, build_recipe_model
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -37,16 +41,49 @@ def models(tmp_path_factory):
     return root
 
 
+# trl's own scripts, unchanged: (sft, FSDP1) and (dpo, FSDP2) run at the end of the matrix launches, through the
+# function behind `-m hf_fsdp_qlora.run` (one launch each fewer); the others, and the resumes, as users launch them.
+IN_MATRIX = {1: "sft", 2: "dpo"}
+
+
+@pytest.fixture(scope="module")
+def trl_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trl_data")
+    return {"sft": build_chat_dataset(root / "chat"), "dpo": build_preference_dataset(root / "pref")}
+
+
+def _split_at_marker(proc):
+    """(the routes' output, the trl script's output) of a matrix launch, cut at the worker's TRL_MARKER line."""
+    parts = [stream.split(TRL_MARKER) for stream in (proc.stdout, proc.stderr)]
+    assert all(len(p) == 2 for p in parts), f"TRL_MARKER printed {[len(p) - 1 for p in parts]} times, not once"
+    return parts[0][0] + parts[1][0], parts[0][1] + parts[1][1]
+
+
+@pytest.fixture(scope="module")
+def matrices(models, trl_data, tmp_path_factory):
+    """{version: (routes' out dir, trl script's output_dir, the launch)}; checked by the fixtures that read it, so
+    a failure of the trl script fails its tests and leaves the routes' (results written before it) standing."""
+    done = {}
+    for version, script in IN_MATRIX.items():
+        root = tmp_path_factory.mktemp(f"recipes_fsdp{version}")
+        out, trl_out = root / "run", root / f"{script}_fsdp{version}"
+        done[version] = out, trl_out, accelerate_launch(
+            f"cpu_fsdp{version}_rehearsal.yaml", "recipe_scenarios.py",
+            "--models", str(models), "--out", str(out), "--fsdp-version", str(version),
+            "--trl", script, *_script_args(models / "recipe", trl_data[script], trl_out), timeout=600,
+        )  # fmt: skip
+    return done
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
-def matrix(request, models, tmp_path_factory):
+def matrix(request, matrices):
     version = request.param
-    out = tmp_path_factory.mktemp(f"recipes_fsdp{version}") / "run"
-    proc = accelerate_launch(
-        f"cpu_fsdp{version}_rehearsal.yaml", "recipe_scenarios.py",
-        "--models", str(models), "--out", str(out), "--fsdp-version", str(version), timeout=600,
-    )  # fmt: skip
-    check(proc)
-    return version, out, read_results(out)[0], proc
+    out, _, proc = matrices[version]
+    found = read_results(out)
+    if sorted(found) != [0, 1]:  # the routes did not finish on both ranks
+        check(proc)
+        raise AssertionError(f"no results from both ranks: {sorted(found)}\n{proc.stderr[-6000:]}")
+    return version, out, found[0], _split_at_marker(proc)[0]
 
 
 def _expected_forwards(version, route):
@@ -61,7 +98,9 @@ def test_route_trains_saves_and_resumes(matrix, route):
     version, out, found, _ = matrix
     r = found[route]
     engaged = r["engaged"]
-    assert (engaged["flat_params"] > 0) if version == 1 else (engaged["fsdp2_modules"] > 0 and engaged["dtensor_params"])
+    assert (
+        (engaged["flat_params"] > 0) if version == 1 else (engaged["fsdp2_modules"] > 0 and engaged["dtensor_params"])
+    )
     if route == "ours":  # bf16=True, LoRA dropout 0.1: one dtype for every tensor under FSDP1 and FSDP2
         assert r["trainable_dtypes"] == ["torch.bfloat16"]
     assert r["adopted"] == "FSDPSaveMixin"  # the callback route got the same implementation as our trainers
@@ -88,8 +127,7 @@ def test_dpo_first_loss_is_ln2(matrix):
 
 
 def test_engaged_and_checkpointing_lines_printed(matrix):
-    version, _, _, proc = matrix
-    text = proc.stdout + proc.stderr
+    version, _, _, text = matrix
     assert f"hf_fsdp_qlora: FSDP{version} engaged on 2 rank(s)" in text
     assert "hf_fsdp_qlora: activation checkpointing:" in text
     # INFO lines come from the main process only: once per trainer built (4 routes x 2 runs).
@@ -131,23 +169,31 @@ def _log(folder):
 
 
 @pytest.fixture(scope="module")
-def script_runs(models, tmp_path_factory):
+def script_runs(models, trl_data, matrices, tmp_path_factory):
+    """{(script, version): (output_dir, what the launch printed)}, resumes under (script, version, "resumed")."""
     root = tmp_path_factory.mktemp("trl_scripts")
-    data = {"sft": build_chat_dataset(root / "chat"), "dpo": build_preference_dataset(root / "pref")}
     runs = {}
-    for script, version in (("sft", 2), ("dpo", 1), ("sft", 1), ("dpo", 2)):
-        out = root / f"{script}_fsdp{version}"
-        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", script, *_script_args(models / "recipe", data[script], out))
+    for version, script in IN_MATRIX.items():
+        _, out, proc = matrices[version]
         check(proc)
-        runs[(script, version)] = (out, proc)
+        runs[(script, version)] = (out, _split_at_marker(proc)[1])
+    for script, version in (("sft", 2), ("dpo", 1)):
+        out = root / f"{script}_fsdp{version}"
+        proc = _launch_script(
+            f"cpu_fsdp{version}_rehearsal.yaml", script, *_script_args(models / "recipe", trl_data[script], out)
+        )
+        check(proc)
+        runs[(script, version)] = (out, proc.stdout + proc.stderr)
     # Resume, as a user would after a crash: the same command with --resume_from_checkpoint.
     for script, version in (("sft", 2), ("dpo", 1)):
         out = root / f"{script}_fsdp{version}"
         resumed = root / f"{script}_fsdp{version}_resumed"
-        args = _script_args(models / "recipe", data[script], resumed, "--resume_from_checkpoint", str(out / "checkpoint-2"))
+        args = _script_args(
+            models / "recipe", trl_data[script], resumed, "--resume_from_checkpoint", str(out / "checkpoint-2")
+        )
         proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", script, *args)
         check(proc)
-        runs[(script, version, "resumed")] = (resumed, proc)
+        runs[(script, version, "resumed")] = (resumed, proc.stdout + proc.stderr)
     return runs
 
 
@@ -156,8 +202,7 @@ def test_trl_script_unchanged_through_run(script_runs, models, script, version):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out, proc = script_runs[(script, version)]
-    text = proc.stdout + proc.stderr
+    out, text = script_runs[(script, version)]
     assert f"hf_fsdp_qlora: FSDP{version} engaged on 2 rank(s)" in text
     assert "hf_fsdp_qlora: activation checkpointing: " in text  # trl's gradient_checkpointing=True, applied once
     final, last = _adapter(out), _adapter(out / "checkpoint-4")
@@ -169,7 +214,9 @@ def test_trl_script_unchanged_through_run(script_runs, models, script, version):
     base = AutoModelForCausalLM.from_pretrained(models / "recipe", dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(out))
     loaded = {k.replace(".default", ""): v for k, v in model.state_dict().items() if "lora_" in k}
-    assert {k.removeprefix("base_model.model.") for k in final} <= {k.removeprefix("base_model.model.") for k in loaded}
+    assert {k.removeprefix("base_model.model.") for k in final} <= {
+        k.removeprefix("base_model.model.") for k in loaded
+    }
     if script == "dpo":
         assert _log(out / "checkpoint-4")[0]["loss"] == LN2_FP32
 
@@ -185,7 +232,11 @@ def test_trl_script_resume_equals_uninterrupted(script_runs, script, version):
 
 
 def test_run_usage_errors():
-    for args, needle in (([], "usage: python -m hf_fsdp_qlora.run"), (["no_such.py"], "no such script"), (["-m"], "-m needs")):
+    for args, needle in (
+        ([], "usage: python -m hf_fsdp_qlora.run"),
+        (["no_such.py"], "no such script"),
+        (["-m"], "-m needs"),
+    ):
         proc = _run([str(BIN / "python"), "-m", "hf_fsdp_qlora.run", *args], 60, None)
         assert proc.returncode == 2 and needle in proc.stderr, (proc.returncode, proc.stderr[-500:])
         assert "Traceback" not in proc.stderr
@@ -246,4 +297,8 @@ def test_run_exits_zero_every_time(tmp_path):
             "--main_process_port", str(free_port()), "-m", "hf_fsdp_qlora.run", str(script),
         ]  # fmt: skip
         proc = _run(cmd, 120, None)
-        assert proc.returncode == 0 and proc.stdout.count("fsdp2") == 2, (attempt, proc.returncode, proc.stderr[-2000:])
+        assert proc.returncode == 0 and proc.stdout.count("fsdp2") == 2, (
+            attempt,
+            proc.returncode,
+            proc.stderr[-2000:],
+        )

@@ -11,19 +11,27 @@ The trl routes use trl's own `get_quantization_config`/`get_peft_config` for `--
 recipe of trl's docs) and the configs' defaults (gradient_checkpointing=True, bf16=True). For each route: 4 steps
 with evaluation and a checkpoint every 2 steps, a final `save_model`, then a fresh run resumed from checkpoint-2.
 Rank 0 writes what it found; the pytest side asserts.
+
+With ``--trl NAME ARGS...``, last: trl's own ``NAME.py`` (sft or dpo) from the installed trl package, run by the
+function behind ``python -m hf_fsdp_qlora.run`` in this process (which ends it with the script's status), after
+rank 0 printed TRL_MARKER to stdout and stderr: what the launch printed after it is the script's. This spares the
+script a launch of its own (~15 CPU s of launcher and imports on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import train_scenarios as ts
 from dist_utils import finish_worker
-from recipe_fixtures import build_chat_dataset, build_preference_dataset
+from recipe_fixtures import TRL_MARKER, build_chat_dataset, build_preference_dataset
 from transformers import TrainerCallback
 
 import hf_fsdp_qlora  # noqa: F401  (the CPU rehearsal hook, as a user's script would have it)
@@ -35,7 +43,6 @@ COMMON = dict(
     eval_strategy="steps", eval_steps=SAVE_EVERY, save_strategy="steps", save_steps=SAVE_EVERY,
     report_to="none", learning_rate=1e-3, seed=11,
 )  # fmt: skip
-
 
 
 class CountForwards(TrainerCallback):
@@ -104,7 +111,9 @@ def build(route, path, data, out):
     elif route == "callback":
         margs = trl_model_args(path)
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=get_quantization_config(margs))
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        )
         trainer = Trainer(
             model=model, args=TrainingArguments(output_dir=str(out), **COMMON),
             train_dataset=ts.TokenDataset(vocab=64), eval_dataset=ts.TokenDataset(vocab=64),
@@ -195,6 +204,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--fsdp-version", type=int, required=True)
     parser.add_argument("--routes", default="ours,ours_sft,callback,dpo")
+    parser.add_argument("--trl", nargs=argparse.REMAINDER, default=[], help="then trl's NAME.py with ARGS")
     args = parser.parse_args()
     from accelerate import PartialState
     from datasets import load_dataset
@@ -211,7 +221,17 @@ def main():
     found = {"ln2": math.log(2)}
     for route in args.routes.split(","):
         run_route(route, path, data, out / route, args.fsdp_version, found)
-    finish_worker(out, found)  # results on disk, barrier, teardown, exit
+    if not args.trl:
+        finish_worker(out, found)  # results on disk, barrier, teardown, exit
+    from hf_fsdp_qlora.train.launcher import main as run_script
+
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(found, indent=1, default=str))
+    script = importlib.import_module(f"trl.scripts.{args.trl[0]}").__file__
+    dist.barrier()  # every route's output is printed before the marker
+    if dist.get_rank() == 0:
+        for stream in (sys.stdout, sys.stderr):
+            print(TRL_MARKER, file=stream, flush=True)
+    run_script([script, *args.trl[1:]])  # never returns
 
 
 if __name__ == "__main__":
