@@ -34,11 +34,15 @@ def moe_models(shared_models):
 
 
 def _load(path, **kw):
-    return load_qlora_model(str(path), lora_config=_lora(), gradient_checkpointing=False, **kw)
+    return load_qlora_model(str(path), **{"lora_config": _lora(), "gradient_checkpointing": False, **kw})
 
 
 def _experts(model, cls=None):
-    found = [(n, m) for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    found = [
+        (n, getattr(m, "get_base_layer", lambda m=m: m)())
+        for n, m in model.named_modules()
+        if n.endswith("mlp.experts")
+    ]
     assert found and (cls is None or all(isinstance(m, cls) for _, m in found)), [type(m) for _, m in found]
     return found
 
@@ -120,10 +124,86 @@ def test_forward_and_gradients_match_dequantized_oracle(moe_models, arch):
     assert loss == pytest.approx(outputs["grouped"][1], rel=1e-3)
 
 
-def test_expert_lora_is_refused_clearly(moe_models):
-    config = _lora(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    with pytest.raises(UnsupportedSetupError, match="not supported on 4-bit experts yet.*quantize_experts=False"):
-        load_qlora_model(str(moe_models["qwen3_moe"]), lora_config=config, gradient_checkpointing=False)
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@torch.no_grad()
+def _copy_lora(src, dst):
+    params = dict(dst.named_parameters())
+    for name, p in src.named_parameters():
+        if "lora_" in name:
+            params[name].copy_(p)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_expert_lora_equals_peft_on_the_dequantized_base(moe_models, arch, tmp_path):
+    """LoRA on 4-bit experts vs peft's own LoRA (same LoraConfig) on the 16-bit model holding the dequantized
+    expert weights: same adapter keys and shapes, same logits and LoRA gradients (fp32: stated tolerance 1e-5)."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    config = _lora(target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS, init_lora_weights=False)
+    ours = _load(moe_models[arch], lora_config=config, dtype=torch.float32)
+    stock = _load(moe_models[arch], lora_config=config, dtype=torch.float32, quantize_experts=False)
+    _experts(ours, QuantizedExperts)
+    ours_sd, stock_sd = get_peft_model_state_dict(ours), get_peft_model_state_dict(stock)
+    assert {k: v.shape for k, v in ours_sd.items()} == {k: v.shape for k, v in stock_sd.items()}
+    assert sum(".experts." in k for k in ours_sd) == 8  # 2 layers x 2 weights x (lora_A, lora_B)
+    with torch.no_grad():  # the oracle: stock's experts hold our dequantized weights, both hold our adapters
+        for name, q in _experts(ours, QuantizedExperts):
+            s = stock.get_submodule(name).get_base_layer()
+            for w in q.layout.weights:
+                getattr(s, w).copy_(torch.stack([q.dequantize_expert(w, e) for e in range(q.num_experts)]))
+    _copy_lora(ours, stock)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for name, model in (("ours", ours), ("stock", stock)):
+        model.train()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        with torch.no_grad(), model.disable_adapter():
+            plain = model(input_ids=ids).logits
+        found[name] = out.logits.detach(), grads, plain
+    torch.testing.assert_close(found["ours"][0], found["stock"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(found["ours"][2], found["stock"][2], rtol=1e-5, atol=1e-5)
+    assert (found["ours"][0] - found["ours"][2]).abs().max() > 1e-3  # the expert adapters do change the output
+    assert set(found["ours"][1]) == set(found["stock"][1])
+    for name, grad in found["ours"][1].items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, found["stock"][1][name], rtol=1e-4, atol=1e-7)
+    # The saved adapter is peft's own: PeftModel.from_pretrained on the 16-bit base loads every tensor.
+    ours.save_pretrained(tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(str(moe_models[arch]), dtype=torch.float32)
+    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(base, tmp_path / "adapter"))
+    assert set(loaded) == set(ours_sd)
+    for key, value in ours_sd.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+
+
+def test_expert_lora_in_bf16_within_rounding(moe_models):
+    """The run's dtype: bf16 logits within one bf16 step of peft's on the dequantized base (stated: 8e-3)."""
+    config = _lora(target_parameters=EXPERT_TARGETS, init_lora_weights=False)
+    ours = _load(moe_models["qwen3_moe"], lora_config=config)
+    stock = _oracle_from(ours, _load(moe_models["qwen3_moe"], lora_config=config, quantize_experts=False))
+    _copy_lora(ours, stock)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits.float() for m in (ours, stock)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=8e-3)
+
+
+@pytest.mark.parametrize(
+    ("targets", "match"),
+    [
+        (["mlp.experts.up_proj"], r"'mlp.experts.up_proj' matches no parameter.*mlp.experts.gate_up_proj"),
+        (["mlp.experts.gate_up_proj_4bit"], r"packed 4-bit bytes.*target_parameters=\['mlp.experts.gate_up_proj'\]"),
+    ],
+)
+def test_bad_expert_targets_are_clear_errors(moe_models, targets, match):
+    config = _lora(target_parameters=["mlp.experts.down_proj", *targets])
+    with pytest.raises(UnsupportedSetupError, match=match):
+        _load(moe_models["qwen3_moe"], lora_config=config)
 
 
 def test_unknown_expert_layout_is_a_clear_error():
@@ -187,3 +267,30 @@ def test_router_aux_loss_kept_by_the_chunked_loss(moe_models, tmp_path):
     assert float(aux.detach()) > 0
     for by_mean in (True, False):
         torch.testing.assert_close(losses[True, by_mean], losses[False, by_mean], rtol=1e-5, atol=1e-6)
+
+
+def test_stock_peft_param_wrapper_contract(moe_models):
+    """Canary (hf_fsdp_qlora/_compat.py `peft_expert_param_wrapper`): what expert_lora.py relies on in stock peft.
+
+    peft matches `target_parameters` against registered parameters only (a 4-bit experts module without our
+    stand-ins matches nothing), its wrapper is a class named ParamWrapper whose forward adapts the weight through
+    parametrize, and its factors are lora_A [r*E, in] and lora_B [out, r*E]."""
+    import inspect
+
+    from peft import get_peft_model
+    from peft.tuners.lora.layer import ParamWrapper
+
+    model = load_qlora_model(str(moe_models["qwen3_moe"]), lora_config=None, gradient_checkpointing=False).unload()
+    with pytest.raises(ValueError, match="no `target_parameters` found|no parameter was matched"):
+        get_peft_model(model, _lora(target_modules=[], target_parameters=EXPERT_TARGETS))
+    assert "register_parametrization" in inspect.getsource(ParamWrapper._activate_lora)
+    assert "_activate_lora" in inspect.getsource(ParamWrapper.forward)
+    stock = _load(moe_models["qwen3_moe"], lora_config=_lora(target_parameters=EXPERT_TARGETS), quantize_experts=False)
+    (_, experts), *_ = _experts(stock)
+    wrapper = stock.get_submodule("base_model.model.model.layers.0.mlp.experts")
+    # Nesting order, not the key, names the weight: the outer wrapper adapts down_proj, its base_layer gate_up_proj.
+    assert type(wrapper).__name__ == "ParamWrapper" and wrapper.parameter_name == "down_proj"
+    assert wrapper.base_layer.parameter_name == "gate_up_proj"
+    num, out, inp = experts.down_proj.shape
+    assert wrapper.lora_A["default"].weight.shape == (4 * num, inp)
+    assert wrapper.lora_B["default"].weight.shape == (out, 4 * num)

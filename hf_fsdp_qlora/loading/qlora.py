@@ -13,7 +13,8 @@ from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..prequantized import checkpoint_quantization, refuse_unviewable_storage
-from .experts import check_no_expert_lora, lora_config_for_experts
+from .expert_lora import check_target_parameters, peft_sees_expert_weights
+from .experts import lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
 
 __all__ = ["load_qlora_model", "default_lora_config"]
@@ -215,8 +216,8 @@ def load_qlora_model(
     lora_config = lora_config if lora_config is not None else default_lora_config()
     if quantize_experts:
         lora_config = lora_config_for_experts(model, lora_config)
-    model = _apply_lora(model, lora_config)
-    if quantize_experts:
-        check_no_expert_lora(model)
+    check_target_parameters(model, lora_config)
+    with peft_sees_expert_weights(model):  # LoRA on 4-bit experts: peft builds its own wrappers (expert_lora.py)
+        model = _apply_lora(model, lora_config)
     harmonize_dtypes(model, dtype)
     return model
