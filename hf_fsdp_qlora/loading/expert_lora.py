@@ -18,15 +18,19 @@ So here:
 
 from __future__ import annotations
 
+import functools
+import logging
 import types
 from contextlib import contextmanager
 
 from torch import nn
 
 from ..errors import UnsupportedSetupError
-from .experts import QuantizedExperts
+from .experts import QuantizedExperts, has_fused_experts, quantize_experts
 
-__all__ = ["attach_expert_lora", "check_target_parameters", "peft_sees_expert_weights"]
+__all__ = ["attach_expert_lora", "check_target_parameters", "peft_sees_expert_weights", "quantize_experts_before_peft"]
+
+logger = logging.getLogger(__name__)
 
 
 def _wrapper_forward(self, x, *args, **kwargs):
@@ -115,3 +119,46 @@ def check_target_parameters(model: nn.Module, lora_config) -> None:
                 f"silently when another one matches). Name the weights to adapt, e.g. {sorted(expert_names) or ''} "
                 "(trl: --lora_target_parameters mlp.experts.gate_up_proj mlp.experts.down_proj)."
             )
+
+
+def _quantize_experts_of_4bit_model(model: nn.Module, env_switch: str) -> None:
+    from ..dtypes import quantization_kind, training_dtype
+
+    if quantization_kind(model) != "4bit" or not has_fused_experts(model):
+        return
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    if isinstance(quant, dict):
+        quant = types.SimpleNamespace(**quant)
+    quant_type = getattr(quant, "bnb_4bit_quant_type", None) or "nf4"
+    double_quant = bool(getattr(quant, "bnb_4bit_use_double_quant", False))
+    try:
+        # The one dtype the run's FSDP units will hold (the linear layers' packed bytes are viewed as it later).
+        quantize_experts(model, quant_type=quant_type, double_quant=double_quant, dtype=training_dtype(model))
+    except UnsupportedSetupError as err:
+        raise UnsupportedSetupError(f"{err} With `-m hf_fsdp_qlora.run`: set {env_switch}=0 instead.") from err
+
+
+def quantize_experts_before_peft(env_switch: str, quantize: bool = True) -> None:
+    """Wrap peft's ``BaseTuner.inject_adapter`` (once) for scripts that build their peft model themselves (trl's
+    ``sft.py --load_in_4bit --use_peft``): a model loaded in 4 bits whose experts are still 16-bit gets them
+    quantized first (with its linear layers' quant type and double quant), unless `quantize` is False; every
+    ``target_parameters`` name must match a weight; LoRA on 4-bit experts works as with ``load_qlora_model``.
+    All of it happens before the Trainer wraps the model in FSDP. `env_switch` names the switch in messages."""
+    from peft.tuners.tuners_utils import BaseTuner
+
+    original = BaseTuner.inject_adapter
+    if getattr(original, "hf_fsdp_qlora_experts", None) is not None:
+        original.hf_fsdp_qlora_experts["quantize"] = quantize
+        return
+    settings = {"quantize": quantize}
+
+    @functools.wraps(original)
+    def inject_adapter(self, model, adapter_name, *args, **kwargs):
+        if settings["quantize"]:
+            _quantize_experts_of_4bit_model(model, env_switch)
+        check_target_parameters(model, self.peft_config[adapter_name])
+        with peft_sees_expert_weights(model):
+            return original(self, model, adapter_name, *args, **kwargs)
+
+    inject_adapter.hf_fsdp_qlora_experts = settings
+    BaseTuner.inject_adapter = inject_adapter

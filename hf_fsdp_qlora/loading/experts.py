@@ -31,6 +31,7 @@ __all__ = [
     "expert_layout",
     "has_fused_experts",
     "lora_config_for_experts",
+    "packed_expert_bytes",
     "quantize_experts",
     "run_with_weight",
 ]
@@ -149,6 +150,8 @@ class QuantizedExperts(nn.Module):
             self._meta[name] = (tuple(weight.shape[1:]), state.blocksize, state.state2.blocksize if nested else None)
         for name in layout.biases:
             self.register_parameter(name, nn.Parameter(getattr(experts, name).detach().to(dtype), requires_grad=False))
+        # Whole, as quantized: under FSDP each rank's parameters hold a part (engagement log, packed_expert_bytes).
+        self.packed_bytes = sum(getattr(self, f"{n}_4bit").nbytes for n in layout.weights)
 
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{n}={[self.num_experts, *self._meta[n][0]]}" for n in self.layout.weights)
@@ -274,6 +277,22 @@ def _lora_B_rows(weight, low, experts, counts, num_experts):
     per_expert = weight.unflatten(1, (-1, num_experts))
     low = low.to(weight.dtype)
     return torch.cat([c @ per_expert[:, :, e].T for c, e in zip(low.split(counts), experts)])
+
+
+def packed_expert_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of packed 4-bit expert weights this rank holds, bytes of all of them); (0, 0) without 4-bit experts.
+
+    Under FSDP2 a rank holds its DTensor shards, under FSDP1 (``use_orig_params``) its views into the flat shard.
+    """
+    local = full = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedExperts):
+            full += module.packed_bytes
+            for name in module.layout.weights:
+                param = getattr(module, f"{name}_4bit")
+                param = param.to_local() if hasattr(param, "to_local") else param
+                local += param.numel() * param.element_size()
+    return local, full
 
 
 def quantize_experts(model: nn.Module, *, quant_type: str = "nf4", double_quant: bool = True, dtype=None) -> list[str]:

@@ -55,6 +55,12 @@ def lora_config(**kw):
     return LoraConfig(**kwargs)
 
 
+def expert_lora_config():
+    """LoRA on the experts' fused weights (peft's target_parameters, as trl's --lora_target_parameters) and q/v."""
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return lora_config(target_modules=["q_proj", "v_proj"], target_parameters=targets)
+
+
 def bnb_config(storage=torch.bfloat16, eight_bit=False):
     from transformers import BitsAndBytesConfig
 
@@ -279,6 +285,12 @@ def build_model(path, kind):
                 return torch.utils.data.DataLoader(self.train_dataset, batch_size=BATCH)
 
         return load_qlora_model(path, lora_config=lora_config(), gradient_checkpointing=False), NoSampler, None
+    if kind == "expertlora":  # MoE: LoRA on the 4-bit experts (peft target_parameters) and on attention
+        return (
+            load_qlora_model(path, lora_config=expert_lora_config(), gradient_checkpointing=False),
+            LossRecorder,
+            None,
+        )
     if kind == "full":  # full fine-tune: no quantization, no adapter
         from transformers import AutoModelForCausalLM
 
