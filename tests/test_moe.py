@@ -7,12 +7,15 @@ trained under FSDP1 and FSDP2 in the suite's shared launches (tests/scripts/trai
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_trainer_fsdp import _assert_trained_scenario
 from tiny_models import MOE_ARCHS, build_tiny_model
 
 from hf_fsdp_qlora import load_qlora_model
+from hf_fsdp_qlora.error_index import find_known_errors, is_certain
 from hf_fsdp_qlora.errors import UnsupportedSetupError
 from hf_fsdp_qlora.loading.experts import QuantizedExperts, quantize_experts
 
@@ -22,7 +25,8 @@ _SCENARIOS = {
     "moe_lowram": ("qwen3_moe", "lowram"),
     "moe_expertlora": ("qwen3_moe", "expertlora"),  # LoRA on the 4-bit experts too
 }
-SHARED_TRAIN_SCENARIOS = {1: _SCENARIOS, 2: _SCENARIOS}
+# Stock peft's expert LoRA (16-bit experts) under FSDP1, with a stock Trainer: the error-index entry's text.
+SHARED_TRAIN_SCENARIOS = {1: {**_SCENARIOS, "moe_stock16": ("qwen3_moe", "stock_expertlora16")}, 2: _SCENARIOS}
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -408,3 +412,20 @@ def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
         state = get_peft_model_state_dict(loaded)
         assert set(state) == set(adapter)
         assert all(torch.equal(state[k], v.to(state[k].dtype)) for k, v in adapter.items())
+
+
+@pytest.mark.distributed
+def test_stock_peft_expert_lora_fails_under_fsdp1(shared_launch):
+    """Upstream alone (peft's expert LoRA on 16-bit experts, a stock Trainer) under FSDP1: peft reshapes lora_A.weight
+    while it is a flat shard. If this starts passing, upstream fixed it: see hf_fsdp_qlora/_compat.py
+    `peft_expert_param_wrapper` (our 4-bit experts read the adapters inside their own units)."""
+    _, _, results, _ = shared_launch(1)
+    for rank in (0, 1):
+        stock = results[rank]["moe_stock16"]
+        assert not stock["ok"]
+        assert re.fullmatch(r"shape '\[8, -1, \d+\]' is invalid for input of size \d+", stock["error"]), stock["error"]
+        assert stock["error_type"] == "RuntimeError" and "get_delta_" in stock["traceback"], stock["traceback"]
+    # `hf-fsdp-qlora explain` names it, certain of the cause from peft's frames in the real traceback.
+    log = stock["traceback"] + f"RuntimeError: {stock['error']}"
+    found = [e for e in find_known_errors(log) if is_certain(e, log)]
+    assert [e.id for e in found] == ["expert-lora-fsdp1-reshape"], found

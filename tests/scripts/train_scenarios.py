@@ -305,6 +305,10 @@ def build_model(path, kind):
         "kbitprep": lambda: user_loaded(path, kbit_prep=True),
         "uint8": lambda: user_loaded(path, storage=torch.uint8),
         "int8": lambda: user_loaded(path, eight_bit=True),
+        # peft's own LoRA on 16-bit experts (quantize_experts=False): peft reads lora_A.weight outside its unit
+        "expertlora16": lambda: load_qlora_model(
+            path, lora_config=expert_lora_config(), gradient_checkpointing=False, quantize_experts=False
+        ),
     }[problem]()
     return model, (Trainer if who == "stock" else LossRecorder), None
 
