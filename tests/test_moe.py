@@ -24,6 +24,7 @@ _SCENARIOS = {
     "moe": ("qwen3_moe", "ours_loader"),
     "moe_lowram": ("qwen3_moe", "lowram"),
     "moe_expertlora": ("qwen3_moe", "expertlora"),  # LoRA on the 4-bit experts too
+    "moe_resume": ("qwen3_moe", "expertresume"),  # ... checkpointed at step 2 and resumed
 }
 # Stock peft's expert LoRA (16-bit experts) under FSDP1, with a stock Trainer: the error-index entry's text.
 SHARED_TRAIN_SCENARIOS = {1: {**_SCENARIOS, "moe_stock16": ("qwen3_moe", "stock_expertlora16")}, 2: _SCENARIOS}
@@ -429,3 +430,27 @@ def test_stock_peft_expert_lora_fails_under_fsdp1(shared_launch):
     log = stock["traceback"] + f"RuntimeError: {stock['error']}"
     found = [e for e in find_known_errors(log) if is_certain(e, log)]
     assert [e.id for e in found] == ["expert-lora-fsdp1-reshape"], found
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("version", [1, 2])
+def test_expert_lora_checkpoint_resumes_exactly(shared_launch, version):
+    """4 steps == 2 steps + checkpoint + resume + 2 steps, bit for bit (losses and every adapter, experts' too);
+    the checkpoint holds the whole expert adapters gathered from both ranks, in peft's format."""
+    from safetensors.torch import load_file
+
+    _, out, results, _ = shared_launch(version)
+    r0 = results[0]["moe_resume"]
+    assert r0.get("ok") and results[1]["moe_resume"].get("ok"), r0.get("traceback")
+    assert len(r0["A_losses"]) == 4 and r0["B_losses"] == r0["A_losses"][2:], (r0["A_losses"], r0["B_losses"])
+    weights = torch.load(out / "moe_resume" / "weights.pt")
+    assert set(weights["A"]) == set(weights["B"]) and sum(".experts." in k for k in weights["A"]) == 8
+    for key, value in weights["A"].items():
+        torch.testing.assert_close(weights["B"][key], value, rtol=0, atol=0)
+    saved = load_file(str(out / "moe_resume" / "A" / "checkpoint-2" / "adapter_model.safetensors"))
+    experts = {k: v.shape for k, v in saved.items() if ".experts." in k}
+    assert len(experts) == 8, sorted(saved)
+    trained = {k.replace(".default", ""): v.shape for k, v in weights["A"].items() if ".experts." in k}
+    assert {k.removeprefix("base_model.model."): s for k, s in experts.items()} == {
+        k.removeprefix("base_model.model."): s for k, s in trained.items()
+    }  # whole [r*E, in] / [out, r*E] tensors, not one rank's shard

@@ -318,6 +318,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         import packing_scenarios
 
         return packing_scenarios.run(name, path, out, version, arch, kind)
+    if kind == "expertresume":  # LoRA on 4-bit experts: checkpoint and exact resume (tests/test_moe.py)
+        import resume_scenarios
+
+        return resume_scenarios.run_expert_lora_resume(name, path, out, version)
     result = {"scenario": name}
     model, trainer_cls, callbacks = build_model(path, kind)
     result["checksum_before_trainer"] = checksum(trainable_snapshot(model))
