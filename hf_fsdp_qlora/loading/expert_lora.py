@@ -33,15 +33,20 @@ __all__ = ["attach_expert_lora", "check_target_parameters", "peft_sees_expert_we
 logger = logging.getLogger(__name__)
 
 
+_NO_MERGE = (
+    "A LoRA adapter on 4-bit experts cannot be merged into the packed 4-bit expert weights (peft would add the update "
+    "to a 16-bit weight that does not exist). Save the adapter and merge it into the 16-bit base model instead."
+)
+
+
+def _refuse_merge(self, *args, **kwargs):
+    raise UnsupportedSetupError(_NO_MERGE)
+
+
 def _wrapper_forward(self, x, *args, **kwargs):
     """A peft ``ParamWrapper``'s forward over 4-bit experts: its active adapters go to the experts module."""
     self._check_forward_args(x, *args, **kwargs)
     kwargs.pop("adapter_names", None)
-    if self.merged:
-        raise UnsupportedSetupError(
-            "A LoRA adapter on 4-bit experts cannot be merged into the packed 4-bit weights. Merge into the 16-bit "
-            "base instead: `hf-fsdp-qlora merge-adapters` (docs/merging.md)."
-        )
     active = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
     factors = [(self.lora_A[a], self.lora_B[a], self.scaling[a]) for a in active]
     with self.get_base_layer().lora_active(self.parameter_name, factors):
@@ -49,7 +54,8 @@ def _wrapper_forward(self, x, *args, **kwargs):
 
 
 def attach_expert_lora(model: nn.Module) -> int:
-    """Give every peft ``ParamWrapper`` over 4-bit experts in `model` the forward above. Idempotent.
+    """Give every peft ``ParamWrapper`` over 4-bit experts in `model` the forward above, and a ``merge`` that refuses
+    clearly (peft's would write into the zero-byte stand-in). Idempotent.
 
     Returns:
         How many wrappers adapt 4-bit experts.
@@ -59,6 +65,7 @@ def attach_expert_lora(model: nn.Module) -> int:
         if type(module).__name__ == "ParamWrapper" and isinstance(module.get_base_layer(), QuantizedExperts):
             if getattr(module.forward, "__func__", None) is not _wrapper_forward:
                 module.forward = types.MethodType(_wrapper_forward, module)
+                module.merge = types.MethodType(_refuse_merge, module)
             count += 1
     return count
 
