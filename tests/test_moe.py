@@ -361,7 +361,10 @@ def test_launcher_switch_quantizes_experts_before_peft(moe_models, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from hf_fsdp_qlora.loading.expert_lora import quantize_experts_before_peft
-    from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV
+    from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV, quantize_experts_from_env
+
+    assert quantize_experts_from_env({}) and quantize_experts_from_env({QUANTIZE_EXPERTS_ENV: "1"})
+    assert not any(quantize_experts_from_env({QUANTIZE_EXPERTS_ENV: v}) for v in ("0", " False ", "no"))
 
     monkeypatch.setattr(BaseTuner, "inject_adapter", BaseTuner.inject_adapter)  # restored after the test
     config = _lora(target_modules=["q_proj"], target_parameters=EXPERT_TARGETS)

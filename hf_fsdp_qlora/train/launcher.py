@@ -46,6 +46,11 @@ and exits with status 75 (and leaves OUTPUT_DIR/preempted.json). Environment:
 """
 
 
+def quantize_experts_from_env(environ=os.environ) -> bool:
+    """HF_FSDP_QLORA_QUANTIZE_EXPERTS: on unless set to 0/false/no (case and spaces ignored)."""
+    return environ.get(QUANTIZE_EXPERTS_ENV, "1").strip().lower() not in ("0", "false", "no")
+
+
 def _finish(code: int) -> None:
     """Exit with `code`. Only a preempted run's ranks meet first (they stopped together); a finished rank leaves
     at once, whatever tail another rank still runs (see :mod:`hf_fsdp_qlora.train.finish`)."""
@@ -89,8 +94,7 @@ def main(argv: list[str] | None = None) -> None:
 
     enable_cpu_fsdp()
     install_trainer_hook(adopt_all=True)
-    quantize = os.environ.get(QUANTIZE_EXPERTS_ENV, "1").strip().lower() not in ("0", "false", "no")
-    quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV, quantize=quantize)
+    quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV, quantize=quantize_experts_from_env())
 
     code = 0
     try:
