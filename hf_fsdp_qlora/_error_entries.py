@@ -378,7 +378,7 @@ ENTRIES = (
         "rank fails in the first forward. FSDP2 and single-process training are not affected.",
         "ours": "The experts are quantized to 4 bits (`load_qlora_model`, and trl's `--load_in_4bit` under "
         "`-m hf_fsdp_qlora.run`) and our 4-bit experts module runs the adapters through their own forwards, so FSDP1 "
-        "gathers them first; the adapters stay in peft's format and the losses equal the single-process run's (see "
+        "gathers them first; the adapters stay in peft's format and the first step's loss equals the single-process run's (see "
         "[Mixture of experts](moe.md)).",
         "stock_fix": "Use FSDP2 (`fsdp_version: 2`), or load with `hf_fsdp_qlora.load_qlora_model` (4-bit experts) "
         "or run the script through `python -m hf_fsdp_qlora.run`.",
