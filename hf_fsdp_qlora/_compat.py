@@ -176,6 +176,22 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         canary="tests/test_dora.py::test_stock_trainer_fails_under_fsdp1",
     ),
     Workaround(
+        key="peft_expert_param_wrapper",
+        upstream="peft <= 0.21 (lora.ParamWrapper: matches registered parameters only, adapts them through "
+        "torch.nn.utils.parametrize; lora_A [r*E, in], lora_B [out, r*E]) with torch FSDP1",
+        works_around="LoRA on 4-bit experts (no 16-bit weight to parametrize): stand-ins while peft injects, the "
+        "wrappers' forward replaced per instance; under FSDP1 peft's own expert LoRA reads lora_A.weight as a flat "
+        "shard: \"RuntimeError: shape '[8, -1, 2048]' is invalid for input of size 2048\"",
+        where=(
+            "hf_fsdp_qlora.loading.expert_lora.attach_expert_lora",
+            "hf_fsdp_qlora.loading.expert_lora.peft_sees_expert_weights",
+            "hf_fsdp_qlora.loading.expert_lora.quantize_experts_before_peft",
+            "hf_fsdp_qlora.loading.experts.run_with_weight",
+        ),
+        remove_when="peft adapts quantized expert modules itself and reads adapter weights inside their FSDP1 units",
+        canary="tests/test_moe.py::test_stock_peft_param_wrapper_contract",
+    ),
+    Workaround(
         key="fsdp2_amp_forward",
         upstream="accelerate <= 1.15 (prepare_model: autocast + fp32 outputs for DDP/FSDP1, not FSDP2)",
         works_around="bf16 logits under FSDP2 only: preference losses differ from DDP and FSDP1",

@@ -360,4 +360,32 @@ ENTRIES = (
         ),
         "test_text": "tuple index out of range",
     },
+    {
+        "id": "expert-lora-fsdp1-reshape",
+        "title": "LoRA on MoE experts under FSDP1: shape '[8, -1, 2048]' is invalid",
+        "text": "RuntimeError: shape '[8, -1, 2048]' is invalid for input of size 2048\n"
+        '  File ".../peft/tuners/lora/layer.py", in get_delta_factors\n'
+        "    weight_A = weight_A.reshape(self.num_experts, -1, weight_A.shape[-1])  # (experts, rank, in)",
+        "pattern": r"shape '\[\d+, -1, \d+\]' is invalid for input of size \d+",
+        "context": r"get_delta_factors|get_delta_weight|ParamWrapper|_activate_lora|target_parameters",
+        "other_causes": "Any reshape of a tensor of the wrong size prints this. It is this entry when the traceback "
+        "goes through peft's `ParamWrapper` (`_activate_lora`, `get_delta_factors` or `get_delta_weight`) under "
+        "FSDP1: LoRA on fused expert weights (`target_parameters`, trl's `--lora_target_parameters`).",
+        "cause": "LoRA on a mixture-of-experts model's fused expert weights (peft's `target_parameters`, e.g. "
+        "`mlp.experts.gate_up_proj`) under FSDP1. transformers installs peft's FSDP1 wrap policy, which makes each "
+        "`lora_A`/`lora_B` Linear its own FSDP unit; peft's `ParamWrapper` reads `lora_A.weight` and reshapes it to "
+        "`[experts, rank, in]` outside that unit's forward, where the weight is this rank's 1-D flat shard. Every "
+        "rank fails in the first forward. FSDP2 and single-process training are not affected.",
+        "ours": "The experts are quantized to 4 bits (`load_qlora_model`, and trl's `--load_in_4bit` under "
+        "`-m hf_fsdp_qlora.run`) and our 4-bit experts module runs the adapters through their own forwards, so FSDP1 "
+        "gathers them first; the adapters stay in peft's format and the first step's loss equals the single-process run's (see "
+        "[Mixture of experts](moe.md)).",
+        "stock_fix": "Use FSDP2 (`fsdp_version: 2`), or load with `hf_fsdp_qlora.load_qlora_model` (4-bit experts) "
+        "or run the script through `python -m hf_fsdp_qlora.run`.",
+        "tests": (
+            "tests/test_moe.py::test_stock_peft_expert_lora_fails_under_fsdp1",
+            "tests/test_moe.py::test_fsdp_trains_lora_on_4bit_experts",
+        ),
+        "test_text": "is invalid for input of size",
+    },
 )

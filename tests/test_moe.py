@@ -7,18 +7,27 @@ trained under FSDP1 and FSDP2 in the suite's shared launches (tests/scripts/trai
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_trainer_fsdp import _assert_trained_scenario
 from tiny_models import MOE_ARCHS, build_tiny_model
 
 from hf_fsdp_qlora import load_qlora_model
+from hf_fsdp_qlora.error_index import find_known_errors, is_certain
 from hf_fsdp_qlora.errors import UnsupportedSetupError
 from hf_fsdp_qlora.loading.experts import QuantizedExperts, quantize_experts
 
 # The 2-rank part runs in the suite's shared FSDP1/FSDP2 launches: scenario key -> (tiny model, worker kind).
-_SCENARIOS = {"moe": ("qwen3_moe", "ours_loader"), "moe_lowram": ("qwen3_moe", "lowram")}
-SHARED_TRAIN_SCENARIOS = {1: _SCENARIOS, 2: _SCENARIOS}
+_SCENARIOS = {
+    "moe": ("qwen3_moe", "ours_loader"),
+    "moe_lowram": ("qwen3_moe", "lowram"),
+    "moe_expertlora": ("qwen3_moe", "expertlora"),  # LoRA on the 4-bit experts too
+    "moe_resume": ("qwen3_moe", "expertresume"),  # ... checkpointed at step 2 and resumed
+}
+# Stock peft's expert LoRA (16-bit experts) under FSDP1, with a stock Trainer: the error-index entry's text.
+SHARED_TRAIN_SCENARIOS = {1: {**_SCENARIOS, "moe_stock16": ("qwen3_moe", "stock_expertlora16")}, 2: _SCENARIOS}
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -34,11 +43,15 @@ def moe_models(shared_models):
 
 
 def _load(path, **kw):
-    return load_qlora_model(str(path), lora_config=_lora(), gradient_checkpointing=False, **kw)
+    return load_qlora_model(str(path), **{"lora_config": _lora(), "gradient_checkpointing": False, **kw})
 
 
 def _experts(model, cls=None):
-    found = [(n, m) for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    found = [
+        (n, getattr(m, "get_base_layer", lambda m=m: m)())
+        for n, m in model.named_modules()
+        if n.endswith("mlp.experts")
+    ]
     assert found and (cls is None or all(isinstance(m, cls) for _, m in found)), [type(m) for _, m in found]
     return found
 
@@ -120,10 +133,89 @@ def test_forward_and_gradients_match_dequantized_oracle(moe_models, arch):
     assert loss == pytest.approx(outputs["grouped"][1], rel=1e-3)
 
 
-def test_expert_lora_is_refused_clearly(moe_models):
-    config = _lora(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    with pytest.raises(UnsupportedSetupError, match="not supported on 4-bit experts yet.*quantize_experts=False"):
-        load_qlora_model(str(moe_models["qwen3_moe"]), lora_config=config, gradient_checkpointing=False)
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@torch.no_grad()
+def _copy_lora(src, dst):
+    params = dict(dst.named_parameters())
+    for name, p in src.named_parameters():
+        if "lora_" in name:
+            params[name].copy_(p)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_expert_lora_equals_peft_on_the_dequantized_base(moe_models, arch, tmp_path):
+    """LoRA on 4-bit experts vs peft's own LoRA (same LoraConfig) on the 16-bit model holding the dequantized
+    expert weights: same adapter keys and shapes, same logits and LoRA gradients (fp32: stated tolerance 1e-5)."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    config = _lora(target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS, init_lora_weights=False)
+    ours = _load(moe_models[arch], lora_config=config, dtype=torch.float32)
+    stock = _load(moe_models[arch], lora_config=config, dtype=torch.float32, quantize_experts=False)
+    _experts(ours, QuantizedExperts)
+    ours_sd, stock_sd = get_peft_model_state_dict(ours), get_peft_model_state_dict(stock)
+    assert {k: v.shape for k, v in ours_sd.items()} == {k: v.shape for k, v in stock_sd.items()}
+    assert sum(".experts." in k for k in ours_sd) == 8  # 2 layers x 2 weights x (lora_A, lora_B)
+    with torch.no_grad():  # the oracle: stock's experts hold our dequantized weights, both hold our adapters
+        for name, q in _experts(ours, QuantizedExperts):
+            s = stock.get_submodule(name).get_base_layer()
+            for w in q.layout.weights:
+                getattr(s, w).copy_(torch.stack([q.dequantize_expert(w, e) for e in range(q.num_experts)]))
+    _copy_lora(ours, stock)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for name, model in (("ours", ours), ("stock", stock)):
+        model.train()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        with torch.no_grad(), model.disable_adapter():
+            plain = model(input_ids=ids).logits
+        found[name] = out.logits.detach(), grads, plain
+    torch.testing.assert_close(found["ours"][0], found["stock"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(found["ours"][2], found["stock"][2], rtol=1e-5, atol=1e-5)
+    assert (found["ours"][0] - found["ours"][2]).abs().max() > 1e-3  # the expert adapters do change the output
+    assert set(found["ours"][1]) == set(found["stock"][1])
+    for name, grad in found["ours"][1].items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, found["stock"][1][name], rtol=1e-4, atol=1e-7)
+    # The saved adapter is peft's own: PeftModel.from_pretrained on the 16-bit base loads every tensor.
+    ours.save_pretrained(tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(str(moe_models[arch]), dtype=torch.float32)
+    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(base, tmp_path / "adapter"))
+    assert set(loaded) == set(ours_sd)
+    for key, value in ours_sd.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+
+
+def test_expert_lora_in_bf16_within_rounding(moe_models):
+    """The run's dtype: bf16 logits within one bf16 step of peft's on the dequantized base (stated: 8e-3)."""
+    config = _lora(target_parameters=EXPERT_TARGETS, init_lora_weights=False)
+    ours = _load(moe_models["qwen3_moe"], lora_config=config)
+    stock = _oracle_from(ours, _load(moe_models["qwen3_moe"], lora_config=config, quantize_experts=False))
+    _copy_lora(ours, stock)
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [m(input_ids=ids).logits.float() for m in (ours, stock)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=8e-3)
+    # Merging into the packed 4-bit experts is refused clearly (the 16-bit model merges as peft does).
+    with pytest.raises(UnsupportedSetupError, match="cannot be merged into the packed 4-bit expert weights"):
+        ours.merge_and_unload()
+
+
+@pytest.mark.parametrize(
+    ("targets", "match"),
+    [
+        (["mlp.experts.up_proj"], r"'mlp.experts.up_proj' matches no parameter.*mlp.experts.gate_up_proj"),
+        (["mlp.experts.gate_up_proj_4bit"], r"packed 4-bit bytes.*target_parameters=\['mlp.experts.gate_up_proj'\]"),
+    ],
+)
+def test_bad_expert_targets_are_clear_errors(moe_models, targets, match):
+    config = _lora(target_parameters=["mlp.experts.down_proj", *targets])
+    with pytest.raises(UnsupportedSetupError, match=match):
+        _load(moe_models["qwen3_moe"], lora_config=config)
 
 
 def test_unknown_expert_layout_is_a_clear_error():
@@ -187,3 +279,184 @@ def test_router_aux_loss_kept_by_the_chunked_loss(moe_models, tmp_path):
     assert float(aux.detach()) > 0
     for by_mean in (True, False):
         torch.testing.assert_close(losses[True, by_mean], losses[False, by_mean], rtol=1e-5, atol=1e-6)
+
+
+def test_stock_peft_param_wrapper_contract(moe_models):
+    """Canary (hf_fsdp_qlora/_compat.py `peft_expert_param_wrapper`): what expert_lora.py relies on in stock peft.
+
+    peft matches `target_parameters` against registered parameters only (a 4-bit experts module without our
+    stand-ins matches nothing), its wrapper is a class named ParamWrapper whose forward adapts the weight through
+    parametrize, and its factors are lora_A [r*E, in] and lora_B [out, r*E]."""
+    import inspect
+
+    from peft import get_peft_model
+    from peft.tuners.lora.layer import ParamWrapper
+
+    model = load_qlora_model(str(moe_models["qwen3_moe"]), lora_config=None, gradient_checkpointing=False).unload()
+    with pytest.raises(ValueError, match="no `target_parameters` found|no parameter was matched"):
+        get_peft_model(model, _lora(target_modules=[], target_parameters=EXPERT_TARGETS))
+    assert "register_parametrization" in inspect.getsource(ParamWrapper._activate_lora)
+    assert "_activate_lora" in inspect.getsource(ParamWrapper.forward)
+    stock = _load(moe_models["qwen3_moe"], lora_config=_lora(target_parameters=EXPERT_TARGETS), quantize_experts=False)
+    (_, experts), *_ = _experts(stock)
+    wrapper = stock.get_submodule("base_model.model.model.layers.0.mlp.experts")
+    # Nesting order, not the key, names the weight: the outer wrapper adapts down_proj, its base_layer gate_up_proj.
+    assert type(wrapper).__name__ == "ParamWrapper" and wrapper.parameter_name == "down_proj"
+    assert wrapper.base_layer.parameter_name == "gate_up_proj"
+    num, out, inp = experts.down_proj.shape
+    assert wrapper.lora_A["default"].weight.shape == (4 * num, inp)
+    assert wrapper.lora_B["default"].weight.shape == (out, 4 * num)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("version", [1, 2])
+def test_fsdp_trains_lora_on_4bit_experts(moe_models, shared_launch, version):
+    """LoRA on the 4-bit experts under FSDP1 (stock peft fails there: "shape '[8, -1, 2048]' is invalid") and FSDP2:
+    FSDP engaged, experts 4-bit and sharded, step-0 loss and logits equal the single-process run on the same global
+    batch (loss rel 1e-6, logits 1e-5), the expert adapters trained and saved in peft's format (equal to the
+    gathered weights)."""
+    import train_scenarios as worker
+    from test_trainer_fsdp import _assert_adapter_equals
+
+    models, out, results, _ = shared_launch(version)
+    name = "moe_expertlora"
+    r0, r1 = results[0][name], results[1][name]
+    for r in (r0, r1):
+        assert r.get("ok"), r.get("traceback")
+        assert r["distributed_type"] == "DistributedType.FSDP"
+        engaged = r["engagement"]
+        assert engaged["flat_params"] > 0 if version == 1 else engaged["dtensor_params"] > 0, engaged
+        assert r["dtypes_before_wrap"] == ["torch.bfloat16"]
+    assert r0["init_checksum"] == r1["init_checksum"]
+    full, local = r0["expert_bytes_before_wrap"], [r0["expert_bytes_local"], r1["expert_bytes_local"]]
+    assert sum(local) == full and all(0 < b < full for b in local), local
+    assert r0["expert_digest_after_training"] == r0["expert_digest_before_wrap"] is not None
+    weights = torch.load(out / name / "weights.pt")
+    experts_lora = [k for k in weights["init"] if ".experts." in k]
+    assert len(experts_lora) == 8, sorted(weights["init"])[:10]  # 2 layers x 2 weights x (lora_A, lora_B)
+    model = load_qlora_model(
+        str(models / "qwen3_moe"), lora_config=worker.expert_lora_config(), gradient_checkpointing=False
+    )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, value in weights["init"].items():
+            params[key].copy_(value.to(params[key].dtype))
+    model.train()
+    for rank, chunk in enumerate(torch.tensor(r0["first_batch"]).split(worker.BATCH)):
+        out_ = model(input_ids=chunk, labels=chunk, attention_mask=torch.ones_like(chunk))
+        assert r0["step0_losses"][rank] == pytest.approx(float(out_.loss), rel=1e-6)
+        logits = torch.load(out / name / f"logits_rank{rank}.pt")
+        torch.testing.assert_close(logits, out_.logits.detach().float(), rtol=1e-5, atol=1e-5)
+    moved = [k for k in experts_lora if "lora_B" in k and weights["trained"][k].abs().sum() > 0]
+    assert len(moved) == 4, moved  # every expert lora_B left zero: the expert adapters trained
+    _assert_adapter_equals(out / name / "adapter", weights, models / "qwen3_moe")
+
+
+def test_launcher_switch_quantizes_experts_before_peft(moe_models, monkeypatch):
+    """`-m hf_fsdp_qlora.run`'s peft hook: a model loaded in 4 bits (as trl's --load_in_4bit does) gets its experts
+    quantized when get_peft_model runs, before FSDP; HF_FSDP_QLORA_QUANTIZE_EXPERTS=0 leaves them 16-bit."""
+    from peft import get_peft_model
+    from peft.tuners.tuners_utils import BaseTuner
+    from train_scenarios import bnb_config
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp_qlora.loading.expert_lora import quantize_experts_before_peft
+    from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV, quantize_experts_from_env
+
+    assert quantize_experts_from_env({}) and quantize_experts_from_env({QUANTIZE_EXPERTS_ENV: "1"})
+    assert not any(quantize_experts_from_env({QUANTIZE_EXPERTS_ENV: v}) for v in ("0", " False ", "no"))
+
+    monkeypatch.setattr(BaseTuner, "inject_adapter", BaseTuner.inject_adapter)  # restored after the test
+    config = _lora(target_modules=["q_proj"], target_parameters=EXPERT_TARGETS)
+    found = {}
+    for quantize in (True, False):
+        quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV, quantize=quantize)
+        path = str(moe_models["qwen3_moe"])
+        base = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(), dtype=torch.bfloat16)
+        assert not any(isinstance(m, QuantizedExperts) for m in base.modules())  # bitsandbytes alone: 16-bit
+        model = get_peft_model(base, config)
+        found[quantize] = [type(m).__name__ for _, m in _experts(model)]
+        ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+    assert set(found[True]) == {"QuantizedExperts"} and set(found[False]) == {"Qwen3MoeExperts"}, found
+    with pytest.raises(UnsupportedSetupError, match="'mlp.experts.w1' matches no parameter"):
+        get_peft_model(AutoModelForCausalLM.from_pretrained(path), _lora(target_parameters=["mlp.experts.w1"]))
+
+
+@pytest.mark.distributed
+def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
+    """The issue's goal: trl's sft.py, unchanged, `--use_peft --load_in_4bit --lora_dropout 0
+    --lora_target_parameters ...` on a Qwen3-MoE checkpoint, through `-m hf_fsdp_qlora.run` under FSDP1 and FSDP2:
+    FSDP engaged, the experts 4-bit and sharded, the adapter trained and in peft's own format."""
+    import re
+    import shutil
+
+    from dist_utils import check
+    from peft import PeftModel, get_peft_model_state_dict
+    from recipe_fixtures import build_chat_dataset, build_recipe_model
+    from test_recipes import _adapter, _launch_script, _script_args
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = shutil.copytree(moe_models["qwen3_moe"], tmp_path / "qwen3_moe")
+    AutoTokenizer.from_pretrained(build_recipe_model(tmp_path / "recipe")).save_pretrained(model)
+    data = build_chat_dataset(tmp_path / "chat", n_train=8, n_test=2)
+    lora = ["--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj", "--lora_target_parameters"]
+    for version in (1, 2):
+        out = tmp_path / f"sft_fsdp{version}"
+        args = _script_args(model, data, out, *lora, *EXPERT_TARGETS, "--max_steps", "2", "--eval_strategy", "no")
+        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", "sft", *args)
+        check(proc)
+        text = proc.stdout + proc.stderr
+        assert f"FSDP{version} engaged on 2 rank(s)" in text
+        held = [tuple(map(int, m)) for m in re.findall(r"4-bit experts: this rank holds (\d+) of (\d+) packed", text)]
+        assert len(held) == 1, text[-3000:]  # rank 0's line: it holds a part of the packed expert bytes
+        assert 0 < held[0][0] < held[0][1] and (version == 1 or held[0][0] * 2 == held[0][1]), held
+        adapter = _adapter(out)
+        experts = {k: v for k, v in adapter.items() if ".experts." in k}
+        assert len(experts) == 8 and all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)
+        # peft's own format: PeftModel.from_pretrained on the 16-bit base loads every tensor as saved.
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model)), str(out))
+        state = get_peft_model_state_dict(loaded)
+        assert set(state) == set(adapter)
+        assert all(torch.equal(state[k], v.to(state[k].dtype)) for k, v in adapter.items())
+
+
+@pytest.mark.distributed
+def test_stock_peft_expert_lora_fails_under_fsdp1(shared_launch):
+    """Upstream alone (peft's expert LoRA on 16-bit experts, a stock Trainer) under FSDP1: peft reshapes lora_A.weight
+    while it is a flat shard. If this starts passing, upstream fixed it: see hf_fsdp_qlora/_compat.py
+    `peft_expert_param_wrapper` (our 4-bit experts read the adapters inside their own units)."""
+    _, _, results, _ = shared_launch(1)
+    for rank in (0, 1):
+        stock = results[rank]["moe_stock16"]
+        assert not stock["ok"]
+        assert re.fullmatch(r"shape '\[8, -1, \d+\]' is invalid for input of size \d+", stock["error"]), stock["error"]
+        assert stock["error_type"] == "RuntimeError" and "get_delta_" in stock["traceback"], stock["traceback"]
+    # `hf-fsdp-qlora explain` names it, certain of the cause from peft's frames in the real traceback.
+    log = stock["traceback"] + f"RuntimeError: {stock['error']}"
+    found = [e for e in find_known_errors(log) if is_certain(e, log)]
+    assert [e.id for e in found] == ["expert-lora-fsdp1-reshape"], found
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("version", [1, 2])
+def test_expert_lora_checkpoint_resumes_exactly(shared_launch, version):
+    """4 steps == 2 steps + checkpoint + resume + 2 steps, bit for bit (losses and every adapter, experts' too);
+    the checkpoint holds the whole expert adapters gathered from both ranks, in peft's format."""
+    from safetensors.torch import load_file
+
+    _, out, results, _ = shared_launch(version)
+    r0 = results[0]["moe_resume"]
+    assert r0.get("ok") and results[1]["moe_resume"].get("ok"), r0.get("traceback")
+    assert len(r0["A_losses"]) == 4 and r0["B_losses"] == r0["A_losses"][2:], (r0["A_losses"], r0["B_losses"])
+    weights = torch.load(out / "moe_resume" / "weights.pt")
+    assert set(weights["A"]) == set(weights["B"]) and sum(".experts." in k for k in weights["A"]) == 8
+    for key, value in weights["A"].items():
+        torch.testing.assert_close(weights["B"][key], value, rtol=0, atol=0)
+    saved = load_file(str(out / "moe_resume" / "A" / "checkpoint-2" / "adapter_model.safetensors"))
+    experts = {k: v.shape for k, v in saved.items() if ".experts." in k}
+    assert len(experts) == 8, sorted(saved)
+    trained = {k.replace(".default", ""): v.shape for k, v in weights["A"].items() if ".experts." in k}
+    assert {k.removeprefix("base_model.model."): s for k, s in experts.items()} == {
+        k.removeprefix("base_model.model."): s for k, s in trained.items()
+    }  # whole [r*E, in] / [out, r*E] tensors, not one rank's shard

@@ -15,6 +15,7 @@ buffers: FSDP leaves buffers whole on every rank and casts nothing, so they surv
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,12 @@ __all__ = [
     "EXPERT_LAYOUTS",
     "ExpertLayout",
     "QuantizedExperts",
-    "check_no_expert_lora",
     "expert_layout",
     "has_fused_experts",
     "lora_config_for_experts",
+    "packed_expert_bytes",
     "quantize_experts",
+    "run_with_weight",
 ]
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,11 @@ class QuantizedExperts(nn.Module):
     call, ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, and runs the family's
     own gate (``_apply_gate``). Only the experts that tokens were routed to are dequantized, one at a time, so
     the 16-bit copy alive at any moment is one expert's weight, never a layer's whole expert stack.
+
+    LoRA on the experts (peft's ``target_parameters``, :mod:`hf_fsdp_qlora.loading.expert_lora`): peft's
+    ``ParamWrapper`` modules hold the adapters in peft's own layout and format; while they run this module
+    (:meth:`lora_active`) each routed expert's output gets ``scale * (x A_e^T) B_e^T``, with ``A_e``/``B_e`` that
+    expert's slices of ``lora_A``/``lora_B`` - the update peft would add to that expert's weight, never formed.
     """
 
     def __init__(self, experts: nn.Module, layout: ExpertLayout, *, quant_type: str, double_quant: bool, dtype):
@@ -116,6 +123,7 @@ class QuantizedExperts(nn.Module):
         self._family_gate = type(experts)._apply_gate
         self.num_experts = getattr(experts, "num_experts", getattr(experts, layout.weights[0]).shape[0])
         self._meta = {}
+        self._lora = {}  # weight name -> [(lora_A, lora_B, scaling)], set by peft's wrappers while they run
         for name in layout.weights:
             weight = getattr(experts, name).detach()
             packed, absmax, nested = [], [], []
@@ -142,10 +150,39 @@ class QuantizedExperts(nn.Module):
             self._meta[name] = (tuple(weight.shape[1:]), state.blocksize, state.state2.blocksize if nested else None)
         for name in layout.biases:
             self.register_parameter(name, nn.Parameter(getattr(experts, name).detach().to(dtype), requires_grad=False))
+        # Whole, as quantized: under FSDP each rank's parameters hold a part (engagement log, packed_expert_bytes).
+        self.packed_bytes = sum(getattr(self, f"{n}_4bit").nbytes for n in layout.weights)
 
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{n}={[self.num_experts, *self._meta[n][0]]}" for n in self.layout.weights)
         return f"family={self.family}, {self.quant_type}, {shapes}"
+
+    def __getattr__(self, name: str):
+        # peft's ParamWrapper reads the weight it adapts (``getattr(base, "gate_up_proj")``) for its shape, dtype
+        # and device only (its own forward, which would write into it, is replaced: expert_lora.py).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            meta = self.__dict__.get("_meta")
+            if meta is None or name not in meta:
+                raise
+            return self.logical_weight(name)
+
+    def logical_weight(self, name: str) -> torch.Tensor:
+        """A stand-in for the 16-bit weight `name`: its shape, dtype and device, zero bytes (every element one 0)."""
+        packed = self._parameters[f"{name}_4bit"]
+        zero = torch.zeros((), dtype=self.dtype, device=packed.device)
+        return zero.expand(self.num_experts, *self._meta[name][0])
+
+    @contextmanager
+    def lora_active(self, name: str, factors: list):
+        """Within: the weight `name` gets the LoRA updates `factors` (``(lora_A, lora_B, scaling)`` per adapter)."""
+        if factors:
+            self._lora[name] = factors
+        try:
+            yield
+        finally:
+            self._lora.pop(name, None)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._family_gate(self, gate_up)
@@ -183,20 +220,79 @@ class QuantizedExperts(nn.Module):
             out = out + getattr(self, self.layout.biases[index])[expert]
         return out
 
+    def _project_routed(self, x: torch.Tensor, index: int, experts: list[int], counts: list[int]) -> torch.Tensor:
+        """Rows of `x` grouped by expert (`counts` rows for each of `experts`) through weight `index`, with LoRA."""
+        out = torch.cat([self._project(c, index, e) for c, e in zip(x.split(counts), experts)])
+        for lora_A, lora_B, scaling in self._lora.get(self.layout.weights[index], ()):
+            # Through the adapters' own forwards: under FSDP1 each is its own unit and its weight is whole only there.
+            low = run_with_weight(lora_A, _lora_A_rows, x, experts, counts, self.num_experts)
+            delta = run_with_weight(lora_B, _lora_B_rows, low, experts, counts, self.num_experts)
+            out = out + scaling * delta.to(out.dtype)
+        return out
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # num_experts + 1 classes: some routers mark dropped slots with index num_experts.
             mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+        hit = [e for e in hit if e != self.num_experts]
+        if self._lora and hit:
+            # LoRA: every routed row at once, so each adapter runs once per layer (one FSDP1 gather, not one per expert).
+            where = [torch.where(mask[e]) for e in hit]
+            slots, tokens = torch.cat([w[0] for w in where]), torch.cat([w[1] for w in where])
+            counts = [len(w[1]) for w in where]
+            out = self._apply_gate(self._project_routed(hidden_states[tokens], 0, hit, counts))
+            out = self._project_routed(out, 1, hit, counts) * top_k_weights[tokens, slots, None]
+            return final.index_add_(0, tokens, out.to(final.dtype))
         for expert in hit:
-            if expert == self.num_experts:
-                continue
             top_k_pos, token_idx = torch.where(mask[expert])
             out = self._apply_gate(self._project(hidden_states[token_idx], 0, expert))
             out = self._project(out, 1, expert) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
+
+
+def run_with_weight(linear: nn.Module, fn, *args):
+    """``fn(linear.weight, *args)`` run as `linear`'s forward, so FSDP (an FSDP1 unit around `linear`) gathers the
+    weight first. Outside its own unit's forward an FSDP1 weight is a 1-D flat shard, which is why peft's own
+    expert LoRA fails under FSDP1 (``shape '[8, -1, 2048]' is invalid``)."""
+    inner = getattr(linear, "_fsdp_wrapped_module", linear)
+    inner.forward = lambda *a: fn(inner.weight, *a)  # an instance attribute shadows Linear.forward, for this call
+    try:
+        return linear(*args)
+    finally:
+        del inner.forward
+
+
+def _lora_A_rows(weight, x, experts, counts, num_experts):
+    # peft's lora_A for [E, out, in] is [r*E, in]: expert e's rows are e*r .. e*r+r-1.
+    per_expert = weight.unflatten(0, (num_experts, -1))
+    x = x.to(weight.dtype)
+    return torch.cat([c @ per_expert[e].T for c, e in zip(x.split(counts), experts)])
+
+
+def _lora_B_rows(weight, low, experts, counts, num_experts):
+    # peft's lora_B is [out, r*E] read as [out, r, E]: expert e's columns are e, E+e, 2E+e, ...
+    per_expert = weight.unflatten(1, (-1, num_experts))
+    low = low.to(weight.dtype)
+    return torch.cat([c @ per_expert[:, :, e].T for c, e in zip(low.split(counts), experts)])
+
+
+def packed_expert_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of packed 4-bit expert weights this rank holds, bytes of all of them); (0, 0) without 4-bit experts.
+
+    Under FSDP2 a rank holds its DTensor shards, under FSDP1 (``use_orig_params``) its views into the flat shard.
+    """
+    local = full = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedExperts):
+            full += module.packed_bytes
+            for name in module.layout.weights:
+                param = getattr(module, f"{name}_4bit")
+                param = param.to_local() if hasattr(param, "to_local") else param
+                local += param.numel() * param.element_size()
+    return local, full
 
 
 def quantize_experts(model: nn.Module, *, quant_type: str = "nf4", double_quant: bool = True, dtype=None) -> list[str]:
@@ -242,51 +338,26 @@ def quantize_experts(model: nn.Module, *, quant_type: str = "nf4", double_quant:
     return [name for name, _, _ in found]
 
 
-def _quantized_weight_names(model: nn.Module) -> set[str]:
-    return {w for m in model.modules() if isinstance(m, QuantizedExperts) for w in m.layout.weights}
-
-
 def lora_config_for_experts(model: nn.Module, lora_config):
     """`lora_config` made to fit a model with 4-bit experts, before ``get_peft_model``.
 
     peft (0.21) rewrites ``target_modules="all-linear"`` on MoE families into parameter targets on the router and
-    the experts (``target_parameters``), which 4-bit experts do not take yet. So "all-linear" becomes the model's
-    linear layers by name (attention, shared experts), and asking for LoRA on expert weights is a clear error.
+    the experts (``target_parameters``). "all-linear" stays what it says here - the model's linear layers by name
+    (attention, shared experts) - and LoRA on the experts is asked for by name (``target_parameters``).
     """
-    expert_weights = _quantized_weight_names(model)
-    if not expert_weights:
+    if not any(isinstance(m, QuantizedExperts) for m in model.modules()) or lora_config.target_modules != "all-linear":
         return lora_config
-    _refuse_expert_targets(lora_config, expert_weights)
-    if lora_config.target_modules == "all-linear":
-        import copy
+    import copy
 
-        out = model.get_output_embeddings()
-        names = sorted(
-            {
-                name.rsplit(".", 1)[-1]
-                for name, m in model.named_modules()
-                if isinstance(m, nn.Linear) and m is not out and "." in name
-            }
-        )
-        lora_config = copy.deepcopy(lora_config)
-        lora_config.target_modules = names
-        logger.info("hf_fsdp_qlora: LoRA targets on this MoE model (4-bit experts): %s", names)
+    out = model.get_output_embeddings()
+    names = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not out and "." in name
+        }
+    )
+    lora_config = copy.deepcopy(lora_config)
+    lora_config.target_modules = names
+    logger.info("hf_fsdp_qlora: LoRA targets on this MoE model (4-bit experts): %s", names)
     return lora_config
-
-
-def check_no_expert_lora(peft_model) -> None:
-    """After ``get_peft_model``: refuse a config that peft turned into LoRA on 4-bit expert weights (matching nothing)."""
-    expert_weights = _quantized_weight_names(peft_model)
-    for config in getattr(peft_model, "peft_config", {}).values():
-        _refuse_expert_targets(config, expert_weights)
-
-
-def _refuse_expert_targets(lora_config, expert_weights: set[str]) -> None:
-    targets = sorted(getattr(lora_config, "target_parameters", None) or [])
-    wanted = [t for t in targets if t.rsplit(".", 1)[-1] in expert_weights]
-    if wanted:
-        raise UnsupportedSetupError(
-            f"LoRA on mixture-of-experts weights ({wanted}) is not supported on 4-bit experts yet. Train LoRA on the "
-            "attention (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']) with the experts in 4 bits, or "
-            "pass quantize_experts=False to load_qlora_model to keep the experts 16-bit for expert LoRA."
-        )

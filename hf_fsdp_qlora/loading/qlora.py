@@ -13,7 +13,8 @@ from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..prequantized import checkpoint_quantization, refuse_saved_quantized_experts, refuse_unviewable_storage
-from .experts import EXPERT_LAYOUTS, check_no_expert_lora, lora_config_for_experts
+from .expert_lora import check_target_parameters, peft_sees_expert_weights
+from .experts import EXPERT_LAYOUTS, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
 
 __all__ = ["load_qlora_model", "default_lora_config"]
@@ -213,9 +214,8 @@ def load_qlora_model(
         # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
         view_packed_storage_as(model, dtype)
     if quantize_experts:
-        if (
-            prequantized is not None
-        ):  # a stock 4-bit MoE checkpoint: its 16-bit experts take the checkpoint's quantization
+        if prequantized is not None:
+            # A stock 4-bit MoE checkpoint: its 16-bit experts take the checkpoint's own quantization.
             quant_type, double_quant = prequantized.quant_type, prequantized.double_quant
         quantize_expert_weights(model, quant_type=quant_type, double_quant=double_quant, dtype=dtype)
     disable_cpu_repack_in_model(model)
@@ -223,8 +223,8 @@ def load_qlora_model(
     lora_config = lora_config if lora_config is not None else default_lora_config()
     if quantize_experts:
         lora_config = lora_config_for_experts(model, lora_config)
-    model = _apply_lora(model, lora_config)
-    if quantize_experts:
-        check_no_expert_lora(model)
+    check_target_parameters(model, lora_config)
+    with peft_sees_expert_weights(model):  # LoRA on 4-bit experts: peft builds its own wrappers (expert_lora.py)
+        model = _apply_lora(model, lora_config)
     harmonize_dtypes(model, dtype)
     return model

@@ -56,10 +56,16 @@ def engagement_summary(model, version: int, found: dict) -> str:
             size = param.element_size()
             total += param.numel() * size
             local += (param.to_local().numel() if hasattr(param, "to_local") else param.numel()) * size
+    from ..loading.experts import packed_expert_bytes
+
+    experts_local, experts_full = packed_expert_bytes(model)
+    experts = (
+        f"; 4-bit experts: this rank holds {experts_local} of {experts_full} packed bytes" if experts_full else ""
+    )
     return (
         f"FSDP{version} engaged on {world} rank(s): {units or 'no'} units; this rank holds {human_size(local)} of "
         f"{human_size(total)} of parameters ({found.get('dtensor_params', 0)} DTensor parameters, "
-        f"{found.get('flat_params', 0)} FlatParameters)"
+        f"{found.get('flat_params', 0)} FlatParameters){experts}"
     )
 
 

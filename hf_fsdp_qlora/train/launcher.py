@@ -25,6 +25,7 @@ import traceback
 # The environment switches of unchanged scripts, read here only (the launcher edge).
 AUTO_RESUME_ENV = "HF_FSDP_QLORA_AUTO_RESUME"
 STOP_AFTER_ENV = "HF_FSDP_QLORA_STOP_AFTER"
+QUANTIZE_EXPERTS_ENV = "HF_FSDP_QLORA_QUANTIZE_EXPERTS"
 
 USAGE = """usage: python -m hf_fsdp_qlora.run SCRIPT.py [SCRIPT_ARGS...]
        python -m hf_fsdp_qlora.run -m MODULE [SCRIPT_ARGS...]
@@ -40,7 +41,14 @@ Preemption (docs/preemption.md): on SIGTERM or SIGUSR1 every rank saves one chec
 and exits with status 75 (and leaves OUTPUT_DIR/preempted.json). Environment:
   HF_FSDP_QLORA_AUTO_RESUME=1        resume from the latest complete checkpoint in output_dir (fresh when none)
   HF_FSDP_QLORA_STOP_AFTER=HH:MM:SS  checkpoint and exit the same way after this much wall-clock time
+  HF_FSDP_QLORA_QUANTIZE_EXPERTS=0   keep a mixture-of-experts model's experts 16-bit under --load_in_4bit
+                                     (default: quantized to 4 bits like the linear layers, before peft and FSDP)
 """
+
+
+def quantize_experts_from_env(environ=os.environ) -> bool:
+    """HF_FSDP_QLORA_QUANTIZE_EXPERTS: on unless set to 0/false/no (case and spaces ignored)."""
+    return environ.get(QUANTIZE_EXPERTS_ENV, "1").strip().lower() not in ("0", "false", "no")
 
 
 def _finish(code: int) -> None:
@@ -81,10 +89,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
     from ..cpu_rehearsal import enable_cpu_fsdp
+    from ..loading.expert_lora import quantize_experts_before_peft
     from .trainer_hook import install_trainer_hook
 
     enable_cpu_fsdp()
     install_trainer_hook(adopt_all=True)
+    quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV, quantize=quantize_experts_from_env())
 
     code = 0
     try:

@@ -101,3 +101,25 @@ def run_mode(mode, out, version, path, found):
 
 if __name__ == "__main__":
     main()
+
+
+def run_expert_lora_resume(name, path, out, version):
+    """A scenario of the shared train launches (tests/test_moe.py): LoRA on 4-bit experts, 4 steps with a
+    checkpoint at step 2 (run A), and a fresh model resumed from it for steps 3-4 (run B)."""
+
+    def trainer(folder, **kw):
+        model = load_qlora_model(path, lora_config=ts.expert_lora_config(), gradient_checkpointing=False)
+        args = ts.training_args(out / name / folder, version, "qwen3_moe", steps=4, save_steps=2, **kw)
+        t = ts.LossRecorder(model=model, args=args, train_dataset=ts.TokenDataset())
+        t.losses = []
+        return t
+
+    a = trainer("A", save_strategy="steps", seed=7)
+    a.train()
+    weights_a = finish(a, version)
+    b = trainer("B", save_strategy="no", seed=7)
+    b.train(resume_from_checkpoint=str(out / name / "A" / "checkpoint-2"))
+    weights_b = finish(b, version)
+    if dist.get_rank() == 0:
+        torch.save({"A": weights_a, "B": weights_b}, out / name / "weights.pt")
+    return {"A_losses": a.losses, "B_losses": b.losses}

@@ -55,6 +55,12 @@ def lora_config(**kw):
     return LoraConfig(**kwargs)
 
 
+def expert_lora_config():
+    """LoRA on the experts' fused weights (peft's target_parameters, as trl's --lora_target_parameters) and q/v."""
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    return lora_config(target_modules=["q_proj", "v_proj"], target_parameters=targets)
+
+
 def bnb_config(storage=torch.bfloat16, eight_bit=False):
     from transformers import BitsAndBytesConfig
 
@@ -279,6 +285,12 @@ def build_model(path, kind):
                 return torch.utils.data.DataLoader(self.train_dataset, batch_size=BATCH)
 
         return load_qlora_model(path, lora_config=lora_config(), gradient_checkpointing=False), NoSampler, None
+    if kind == "expertlora":  # MoE: LoRA on the 4-bit experts (peft target_parameters) and on attention
+        return (
+            load_qlora_model(path, lora_config=expert_lora_config(), gradient_checkpointing=False),
+            LossRecorder,
+            None,
+        )
     if kind == "full":  # full fine-tune: no quantization, no adapter
         from transformers import AutoModelForCausalLM
 
@@ -293,6 +305,10 @@ def build_model(path, kind):
         "kbitprep": lambda: user_loaded(path, kbit_prep=True),
         "uint8": lambda: user_loaded(path, storage=torch.uint8),
         "int8": lambda: user_loaded(path, eight_bit=True),
+        # peft's own LoRA on 16-bit experts (quantize_experts=False): peft reads lora_A.weight outside its unit
+        "expertlora16": lambda: load_qlora_model(
+            path, lora_config=expert_lora_config(), gradient_checkpointing=False, quantize_experts=False
+        ),
     }[problem]()
     return model, (Trainer if who == "stock" else LossRecorder), None
 
@@ -302,6 +318,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         import packing_scenarios
 
         return packing_scenarios.run(name, path, out, version, arch, kind)
+    if kind == "expertresume":  # LoRA on 4-bit experts: checkpoint and exact resume (tests/test_moe.py)
+        import resume_scenarios
+
+        return resume_scenarios.run_expert_lora_resume(name, path, out, version)
     result = {"scenario": name}
     model, trainer_cls, callbacks = build_model(path, kind)
     result["checksum_before_trainer"] = checksum(trainable_snapshot(model))

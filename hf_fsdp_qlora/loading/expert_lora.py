@@ -1,0 +1,171 @@
+"""LoRA on 4-bit experts, in peft's own adapter format (peft's ``target_parameters``).
+
+peft 0.21 adapts a fused 3-D expert weight ``[E, out, in]`` with a ``ParamWrapper`` module holding ``lora_A``
+``[r*E, in]`` and ``lora_B`` ``[out, r*E]`` (two targets on one module nest: the second wrapper wraps the first),
+and in its forward it adds the update to the weight through ``torch.nn.utils.parametrize``. A
+:class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts` has no 16-bit weight to parametrize - only packed bytes.
+So here:
+
+* while peft injects adapters (:func:`peft_sees_expert_weights`), each 4-bit experts module shows peft a zero-byte
+  stand-in parameter under the family's weight name, with the 16-bit weight's shape and dtype: peft builds its
+  wrappers exactly as on the 16-bit model (same module tree, same state-dict keys, same shapes), so a saved
+  adapter loads with ``PeftModel.from_pretrained`` on the 16-bit base. The stand-ins are removed afterwards, so
+  FSDP never sees them;
+* every wrapper over 4-bit experts gets a forward of its own (:func:`attach_expert_lora`; an instance attribute,
+  peft's class is untouched and keeps its name, which peft checks) that hands its adapters to the experts module,
+  which adds each routed expert's LoRA term itself (``QuantizedExperts.lora_active``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from contextlib import contextmanager
+
+from torch import nn
+
+from ..errors import UnsupportedSetupError
+from .experts import QuantizedExperts, has_fused_experts, quantize_experts
+
+__all__ = ["attach_expert_lora", "check_target_parameters", "peft_sees_expert_weights", "quantize_experts_before_peft"]
+
+logger = logging.getLogger(__name__)
+
+
+_NO_MERGE = (
+    "A LoRA adapter on 4-bit experts cannot be merged into the packed 4-bit expert weights (peft would add the update "
+    "to a 16-bit weight that does not exist). Save the adapter and merge it into the 16-bit base model instead."
+)
+
+
+def _refuse_merge(self, *args, **kwargs):
+    raise UnsupportedSetupError(_NO_MERGE)
+
+
+def _wrapper_forward(self, x, *args, **kwargs):
+    """A peft ``ParamWrapper``'s forward over 4-bit experts: its active adapters go to the experts module."""
+    self._check_forward_args(x, *args, **kwargs)
+    kwargs.pop("adapter_names", None)
+    active = [] if self.disable_adapters else [a for a in self.active_adapters if a in self.lora_A]
+    factors = [(self.lora_A[a], self.lora_B[a], self.scaling[a]) for a in active]
+    with self.get_base_layer().lora_active(self.parameter_name, factors):
+        return self.base_layer(x, *args, **kwargs)
+
+
+def attach_expert_lora(model: nn.Module) -> int:
+    """Give every peft ``ParamWrapper`` over 4-bit experts in `model` the forward above, and a ``merge`` that refuses
+    clearly (peft's would write into the zero-byte stand-in). Idempotent.
+
+    Returns:
+        How many wrappers adapt 4-bit experts.
+    """
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ == "ParamWrapper" and isinstance(module.get_base_layer(), QuantizedExperts):
+            if getattr(module.forward, "__func__", None) is not _wrapper_forward:
+                module.forward = types.MethodType(_wrapper_forward, module)
+                module.merge = types.MethodType(_refuse_merge, module)
+            count += 1
+    return count
+
+
+@contextmanager
+def peft_sees_expert_weights(model: nn.Module):
+    """Within: every 4-bit experts module of `model` holds zero-byte stand-ins of its 16-bit weights as parameters,
+    for peft's ``target_parameters`` matching (it looks at registered parameters only). On exit they are gone and
+    the wrappers peft built over them run the 4-bit experts (:func:`attach_expert_lora`)."""
+    added = []
+    for module in model.modules():
+        if isinstance(module, QuantizedExperts):
+            for name in module.layout.weights:
+                if name not in module._parameters:
+                    module._parameters[name] = nn.Parameter(module.logical_weight(name), requires_grad=False)
+                    added.append((module, name))
+    try:
+        yield
+    finally:
+        for module, name in added:
+            module._parameters.pop(name, None)
+        attach_expert_lora(model)
+
+
+def _matches(key: str, target: str) -> bool:
+    # peft's rule (tuners_utils._inject_parameters): the full name, or a suffix at a dot.
+    return key == target or key.endswith(f".{target}")
+
+
+def check_target_parameters(model: nn.Module, lora_config) -> None:
+    """Before ``get_peft_model``: every ``target_parameters`` name must match a weight of `model`.
+
+    peft only complains when none matches, and on 4-bit experts a name could match the packed bytes. Raises
+    :class:`UnsupportedSetupError` naming the name and the weights it could have meant.
+    """
+    targets = list(getattr(lora_config, "target_parameters", None) or [])
+    if not targets:
+        return
+    weights, packed, expert_names = set(), {}, set()
+    for module_name, module in model.named_modules():
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        if isinstance(module, QuantizedExperts):
+            packed.update({f"{module_name}.{n}_4bit": n for n in module.layout.weights})
+            names = list(module.layout.weights)
+            expert_names.update(f"{module_name.rsplit('.', 2)[-2]}.experts.{n}" for n in names if "." in module_name)
+        weights.update(f"{module_name}.{n}" for n in names)
+    for target in targets:
+        hit_packed = sorted({w for key, w in packed.items() if _matches(key, target)})
+        if hit_packed:
+            raise UnsupportedSetupError(
+                f"LoRA target_parameters {target!r} names the packed 4-bit bytes of the experts, which are not "
+                f"weights. Target the experts' weights by their 16-bit names instead, e.g. "
+                f"target_parameters=['mlp.experts.{hit_packed[0]}']."
+            )
+        if not any(_matches(key, target) for key in weights):
+            raise UnsupportedSetupError(
+                f"LoRA target_parameters {target!r} matches no parameter of this model (peft ignores such a name "
+                f"silently when another one matches). Name the weights to adapt, e.g. {sorted(expert_names) or ''} "
+                "(trl: --lora_target_parameters mlp.experts.gate_up_proj mlp.experts.down_proj)."
+            )
+
+
+def _quantize_experts_of_4bit_model(model: nn.Module, env_switch: str) -> None:
+    from ..dtypes import quantization_kind, training_dtype
+
+    if quantization_kind(model) != "4bit" or not has_fused_experts(model):
+        return
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    if isinstance(quant, dict):
+        quant = types.SimpleNamespace(**quant)
+    quant_type = getattr(quant, "bnb_4bit_quant_type", None) or "nf4"
+    double_quant = bool(getattr(quant, "bnb_4bit_use_double_quant", False))
+    try:
+        # The one dtype the run's FSDP units will hold (the linear layers' packed bytes are viewed as it later).
+        quantize_experts(model, quant_type=quant_type, double_quant=double_quant, dtype=training_dtype(model))
+    except UnsupportedSetupError as err:
+        raise UnsupportedSetupError(f"{err} With `-m hf_fsdp_qlora.run`: set {env_switch}=0 instead.") from err
+
+
+def quantize_experts_before_peft(env_switch: str, quantize: bool = True) -> None:
+    """Wrap peft's ``BaseTuner.inject_adapter`` (once) for scripts that build their peft model themselves (trl's
+    ``sft.py --load_in_4bit --use_peft``): a model loaded in 4 bits whose experts are still 16-bit gets them
+    quantized first (with its linear layers' quant type and double quant), unless `quantize` is False; every
+    ``target_parameters`` name must match a weight; LoRA on 4-bit experts works as with ``load_qlora_model``.
+    All of it happens before the Trainer wraps the model in FSDP. `env_switch` names the switch in messages."""
+    from peft.tuners.tuners_utils import BaseTuner
+
+    original = BaseTuner.inject_adapter
+    if getattr(original, "hf_fsdp_qlora_experts", None) is not None:
+        original.hf_fsdp_qlora_experts["quantize"] = quantize
+        return
+    settings = {"quantize": quantize}
+
+    @functools.wraps(original)
+    def inject_adapter(self, model, adapter_name, *args, **kwargs):
+        if settings["quantize"]:
+            _quantize_experts_of_4bit_model(model, env_switch)
+        check_target_parameters(model, self.peft_config[adapter_name])
+        with peft_sees_expert_weights(model):
+            return original(self, model, adapter_name, *args, **kwargs)
+
+    inject_adapter.hf_fsdp_qlora_experts = settings
+    BaseTuner.inject_adapter = inject_adapter
