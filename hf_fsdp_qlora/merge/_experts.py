@@ -135,11 +135,11 @@ def read_param_targets(base: Path, config: dict, entries) -> ParamTargets:
     model = meta_model(base)
     module_params, shapes, transposed = {}, {}, set()
     for name, module in model.named_modules():
-        own = [p for p, v in module._parameters.items() if v is not None]
+        own = dict(module.named_parameters(recurse=False))
         if own:
-            module_params[name] = own
-            for p in own:
-                shapes[f"{name}.{p}" if name else p] = tuple(module._parameters[p].shape)
+            module_params[name] = list(own)
+            for p, value in own.items():
+                shapes[f"{name}.{p}" if name else p] = tuple(value.shape)
         if getattr(module, "is_transposed", False):
             transposed.add(name)
     targets = ParamTargets(names, module_params, shapes, transposed)
