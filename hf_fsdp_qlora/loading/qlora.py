@@ -1,4 +1,4 @@
-"""`load_qlora_model`: one dtype choice -> a consistent 4-bit base + LoRA model, ready for FSDP."""
+"""`load_qlora_model`: one dtype choice -> a consistent 4-bit (or 8-bit) base + LoRA model, ready for FSDP."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from ..causal_lm import causal_lm_problem
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
-from ..prequantized import checkpoint_quantization, refuse_unviewable_storage
-from .experts import check_no_expert_lora, lora_config_for_experts
+from ..prequantized import checkpoint_quantization, quantized_bits, refuse_unviewable_storage
+from .experts import check_no_expert_lora, has_fused_experts, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
+from .int8 import convert_int8_layers
 
 __all__ = ["load_qlora_model", "default_lora_config"]
 
@@ -64,8 +65,18 @@ def _check_causal_lm(config) -> None:
         )
 
 
-def _prequantized_check(config, dtype: torch.dtype):
+def _prequantized_check(config, dtype: torch.dtype, bits: int):
     """The checkpoint's own 4-bit quantization, refused before any weight is read if the run cannot use it."""
+    saved_bits = quantized_bits(config)
+    if bits == 8:
+        if saved_bits == 4:
+            raise UnsupportedSetupError(
+                "bits=8 was asked for, but this checkpoint is pre-quantized in 4 bits (its config.json has "
+                "quantization_config.load_in_4bit=true): its 4-bit weights cannot be turned back into 8 bits. Pass "
+                "bits=4 to train it as it is, or load the original 16-bit checkpoint with bits=8."
+            )
+        checkpoint_quantization(config, allow_8bit=True)  # other methods are refused; a saved 8-bit base loads
+        return None
     quant = checkpoint_quantization(config)
     if quant is not None and quant.storage != str(dtype).removeprefix("torch."):
         from ..doctor.shapes import model_shape  # the config's shapes, built on the meta device
@@ -117,9 +128,10 @@ def load_qlora_model(
     trust_remote_code: bool = False,
     low_cpu_ram: bool = False,
     quantize_experts: bool = True,
+    bits: int = 4,
     **from_pretrained_kwargs,
 ):
-    """Load a causal LM in 4 bits and add LoRA adapters, with one dtype driving everything.
+    """Load a causal LM in 4 bits (or 8) and add LoRA adapters, with one dtype driving everything.
 
     ``bnb_4bit_quant_storage`` = ``bnb_4bit_compute_dtype`` = model dtype = adapter dtype = `dtype`, so
     every FSDP unit (FSDP1 FlatParameter or FSDP2 group) holds one floating dtype and FSDP's
@@ -142,6 +154,9 @@ def load_qlora_model(
             every rank. A single process loads normally.
         quantize_experts: quantize the fused 3-D expert weights of a mixture-of-experts model to 4 bits too
             (:mod:`hf_fsdp_qlora.loading.experts`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
+        bits: 4 (default: NF4/FP4 QLoRA) or 8: bitsandbytes' row-wise int8 (``load_in_8bit``), each int8 layer held
+            as :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` so FSDP shards it (``quant_type``/``double_quant`` are
+            4-bit settings and are not used). A checkpoint saved after 8-bit loading loads with ``bits=8``.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -149,26 +164,34 @@ def load_qlora_model(
 
     Raises:
         FileNotFoundError: the path does not exist or holds no config.json.
-        UnsupportedSetupError: not a causal LM; LoRA targets match nothing; 8-bit asked for; a pre-quantized
-            checkpoint that is 8-bit, not bitsandbytes, or whose packed bytes cannot be viewed as `dtype`
-            (raised before any weight is read); an MoE family whose experts we cannot quantize (pass
-            ``quantize_experts=False`` to keep them 16-bit knowingly).
+        UnsupportedSetupError: not a causal LM; LoRA targets match nothing; ``load_in_8bit=`` passed (use ``bits=8``);
+            a pre-quantized checkpoint that is not bitsandbytes, 8-bit under ``bits=4`` (or 4-bit under ``bits=8``),
+            or whose packed bytes cannot be viewed as `dtype` (raised before any weight is read); an MoE family
+            whose experts we cannot quantize (pass ``quantize_experts=False`` to keep them 16-bit knowingly).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = resolve_dtype(dtype)
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type={quant_type!r} is not supported: use 'nf4' (default) or 'fp4'.")
-    for key in ("load_in_8bit", "quantization_config", "torch_dtype", "dtype"):
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits!r} is not supported: use 4 (NF4/FP4, the default) or 8 (bitsandbytes int8).")
+    for key in ("load_in_8bit", "load_in_4bit", "quantization_config", "torch_dtype", "dtype"):
         if key in from_pretrained_kwargs:
             raise UnsupportedSetupError(
-                f"load_qlora_model sets {key!r} itself from `dtype` (4-bit NF4/FP4; 8-bit cannot be sharded by "
-                f"FSDP). Remove {key}=... and pass dtype=torch.bfloat16 (or float16/float32) instead."
+                f"load_qlora_model sets {key!r} itself from `bits` and `dtype`. Remove {key}=... and pass bits=4 "
+                "(NF4, default) or bits=8 (int8), and dtype=torch.bfloat16 (or float16/float32) instead."
             )
     config = _load_config(model_name_or_path, trust_remote_code)
     _check_causal_lm(config)
 
-    prequantized = _prequantized_check(config, dtype)
+    prequantized = _prequantized_check(config, dtype, bits)
+    if bits == 8 and quantize_experts and _has_fused_experts(config, trust_remote_code):
+        raise UnsupportedSetupError(
+            "bits=8 on a mixture-of-experts model: its fused expert weights are quantized in 4 bits only "
+            "(hf_fsdp_qlora.loading.experts) and bitsandbytes' 8-bit loading leaves them 16-bit. Pass "
+            "quantize_experts=False to train with 16-bit experts knowingly, or bits=4."
+        )
     quantization_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant_type,
@@ -176,6 +199,9 @@ def load_qlora_model(
         bnb_4bit_compute_dtype=dtype,
         bnb_4bit_quant_storage=dtype,
     )
+    if bits == 8:
+        # A checkpoint saved after 8-bit loading brings its own quantization_config (and int8 weights + SCB).
+        quantization_config = None if quantized_bits(config) == 8 else BitsAndBytesConfig(load_in_8bit=True)
     if prequantized is not None:
         # transformers loads a pre-quantized checkpoint with its own quantization_config whatever is passed (and
         # warns; an explicit None would drop it): pass none, and make its storage dtype the run's dtype after loading.
@@ -208,7 +234,7 @@ def load_qlora_model(
     if prequantized is not None:
         # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
         view_packed_storage_as(model, dtype)
-    if quantize_experts:
+    if quantize_experts and bits == 4:
         quantize_expert_weights(model, quant_type=quant_type, double_quant=double_quant, dtype=dtype)
     disable_cpu_repack_in_model(model)
     _freeze_for_kbit_training(model, gradient_checkpointing)
@@ -218,5 +244,20 @@ def load_qlora_model(
     model = _apply_lora(model, lora_config)
     if quantize_experts:
         check_no_expert_lora(model)
+    if bits == 8:  # after peft, which wraps bitsandbytes' Linear8bitLt: its LoRA layers keep their own forward
+        convert_int8_layers(model, dtype)
     harmonize_dtypes(model, dtype)
     return model
+
+
+def _has_fused_experts(config, trust_remote_code: bool) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - no meta build from this config: nothing to decide here
+        return False
+    return has_fused_experts(skeleton)
