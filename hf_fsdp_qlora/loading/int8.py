@@ -30,8 +30,9 @@ from torch import nn
 
 from ..dtypes import INT8_BYTES_ATTR
 from ..errors import UnsupportedSetupError
+from ._transfer import _ROWS_ATTR
 
-__all__ = ["Int8Linear", "convert_int8_layers", "int8_layer_count"]
+__all__ = ["Int8Linear", "convert_int8_layers", "int8_layer_count", "keep_int8_scales"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,20 +91,18 @@ class Int8Linear(nn.Module):
                 "(the default), e.g. load_qlora_model(path, bits=8)."
             )
         scales = getattr(weight, "SCB", None)
-        if scales is None:  # moved to the layer's state by its first forward
-            scales = layer.state.SCB
+        if scales is None:  # moved to the layer's state by its first forward, or received as a buffer (low_ram)
+            scales = layer.state.SCB if layer.state.SCB is not None else layer._buffers.get("SCB")
         out_features, in_features = weight.shape
-        width = torch.empty((), dtype=dtype).element_size()
-        if in_features % width:
-            raise UnsupportedSetupError(
-                f"{name or 'An 8-bit layer'} has in_features={in_features}, not a multiple of {width}: its int8 rows "
-                f"cannot be viewed as {dtype} for FSDP. Train this model with dtype=torch.bfloat16 (2 bytes)."
-            )
+        _viewed_width(in_features, dtype, name)
         data = weight.data.contiguous().view(dtype)
         bias = layer.bias
         if bias is not None:
             bias = nn.Parameter(bias.data.to(dtype), requires_grad=bias.requires_grad)
-        return cls(in_features, out_features, data, scales.to(torch.float32), bias)
+        converted = cls(in_features, out_features, data, scales.to(torch.float32), bias)
+        if hasattr(layer, _ROWS_ATTR):  # the rows this rank received (low_ram): the same rows, the same bytes
+            object.__setattr__(converted, _ROWS_ATTR, getattr(layer, _ROWS_ATTR))
+        return converted
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(x)
@@ -112,8 +111,50 @@ class Int8Linear(nn.Module):
             out = out + self.bias.to(dtype)
         return out
 
+    def __getattr__(self, name: str):
+        if name == "state":  # what peft's 8-bit merge/unmerge and DoRA read from a bitsandbytes layer
+            raise AttributeError(
+                "'Int8Linear' object has no attribute 'state': this 8-bit layer holds its int8 bytes for FSDP "
+                "(hf_fsdp_qlora.loading.int8), not as bitsandbytes' Linear8bitLt, so peft cannot merge into it "
+                "(merge_and_unload). Save the adapter and merge it into the 16-bit base with merge-adapters."
+            )
+        return super().__getattr__(name)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _viewed_width(in_features: int, dtype: torch.dtype, name: str) -> int:
+    """How many `dtype` elements hold one row of `in_features` int8 codes."""
+    width = torch.empty((), dtype=dtype).element_size()
+    if in_features % width:
+        raise UnsupportedSetupError(
+            f"{name or 'An 8-bit layer'} has in_features={in_features}, not a multiple of {width}: its int8 rows "
+            f"cannot be viewed as {dtype} for FSDP. Train this model with dtype=torch.bfloat16 (2 bytes)."
+        )
+    return in_features // width
+
+
+def keep_int8_scales(model) -> int:
+    """Register each bitsandbytes ``Linear8bitLt``'s row scales as its buffer ``SCB`` (meta-device skeletons: an
+    empty one of the same shape), so a transfer that moves parameters and buffers moves them too.
+
+    bitsandbytes keeps them as an attribute of the weight (``weight.SCB``), which loading/low_ram.py's rank-to-rank
+    transfer would not see; :func:`convert_int8_layers` reads the buffer when the weight has none.
+    """
+    linear8 = _bnb_linear8()
+    count = 0
+    for module in model.modules():
+        if linear8 is None or not isinstance(module, linear8):
+            continue
+        scales = getattr(module.weight, "SCB", None)
+        if scales is None:
+            scales = module.state.SCB
+        if scales is None and module.weight.is_meta:
+            scales = torch.empty(module.weight.shape[0], dtype=torch.float32, device="meta")
+        module.register_buffer("SCB", scales)
+        count += 1
+    return count
 
 
 def _bnb_linear8():
@@ -153,6 +194,15 @@ def convert_int8_layers(model, dtype: torch.dtype) -> int:
     ]
     if not found:
         return 0
+    dora = [name for parent, _, _, name in found if len(getattr(parent, "lora_magnitude_vector", None) or ())]
+    if dora:
+        # peft's DoRA re-reads the base weight each step through its own bitsandbytes dequantization, which would read
+        # the viewed bytes of Int8Linear as values: refuse rather than train on garbage.
+        raise UnsupportedSetupError(
+            f"DoRA (use_dora=True) on an 8-bit base is not supported under FSDP ({len(dora)} layers, e.g. {dora[0]}): "
+            "peft's DoRA reads the int8 weight through bitsandbytes' own state. Use plain LoRA on the 8-bit base "
+            "(use_dora=False), or DoRA on a 4-bit base: load_qlora_model(path, bits=4, lora_config=...)."
+        )
     thresholds = sorted({float(getattr(child.state, "threshold", 0.0)) for _, _, child, _ in found})
     for parent, child_name, child, name in found:
         setattr(parent, child_name, Int8Linear.from_bnb(child, dtype, name))

@@ -15,7 +15,7 @@ from ..errors import UnsupportedSetupError
 from ..prequantized import checkpoint_quantization, quantized_bits, refuse_unviewable_storage
 from .experts import check_no_expert_lora, has_fused_experts, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
-from .int8 import convert_int8_layers
+from .int8 import convert_int8_layers, keep_int8_scales
 
 __all__ = ["load_qlora_model", "default_lora_config"]
 
@@ -220,6 +220,7 @@ def load_qlora_model(
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             whole_experts=quantize_experts,
+            prepare=keep_int8_scales if bits == 8 else None,  # the int8 row scales travel as buffers
             **from_pretrained_kwargs,
         )
     else:

@@ -312,6 +312,11 @@ def build_model(path, kind):
             Int8Recorder,
             None,
         )
+    if kind == "int8_lowram":  # tests/test_int8.py: load_qlora_model(bits=8, low_cpu_ram=True)
+        model = load_qlora_model(
+            path, bits=8, lora_config=lora_config(), gradient_checkpointing=False, low_cpu_ram=True
+        )
+        return model, Int8Recorder, None
     if kind == "int8_callback":  # tests/test_int8.py: stock Trainer + our callback on a load_in_8bit model
         return user_loaded(path, eight_bit=True), _recording(_batch_recording(Trainer)), [FSDPQLoRACallback()]
     if kind == "full":  # full fine-tune: no quantization, no adapter
