@@ -243,7 +243,7 @@ def test_trains_under_fsdp_as_single_process(shared_launch, llama, version, name
         f"int8 FSDP{version} {name}: max |loss - single process| = {max(abs(a - b) for a, b in zip(fsdp, replayed))}"
     )
     assert fsdp[0] == pytest.approx(replayed[0], rel=1e-6)
-    assert fsdp == pytest.approx(replayed, abs=2e-3)
+    assert fsdp == pytest.approx(replayed, abs=1e-3)  # measured: 1.6e-4 (FSDP1 and FSDP2), bf16 gradients
     assert fsdp[1:] != pytest.approx(fsdp[:1] * 2, abs=1e-3), "training did not move the loss"
 
 
@@ -299,13 +299,38 @@ def test_trl_sft_script_trains_8bit_and_resumes(trl_runs):
         "int8 trl FSDP1-resumed vs FSDP2:", {s: resumed[s] - full[s] for s in (3, 4)}, resumed_eval[-1] - full_eval[-1]
     )
     # FSDP1 resumed from FSDP2's step-2 checkpoint: the uninterrupted run's losses and adapter, within bf16
-    # autocast's rounding over a different sharding (measured: losses 1e-3, adapter 1e-5).
-    assert [resumed[s] for s in (3, 4)] == pytest.approx([full[s] for s in (3, 4)], abs=5e-3)
+    # autocast's rounding over a different sharding. Measured: step 3's loss equal, step 4's 2.2e-4 apart, eval 7e-5;
+    # the adapter 1.06e-3 (Adam moves every weight by up to the learning rate, 1e-3, whatever its gradient's size).
+    assert resumed[3] == pytest.approx(full[3], rel=1e-6)  # the restored adapters and optimizer state
+    assert resumed[4] == pytest.approx(full[4], abs=2e-3)
     assert resumed_eval[-1] == pytest.approx(full_eval[-1], abs=5e-3)
     print("int8 trl adapter diff:", max(float((adapters[1][k] - v).abs().max()) for k, v in adapters[2].items()))
     for key, value in adapters[2].items():
-        torch.testing.assert_close(adapters[1][key], value, rtol=0, atol=1e-3)
+        torch.testing.assert_close(adapters[1][key], value, rtol=0, atol=2.5e-3)
     # The adapter loads onto the 16-bit base as peft loads any adapter, every key used.
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), str(runs[2][0]))
     loaded = {k.replace(".default", "").removeprefix("base_model.model.") for k in peft_model.state_dict()}
     assert {k.removeprefix("base_model.model.") for k in adapters[2]} <= loaded
+
+
+@pytest.mark.distributed
+def test_benchmark_smoke():
+    """benchmarks/int8.py in its smallest form: each contestant trained as it claims, figures printed."""
+    import subprocess
+
+    from dist_utils import REPO
+
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "int8.py"), "--hidden", "64", "--layers", "2", "--steps", "3",
+         "--warmup", "1", "--json"],
+        capture_output=True, text=True, timeout=600, check=False, cwd=str(REPO),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = json.loads(proc.stdout[proc.stdout.index("\n{\n") :])["contestants"]
+    assert rows["int8_fsdp2"]["base_share"] == rows["nf4_fsdp2"]["base_share"] == 0.5  # sharded 1/2 per rank
+    assert rows["int8_single"]["base_share"] == 1.0
+    # int8: 1 byte per weight; NF4: half a byte (its absmax are not in the weight) - the oracle is the arithmetic.
+    assert rows["int8_fsdp2"]["base_bytes_total"] == 2 * rows["nf4_fsdp2"]["base_bytes_total"]
+    assert rows["int8_fsdp2"]["base_bytes_total"] == rows["int8_single"]["base_bytes_total"]
+    assert all(row["step_s"] > 0 for row in rows.values())
+    assert "int8_fsdp2" in proc.stdout and "step vs 1 proc" in proc.stdout
