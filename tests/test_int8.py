@@ -16,7 +16,12 @@ import sys
 
 import pytest
 import torch
-from dist_utils import SCRIPTS, assert_first_logits_equal
+from dist_utils import (
+    SCRIPTS,
+    assert_first_logits_equal,
+    assert_scenario_trained_under_fsdp,
+    with_initial_adapters,
+)
 from tiny_models import build_tiny_model, tiny_config
 
 sys.path.insert(0, str(SCRIPTS))
@@ -190,11 +195,7 @@ def _oracle(path, init):
     from hf_fsdp_qlora import load_qlora_model
 
     model = load_qlora_model(path, bits=8, lora_config=worker.lora_config(), gradient_checkpointing=False)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in init.items():
-            params[name].copy_(value.to(params[name].dtype))
-    return model.train()
+    return with_initial_adapters(model, init)
 
 
 def _replay(model, results, name, steps):
@@ -225,10 +226,7 @@ def test_trains_under_fsdp_as_single_process(shared_launch, llama, version, name
     int8_bytes = sum(layer.out_features * layer.in_features for layer in _int8_layers(oracle).values())
     for rank in (0, 1):
         found = results[rank][name]
-        assert found["ok"], found.get("traceback")
-        assert found["distributed_type"] == "DistributedType.FSDP"
-        engaged = found["engagement"]
-        assert engaged["flat_params"] > 0 if version == 1 else engaged["fsdp2_modules"] > 0, engaged
+        assert_scenario_trained_under_fsdp(found, version)
         assert found["packed_dtypes"] == ["torch.bfloat16"] and found["packed_count"] == 14
         if version == 2:  # every int8 weight a DTensor, half of its bytes on each rank
             assert found["packed_dtensor"] == 14
