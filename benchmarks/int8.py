@@ -1,7 +1,7 @@
 """8-bit LoRA under FSDP2 on CPU: per-rank parameter bytes and step time of an 8-bit base on 2 ranks, against the
 same model in one process and against a 4-bit (NF4) base on 2 ranks.
 
-    python benchmarks/int8.py [--hidden 512 --layers 4 --steps 8]
+    python benchmarks/int8.py [--hidden 512 --layers 4 --steps 8]   # ~10 min on a CPU without avx512_bf16
 
 Each contestant is one launch of the worker below (``accelerate launch`` with cpu_fsdp2_rehearsal.yaml for the 2-rank
 ones, plain ``python`` for the single process): ``load_qlora_model(bits=...)`` then ``FSDPQLoRATrainer``. Reported per

@@ -89,7 +89,11 @@ ENTRIES = (
         "the pre-wrap pass. See [8-bit LoRA](int8.md).",
         "stock_fix": "None under FSDP: load the base in 4 bits (`BitsAndBytesConfig(load_in_4bit=True, "
         "bnb_4bit_quant_storage=torch.bfloat16)`), or train the 8-bit model with DDP instead of FSDP.",
-        "tests": ("tests/test_trainer_fsdp.py::test_fsdp2_8bit", _CLASSIC, "tests/test_int8.py"),
+        "tests": (
+            "tests/test_trainer_fsdp.py::test_fsdp2_8bit",
+            _CLASSIC,
+            "tests/test_int8.py::test_trains_under_fsdp_as_single_process",
+        ),
         "test_text": "has no attribute 'CB'",
     },
     {
