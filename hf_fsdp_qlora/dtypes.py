@@ -132,8 +132,9 @@ def _configured_compute_dtype(model) -> torch.dtype | None:
 def training_dtype(model) -> torch.dtype:
     """The one floating dtype every FSDP unit of `model` should use.
 
-    It is the 4-bit storage dtype when that is floating; for integer storage (FSDP2 only) the compute
-    dtype; for a model without 4-bit weights the dtype of its first floating parameter.
+    It is the 4-bit storage dtype when that is floating; for an 8-bit base the dtype its int8 bytes are viewed as
+    (loading/int8.py), or before that the model's floating dtype; for integer 4-bit storage (FSDP2 only) the compute
+    dtype; for a model without quantized weights the dtype of its first floating parameter.
     """
     storage = quant_storage_dtype(model)
     if storage is not None and storage.is_floating_point:
