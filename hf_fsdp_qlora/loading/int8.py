@@ -92,7 +92,7 @@ class Int8Linear(nn.Module):
             )
         scales = getattr(weight, "SCB", None)
         if scales is None:  # moved to the layer's state by its first forward, or received as a buffer (low_ram)
-            scales = layer.state.SCB if layer.state.SCB is not None else layer._buffers.get("SCB")
+            scales = layer.state.SCB if layer.state.SCB is not None else getattr(layer, "SCB", None)
         out_features, in_features = weight.shape
         _viewed_width(in_features, dtype, name)
         data = weight.data.contiguous().view(dtype)
