@@ -29,7 +29,7 @@ ENTRIES = (
         "ours": "Before wrapping, the packed `uint8` bytes are viewed as the compute dtype (the bytes, never the "
         "values), so FSDP1 flattens them and the logits equal the unwrapped model's bit for bit; "
         "`load_qlora_model(path, dtype=torch.bfloat16)` stores them as bfloat16 in the first place. An 8-bit base "
-        "is refused (see [8-bit models under FSDP](#8bit-under-fsdp)).",
+        "trains too (see [8-bit models under FSDP](#8bit-under-fsdp)).",
         "stock_fix": "`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, "
         "bnb_4bit_quant_storage=torch.bfloat16)`: the storage dtype equal to the compute dtype and to FSDP's "
         "`mixed_precision`.",
@@ -81,11 +81,19 @@ ENTRIES = (
         "`Int8Params`, `Linear8bitLt` or `load_in_8bit` when it is this one.",
         "cause": "An 8-bit (`load_in_8bit=True`) base keeps int8 weights and their scales on bitsandbytes' `Int8Params`: "
         "FSDP1 cannot flatten them, and FSDP2's sharding replaces the parameter and loses the `CB`/`SCB` state.",
-        "ours": "Refused before wrapping with `UnsupportedSetupError` naming `load_in_4bit=True` (the doctor's "
-        "`8bit-under-fsdp` rule).",
-        "stock_fix": "Load the base in 4 bits (`BitsAndBytesConfig(load_in_4bit=True, "
+        "ours": "Trains. Before wrapping, each bitsandbytes `Linear8bitLt` becomes our `Int8Linear`: the same int8 "
+        "codes viewed as the training dtype (a frozen parameter FSDP1 flattens and FSDP2 shards, 1/N per rank) and "
+        "the row scales as a buffer beside them, with a forward that dequantizes the gathered rows. "
+        "`load_qlora_model(path, bits=8)` loads it that way; a `load_in_8bit` model (trl's `--use_peft "
+        "--load_in_8bit` through `python -m hf_fsdp_qlora.run`, our trainers, `FSDPQLoRACallback`) is converted by "
+        "the pre-wrap pass. See [8-bit LoRA](int8.md).",
+        "stock_fix": "None under FSDP: load the base in 4 bits (`BitsAndBytesConfig(load_in_4bit=True, "
         "bnb_4bit_quant_storage=torch.bfloat16)`), or train the 8-bit model with DDP instead of FSDP.",
-        "tests": ("tests/test_trainer_fsdp.py::test_fsdp2_8bit", _CLASSIC),
+        "tests": (
+            "tests/test_trainer_fsdp.py::test_fsdp2_8bit",
+            _CLASSIC,
+            "tests/test_int8.py::test_trains_under_fsdp_as_single_process",
+        ),
         "test_text": "has no attribute 'CB'",
     },
     {

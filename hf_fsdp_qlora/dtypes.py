@@ -25,6 +25,8 @@ __all__ = [
     "is_int8",
     "is_params4bit",
     "is_packed_experts",
+    "is_int8_bytes",
+    "INT8_BYTES_ATTR",
     "resolve_dtype",
     "quantization_kind",
     "quant_storage_dtype",
@@ -68,6 +70,22 @@ def is_packed_experts(param) -> bool:
 
 def is_int8(param) -> bool:
     return type(param).__name__ == "Int8Params"
+
+
+# Set on the int8 weight bytes of loading/int8.py's Int8Linear, viewed as the training dtype: bytes, not values.
+INT8_BYTES_ATTR = "_hf_fsdp_qlora_int8_bytes"
+
+
+def is_int8_bytes(param) -> bool:
+    return getattr(param, INT8_BYTES_ATTR, False)
+
+
+def _int8_storage_dtype(model) -> torch.dtype | None:
+    """The dtype the int8 bytes of an 8-bit base are viewed as (loading/int8.py), or None without them."""
+    dtypes = {param.dtype for param in model.parameters() if is_int8_bytes(param)}
+    if len(dtypes) > 1:
+        raise ValueError(f"The 8-bit weights are viewed as several dtypes ({sorted(map(str, dtypes))}): load once.")
+    return dtypes.pop() if dtypes else None
 
 
 def quantization_kind(model) -> str | None:
@@ -114,12 +132,20 @@ def _configured_compute_dtype(model) -> torch.dtype | None:
 def training_dtype(model) -> torch.dtype:
     """The one floating dtype every FSDP unit of `model` should use.
 
-    It is the 4-bit storage dtype when that is floating; for integer storage (FSDP2 only) the compute
-    dtype; for a model without 4-bit weights the dtype of its first floating parameter.
+    It is the 4-bit storage dtype when that is floating; for an 8-bit base the dtype its int8 bytes are viewed as
+    (loading/int8.py), or before that the model's floating dtype; for integer 4-bit storage (FSDP2 only) the compute
+    dtype; for a model without quantized weights the dtype of its first floating parameter.
     """
     storage = quant_storage_dtype(model)
     if storage is not None and storage.is_floating_point:
         return storage
+    # An 8-bit base: the dtype its int8 bytes are viewed as, or (not converted yet) the model's floating dtype;
+    # its quantization_config's bnb_4bit_compute_dtype is a 4-bit setting that 8-bit loading leaves at float32.
+    int8_storage = _int8_storage_dtype(model)
+    if int8_storage is not None:
+        return int8_storage
+    if storage is None and quantization_kind(model) == "8bit":
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     compute = _configured_compute_dtype(model)
     if compute is not None:
         return compute
@@ -143,6 +169,8 @@ def harmonize_dtypes(model, dtype: torch.dtype) -> list[str]:
     for name, param in model.named_parameters():
         # Packed 4-bit expert bytes (loading/experts.py) are not values either: a float cast corrupts them.
         if is_params4bit(param) or is_int8(param) or not param.is_floating_point() or is_packed_experts(param):
+            continue
+        if is_int8_bytes(param):  # 8-bit weight bytes (loading/int8.py): a float cast corrupts them too
             continue
         if param.dtype != dtype:
             param.data = param.data.to(dtype)

@@ -68,12 +68,16 @@ def quantized_bits(config) -> int | None:
     return 4 if _get(qconfig, "load_in_4bit") or _get(qconfig, "_load_in_4bit") else None
 
 
-def checkpoint_quantization(config) -> CheckpointQuantization | None:
+def checkpoint_quantization(config, *, allow_8bit: bool = False) -> CheckpointQuantization | None:
     """The 4-bit quantization `config` (a transformers config or its dict) was saved with; ``None`` if not quantized.
+
+    With `allow_8bit` (``load_qlora_model(bits=8)``) an 8-bit bitsandbytes checkpoint passes (``None``: no 4-bit
+    quantization to keep); it is loaded by bitsandbytes and its int8 layers converted like a fresh 8-bit load.
 
     Raises:
         UnsupportedSetupError: the checkpoint is quantized in a way FSDP QLoRA cannot train (8-bit
-            bitsandbytes, another quantization method, or a storage dtype bitsandbytes does not write).
+            bitsandbytes without `allow_8bit`, another quantization method, or a storage dtype bitsandbytes does
+            not write).
     """
     qconfig = _qconfig(config)
     if not qconfig:
@@ -86,12 +90,14 @@ def checkpoint_quantization(config) -> CheckpointQuantization | None:
             "it quantizes it in 4 bits itself."
         )
     bits = quantized_bits(config)
+    if bits == 8 and allow_8bit:
+        return None
     if bits == 8:
         raise UnsupportedSetupError(
-            "This checkpoint is pre-quantized in 8 bits (its config.json has quantization_config.load_in_8bit=true). "
-            'FSDP cannot shard 8-bit bitsandbytes weights ("Cannot flatten integer dtype tensors" under FSDP1, '
-            "\"'Parameter' object has no attribute 'CB'\" under FSDP2). Load the original 16-bit checkpoint with "
-            "load_qlora_model(path, dtype=torch.bfloat16) (4-bit NF4), or use a *-bnb-4bit checkpoint."
+            "This checkpoint is pre-quantized in 8 bits (its config.json has quantization_config.load_in_8bit=true), "
+            "and 4 bits were asked for: its int8 weights cannot be re-quantized to 4 bits. Load it with "
+            "load_qlora_model(path, bits=8), which trains LoRA on the 8-bit base under FSDP, or load the original "
+            "16-bit checkpoint with load_qlora_model(path) (4-bit NF4)."
         )
     if bits != 4:
         return None

@@ -205,3 +205,23 @@ def packed_digests(model, rank: int = 0, world: int | None = None) -> dict:
             )
         found[name] = h.hexdigest()
     return found
+
+
+def assert_scenario_trained_under_fsdp(found: dict, version: int) -> None:
+    """A shared-launch trainer scenario's rank result: it trained, as FSDP, with FSDP engaged (FlatParameters for
+    FSDP1, FSDP2 modules for FSDP2)."""
+    assert found["ok"], found.get("traceback")
+    assert found["distributed_type"] == "DistributedType.FSDP"
+    engaged = found["engagement"]
+    assert engaged["flat_params"] > 0 if version == 1 else engaged["fsdp2_modules"] > 0, engaged
+
+
+def with_initial_adapters(model, init: dict):
+    """`model` (a single-process oracle) with the run's initial trainable weights `init` copied in, in train mode."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in init.items():
+            params[name].copy_(value.to(params[name].dtype))
+    return model.train()

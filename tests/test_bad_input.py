@@ -80,7 +80,7 @@ def test_loader_one_dtype(llama):
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "case,expect",
-    [("missing", "does not exist"), ("targets", "match no layer"), ("8bit", "cannot be sharded by FSDP")],
+    [("missing", "does not exist"), ("targets", "match no layer"), ("8bit", "DoRA (use_dora=True) on an 8-bit base")],
 )
 def test_every_rank_exits(case, expect, llama, tmp_path):
     path = str(tmp_path / "nope") if case == "missing" else str(llama)

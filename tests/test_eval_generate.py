@@ -15,7 +15,7 @@ from tiny_models import build_tiny_model
 sys.path.insert(0, str(SCRIPTS))
 import eval_generate_scenarios as worker
 
-SCENARIOS = "fresh,stock_fresh,callback_fresh,during,plain"
+SCENARIOS = "fresh,stock_fresh,callback_fresh,during,plain,fresh8"
 UPSTREAM_FSDP2_ERROR = "When using FSDP2, a model and optimizer must be passed together to `Accelerator.prepare()`"
 
 
@@ -46,14 +46,15 @@ def run(request, model_dir, tmp_path_factory):
     return request.param, out, results, proc
 
 
-@pytest.fixture(scope="module")
-def oracle(model_dir):
+def _oracle(model_dir, bits):
     """The unsharded model in this process; `load(adapter)` sets the adapter weights a rank saved."""
     import bitsandbytes as bnb
 
     from hf_fsdp_qlora import load_qlora_model
 
-    model = load_qlora_model(str(model_dir / "llama"), lora_config=worker.lora_config(), gradient_checkpointing=False)
+    model = load_qlora_model(
+        str(model_dir / "llama"), bits=bits, lora_config=worker.lora_config(), gradient_checkpointing=False
+    )
     for module in model.modules():  # the CPU repack trap, as in the worker: compare unrepacked weights
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
@@ -69,6 +70,16 @@ def oracle(model_dir):
         return model
 
     return load
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir):
+    return _oracle(model_dir, bits=4)
+
+
+@pytest.fixture(scope="module")
+def oracle8(model_dir):
+    return _oracle(model_dir, bits=8)
 
 
 def _expected_eval(model):
@@ -105,25 +116,27 @@ def _losses(res):
     return [e["loss"] for e in res["log_history"] if "loss" in e]
 
 
-def test_evaluate_predict_generate_before_training(run, oracle):
+@pytest.mark.parametrize("scenario", ["fresh", "fresh8"])  # fresh8: an 8-bit base (load_qlora_model(bits=8))
+def test_evaluate_predict_generate_before_training(run, oracle, oracle8, scenario):
     version, out, results, _ = run
     for rank in (0, 1):
-        res = results[rank]["fresh"]
+        res = results[rank][scenario]
         _engaged(version, res)
         if version == 1:  # wrapped as train() wraps it: LoRA layers in their own units too (31, not 3)
             assert res["engagement"] == results[rank]["plain"]["engagement"]
-        model = oracle(out / "fresh" / "adapter_init.pt")
+        model = (oracle8 if scenario == "fresh8" else oracle)(out / scenario / "adapter_init.pt")
         loss, logits = _expected_eval(model)
         assert res["before_evaluate"]["eval_loss"] == pytest.approx(loss, rel=1e-6, abs=0)
         assert res["before_predict_metrics"]["test_loss"] == pytest.approx(loss, rel=1e-6, abs=0)
         if rank == 0:
-            got = torch.load(out / "fresh" / "before_predictions.pt")
+            got = torch.load(out / scenario / "before_predictions.pt")
             assert torch.equal(got, logits), (got - logits).abs().max()
         # each rank its own prompt and number of new tokens: the shorter one kept stepping with the other
         assert res["before_generate"] == _greedy(model, worker.PROMPTS[rank], worker.MAX_NEW[rank])
         assert res["before_mode_after"] is False  # generate restored eval mode (evaluate left it there)
         # evaluating and generating first changed nothing in training: the 3-step run's first 2 losses
-        assert res["train_losses"] == _losses(results[rank]["plain"])[:2]
+        assert scenario == "fresh8" or res["train_losses"] == _losses(results[rank]["plain"])[:2]
+        assert len(res["train_losses"]) == 2
 
 
 def test_stock_trainer_evaluate_before_training_is_the_upstream_bug(run):

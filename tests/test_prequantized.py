@@ -15,7 +15,13 @@ import sys
 
 import pytest
 import torch
-from dist_utils import SCRIPTS, assert_first_logits_equal, packed_digests
+from dist_utils import (
+    SCRIPTS,
+    assert_first_logits_equal,
+    assert_scenario_trained_under_fsdp,
+    packed_digests,
+    with_initial_adapters,
+)
 from tiny_models import PREQUANTIZED, build_tiny_model, tiny_config
 
 sys.path.insert(0, str(SCRIPTS))
@@ -132,11 +138,7 @@ def _oracle(path, init):
     from hf_fsdp_qlora import load_qlora_model
 
     model = load_qlora_model(path, lora_config=worker.lora_config(), gradient_checkpointing=False)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in init.items():
-            params[name].copy_(value.to(params[name].dtype))
-    return model.train()
+    return with_initial_adapters(model, init)
 
 
 @pytest.mark.distributed
@@ -148,10 +150,7 @@ def test_trains_under_fsdp_as_single_process(shared_launch, version, name):
     arch = {**FSDP1, **FSDP2}[name][0]
     for rank in (0, 1):
         found = results[rank][name]
-        assert found["ok"], found.get("traceback")
-        assert found["distributed_type"] == "DistributedType.FSDP"
-        engaged = found["engagement"]
-        assert engaged["flat_params"] > 0 if version == 1 else engaged["fsdp2_modules"] > 0, engaged
+        assert_scenario_trained_under_fsdp(found, version)
         assert found["dtypes_before_wrap"] == ["torch.bfloat16"] == found["packed_dtypes"]
         if version == 2:  # every 4-bit weight sharded: half its bytes on each rank
             assert found["packed_dtensor"] == found["packed_count"] == 14

@@ -242,9 +242,16 @@ def _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote
 
 
 def load_base_low_ram(
-    model_name_or_path, *, quantization_config, dtype, trust_remote_code=False, whole_experts=False, **kwargs
+    model_name_or_path,
+    *,
+    quantization_config,
+    dtype,
+    trust_remote_code=False,
+    whole_experts=False,
+    prepare=None,
+    **kwargs,
 ):
-    """``AutoModelForCausalLM.from_pretrained`` in 4 bits, where only rank 0 reads the checkpoint.
+    """``AutoModelForCausalLM.from_pretrained`` in 4 bits (or 8, with `prepare`), where only rank 0 reads the checkpoint.
 
     Collective when launched with several processes (call it on every rank). Not launched distributed
     (a single process): a normal load, with a log line.
@@ -257,6 +264,10 @@ def load_base_low_ram(
         trust_remote_code: passed to transformers.
         whole_experts: the caller quantizes fused MoE experts after the load: every rank then receives whole
             tensors (no per-rank rows) when the model has them.
+        prepare: ``prepare(model)``, run on rank 0's loaded model and on the other ranks' meta skeleton before any
+            tensor moves (an 8-bit base: :func:`~hf_fsdp_qlora.loading.int8.keep_int8_scales`, since bitsandbytes
+            keeps the int8 row scales outside parameters and buffers, where no transfer sees them). Rank 0 then
+            loads the whole checkpoint (no streaming: it quantizes 4-bit weights only).
         **kwargs: passed to ``from_pretrained`` on rank 0 (``attn_implementation`` is honoured on every rank).
 
     Returns:
@@ -283,12 +294,14 @@ def load_base_low_ram(
         # Under FSDP2, rank 0 streams the checkpoint tensor by tensor and keeps only its own rows too, when
         # the checkpoint maps one to one onto the model (see _stream); otherwise it loads it whole.
         model = _build_skeleton(model_name_or_path, quantization_config, dtype, trust_remote_code, kwargs)
+        if prepare is not None:
+            prepare(model)
         if shard_world and whole_experts and has_fused_experts(model):
             # Each rank quantizes the experts itself after the load (loading/experts.py), and every rank needs the
             # quant states of all experts: it must hold all of their 16-bit rows, not only its own.
             logger.info("hf_fsdp_qlora: MoE experts to quantize: every rank receives whole tensors, not its rows")
             shard_world = None
-        if shard_world and dist.get_rank() == 0:
+        if shard_world and dist.get_rank() == 0 and prepare is None:
             plan = stream_plan(model, model_name_or_path, dtype, kwargs)
     except Exception as err:  # noqa: BLE001 - re-raised below; the other ranks must not wait in a broadcast
         error = err
@@ -304,6 +317,8 @@ def load_base_low_ram(
     try:
         if dist.get_rank() == 0:
             model = load()
+            if prepare is not None:
+                prepare(model)
     except Exception as err:  # noqa: BLE001 - re-raised below
         error = err
     agree_on_failure(error)

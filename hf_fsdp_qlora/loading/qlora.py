@@ -1,4 +1,4 @@
-"""`load_qlora_model`: one dtype choice -> a consistent 4-bit base + LoRA model, ready for FSDP."""
+"""`load_qlora_model`: one dtype choice -> a consistent 4-bit (or 8-bit) base + LoRA model, ready for FSDP."""
 
 from __future__ import annotations
 
@@ -12,10 +12,16 @@ from ..causal_lm import causal_lm_problem
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
-from ..prequantized import checkpoint_quantization, refuse_saved_quantized_experts, refuse_unviewable_storage
+from ..prequantized import (
+    checkpoint_quantization,
+    quantized_bits,
+    refuse_saved_quantized_experts,
+    refuse_unviewable_storage,
+)
 from .expert_lora import check_target_parameters, peft_sees_expert_weights
-from .experts import EXPERT_LAYOUTS, lora_config_for_experts
+from .experts import EXPERT_LAYOUTS, has_fused_experts, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
+from .int8 import convert_int8_layers, keep_int8_scales
 
 __all__ = ["load_qlora_model", "default_lora_config"]
 
@@ -65,8 +71,18 @@ def _check_causal_lm(config) -> None:
         )
 
 
-def _prequantized_check(config, dtype: torch.dtype):
+def _prequantized_check(config, dtype: torch.dtype, bits: int):
     """The checkpoint's own 4-bit quantization, refused before any weight is read if the run cannot use it."""
+    saved_bits = quantized_bits(config)
+    if bits == 8:
+        if saved_bits == 4:
+            raise UnsupportedSetupError(
+                "bits=8 was asked for, but this checkpoint is pre-quantized in 4 bits (its config.json has "
+                "quantization_config.load_in_4bit=true): its 4-bit weights cannot be turned back into 8 bits. Pass "
+                "bits=4 to train it as it is, or load the original 16-bit checkpoint with bits=8."
+            )
+        checkpoint_quantization(config, allow_8bit=True)  # other methods are refused; a saved 8-bit base loads
+        return None
     quant = checkpoint_quantization(config)
     if quant is not None and quant.storage != str(dtype).removeprefix("torch."):
         from ..doctor.shapes import model_shape  # the config's shapes, built on the meta device
@@ -118,9 +134,10 @@ def load_qlora_model(
     trust_remote_code: bool = False,
     low_cpu_ram: bool = False,
     quantize_experts: bool = True,
+    bits: int = 4,
     **from_pretrained_kwargs,
 ):
-    """Load a causal LM in 4 bits and add LoRA adapters, with one dtype driving everything.
+    """Load a causal LM in 4 bits (or 8) and add LoRA adapters, with one dtype driving everything.
 
     ``bnb_4bit_quant_storage`` = ``bnb_4bit_compute_dtype`` = model dtype = adapter dtype = `dtype`, so
     every FSDP unit (FSDP1 FlatParameter or FSDP2 group) holds one floating dtype and FSDP's
@@ -145,6 +162,9 @@ def load_qlora_model(
             every rank. A single process loads normally.
         quantize_experts: quantize the fused 3-D expert weights of a mixture-of-experts model to 4 bits too
             (:mod:`hf_fsdp_qlora.loading.experts`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
+        bits: 4 (default: NF4/FP4 QLoRA) or 8: bitsandbytes' row-wise int8 (``load_in_8bit``), each int8 layer held
+            as :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` so FSDP shards it (``quant_type``/``double_quant`` are
+            4-bit settings and are not used). A checkpoint saved after 8-bit loading loads with ``bits=8``.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -152,28 +172,36 @@ def load_qlora_model(
 
     Raises:
         FileNotFoundError: the path does not exist or holds no config.json.
-        UnsupportedSetupError: not a causal LM; LoRA targets match nothing; 8-bit asked for; a pre-quantized
-            checkpoint that is 8-bit, not bitsandbytes, or whose packed bytes cannot be viewed as `dtype`
-            (raised before any weight is read); a checkpoint saved from a model with our 4-bit experts (their
-            quantization constants are not saved); an MoE family whose experts we cannot quantize (pass
-            ``quantize_experts=False`` to keep them 16-bit knowingly).
+        UnsupportedSetupError: not a causal LM; LoRA targets match nothing; ``load_in_8bit=`` passed (use ``bits=8``);
+            a pre-quantized checkpoint that is not bitsandbytes, 8-bit under ``bits=4`` (or 4-bit under ``bits=8``),
+            or whose packed bytes cannot be viewed as `dtype` (raised before any weight is read); an MoE family
+            whose experts we cannot quantize (pass ``quantize_experts=False`` to keep them 16-bit knowingly); a
+            checkpoint saved from a model with our 4-bit experts (their quantization constants are not saved).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = resolve_dtype(dtype)
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type={quant_type!r} is not supported: use 'nf4' (default) or 'fp4'.")
-    for key in ("load_in_8bit", "quantization_config", "torch_dtype", "dtype"):
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits!r} is not supported: use 4 (NF4/FP4, the default) or 8 (bitsandbytes int8).")
+    for key in ("load_in_8bit", "load_in_4bit", "quantization_config", "torch_dtype", "dtype"):
         if key in from_pretrained_kwargs:
             raise UnsupportedSetupError(
-                f"load_qlora_model sets {key!r} itself from `dtype` (4-bit NF4/FP4; 8-bit cannot be sharded by "
-                f"FSDP). Remove {key}=... and pass dtype=torch.bfloat16 (or float16/float32) instead."
+                f"load_qlora_model sets {key!r} itself from `bits` and `dtype`. Remove {key}=... and pass bits=4 "
+                "(NF4, default) or bits=8 (int8), and dtype=torch.bfloat16 (or float16/float32) instead."
             )
     config = _load_config(model_name_or_path, trust_remote_code)
     _check_causal_lm(config)
 
-    prequantized = _prequantized_check(config, dtype)
+    prequantized = _prequantized_check(config, dtype, bits)
     refuse_saved_quantized_experts(model_name_or_path, {w for lay in EXPERT_LAYOUTS.values() for w in lay.weights})
+    if bits == 8 and quantize_experts and _has_fused_experts(config, trust_remote_code):
+        raise UnsupportedSetupError(
+            "bits=8 on a mixture-of-experts model: its fused expert weights are quantized in 4 bits only "
+            "(hf_fsdp_qlora.loading.experts) and bitsandbytes' 8-bit loading leaves them 16-bit. Pass "
+            "quantize_experts=False to train with 16-bit experts knowingly, or bits=4."
+        )
     quantization_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant_type,
@@ -181,6 +209,9 @@ def load_qlora_model(
         bnb_4bit_compute_dtype=dtype,
         bnb_4bit_quant_storage=dtype,
     )
+    if bits == 8:
+        # A checkpoint saved after 8-bit loading brings its own quantization_config (and int8 weights + SCB).
+        quantization_config = None if quantized_bits(config) == 8 else BitsAndBytesConfig(load_in_8bit=True)
     if prequantized is not None:
         # transformers loads a pre-quantized checkpoint with its own quantization_config whatever is passed (and
         # warns; an explicit None would drop it): pass none, and make its storage dtype the run's dtype after loading.
@@ -199,6 +230,7 @@ def load_qlora_model(
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             whole_experts=quantize_experts,
+            prepare=keep_int8_scales if bits == 8 else None,  # the int8 row scales travel as buffers
             **from_pretrained_kwargs,
         )
     else:
@@ -213,7 +245,7 @@ def load_qlora_model(
     if prequantized is not None:
         # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
         view_packed_storage_as(model, dtype)
-    if quantize_experts:
+    if quantize_experts and bits == 4:
         if prequantized is not None:
             # A stock 4-bit MoE checkpoint: its 16-bit experts take the checkpoint's own quantization.
             quant_type, double_quant = prequantized.quant_type, prequantized.double_quant
@@ -226,5 +258,20 @@ def load_qlora_model(
     check_target_parameters(model, lora_config)
     with peft_sees_expert_weights(model):  # LoRA on 4-bit experts: peft builds its own wrappers (expert_lora.py)
         model = _apply_lora(model, lora_config)
+    if bits == 8:  # after peft, which wraps bitsandbytes' Linear8bitLt: its LoRA layers keep their own forward
+        convert_int8_layers(model, dtype)
     harmonize_dtypes(model, dtype)
     return model
+
+
+def _has_fused_experts(config, trust_remote_code: bool) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - no meta build from this config: nothing to decide here
+        return False
+    return has_fused_experts(skeleton)

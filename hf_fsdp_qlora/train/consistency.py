@@ -12,6 +12,7 @@ import torch
 
 from ..doctor.checks import check_setup, raise_for_errors
 from ..dtypes import harmonize_dtypes, training_dtype, view_packed_storage_as
+from ..loading.int8 import convert_int8_layers
 from .fsdp import configure_plugin, fsdp_version
 from ..rank_sync import agree_on_failure, broadcast_trainable_parameters
 
@@ -30,12 +31,14 @@ class ConsistencyReport:
     plugin_changes: list[str] = field(default_factory=list)
     broadcast_parameters: int = 0
     viewed_storage: int = 0
+    int8_layers: int = 0
 
 
 def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
     """Prepare `model` and accelerate's FSDP `plugin` for wrapping. Collective (call on every rank).
 
-    1. view integer-stored 4-bit weights as the training dtype (same bytes), then run the doctor's checks
+    1. view integer-stored 4-bit weights as the training dtype (same bytes), turn bitsandbytes' 8-bit layers into
+       :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` (int8 bytes viewed as that dtype, scales beside), then run the doctor's checks
        (:func:`hf_fsdp_qlora.check_setup`, the same ones ``hf-fsdp-qlora doctor`` runs) on the live model and
        plugin, and refuse their errors (8-bit base, a spreading device_map, a missing wrap class, ...) on every
        rank before any collective - if any rank refuses, every rank raises;
@@ -54,9 +57,12 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
     # the logits are bit for bit those of the unwrapped model. Done first, so the checks below see the result.
     error = None
     findings = []
-    viewed = 0
+    viewed = int8_layers = 0
     try:
         viewed = view_packed_storage_as(model, training_dtype(model))
+        # An 8-bit base (load_in_8bit, trl's --load_in_8bit): bitsandbytes' Int8Params cannot be flattened (FSDP1)
+        # and lose their scales when FSDP2 shards them; the same int8 codes and scales, held as FSDP needs them.
+        int8_layers = convert_int8_layers(model, training_dtype(model))
         findings = check_setup(model, fsdp_plugin=plugin)
         raise_for_errors(findings)
         dtype = training_dtype(model)
@@ -67,7 +73,7 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
         level = logging.WARNING if finding.severity == "warning" else logging.INFO
         logger.log(level, "hf_fsdp_qlora: [%s] %s", finding.id, finding.message)
 
-    report = ConsistencyReport(fsdp_version=version, dtype=dtype, viewed_storage=viewed)
+    report = ConsistencyReport(fsdp_version=version, dtype=dtype, viewed_storage=viewed, int8_layers=int8_layers)
     if viewed:
         logger.info(
             "hf_fsdp_qlora: viewed %d integer-stored 4-bit weights as %s so FSDP%d can %s them (bytes unchanged)",

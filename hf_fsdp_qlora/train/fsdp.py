@@ -105,7 +105,7 @@ def configure_plugin(plugin, model, dtype: torch.dtype) -> list[str]:
     old = plugin.mixed_precision_policy
     if getattr(old, "param_dtype", None) != dtype:
         old_dtype = getattr(old, "param_dtype", None)
-        notes.append(f"FSDP mixed precision param_dtype {old_dtype} -> {dtype} (the 4-bit storage dtype)")
+        notes.append(f"FSDP mixed precision param_dtype {old_dtype} -> {dtype} (the 4-bit or 8-bit storage dtype)")
     plugin.mixed_precision_policy = policy
 
     def set_mixed_precision(mixed_precision, buffer_autocast=False, override=False):

@@ -18,7 +18,8 @@ def main():
 
         base = AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
                                                     dtype=torch.bfloat16)  # fmt: skip
-        model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
+        # DoRA on an 8-bit base: an 8-bit route we refuse (plain LoRA on it trains: tests/test_int8.py).
+        model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", use_dora=True))
     elif case == "targets":
         from peft import LoraConfig
 

@@ -57,6 +57,7 @@ def rank() -> int:
 
 Evaluating = FSDPQLoRATrainer  # its evaluation_loop calls hf_fsdp_qlora.train.generation.prepare_for_evaluation
 
+
 class Recorder(TrainerCallback):
     """Per-step local losses come from log_history; this records what the callbacks left behind at each step end:
     the model's mode right after SampleGenerationsCallback, and (rank 0) the gathered adapter."""
@@ -71,8 +72,8 @@ class Recorder(TrainerCallback):
             torch.save(weights, self.out / f"adapter_step{state.global_step}.pt")
 
 
-def build(path):
-    model = load_qlora_model(path, lora_config=lora_config(), gradient_checkpointing=False)
+def build(path, bits=4):
+    model = load_qlora_model(path, bits=bits, lora_config=lora_config(), gradient_checkpointing=False)
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
@@ -126,7 +127,7 @@ def run(name, path, out, version):
     here = out / name
     here.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)  # the same LoRA A initialisation in every scenario
-    model = build(path)
+    model = build(path, bits=8 if name == "fresh8" else 4)  # fresh8: an 8-bit base (docs/int8.md)
     data = TokenDataset()
     if name in ("stock_fresh", "callback_fresh"):  # upstream transformers.Trainer, evaluate() before training
         args = training_args(here, version, "llama", steps=2, **COMMON)
@@ -137,7 +138,7 @@ def run(name, path, out, version):
         except Exception as err:  # noqa: BLE001  (recorded: the test asserts the upstream error)
             result["error"] = f"{type(err).__name__}: {err}"
         return result
-    if name == "fresh":
+    if name in ("fresh", "fresh8"):
         args = training_args(here, version, "llama", steps=2, **COMMON)
         trainer = Evaluating(model=model, args=args, train_dataset=data)
         if rank() == 0:
@@ -169,7 +170,9 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--models", required=True)
     parser.add_argument("--fsdp-version", type=int, required=True)
-    parser.add_argument("--scenarios", required=True, help="comma-separated names (fresh, stock_fresh, callback_fresh, during, plain)")
+    parser.add_argument(
+        "--scenarios", required=True, help="comma-separated names (fresh, stock_fresh, callback_fresh, during, plain)"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,22 @@ def _recording(base):
 
 
 LossRecorder = _recording(FSDPQLoRATrainer)
+
+
+def _batch_recording(base):
+    """`base` recording each step's local input ids (tests/test_int8.py replays them single-process)."""
+
+    class BatchRecorder(base):
+        batches: list = None
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            self.batches = (self.batches or []) + [inputs["input_ids"].tolist()]
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    return BatchRecorder
+
+
+Int8Recorder = _recording(_batch_recording(FSDPQLoRATrainer))
 LossRecorderSFT = _recording(hf_fsdp_qlora.FSDPQLoRASFTTrainer)
 
 
@@ -208,6 +224,17 @@ def expert_digest(model, version=None):
         return digest()
 
 
+def flat_bytes(model):
+    """FSDP1: bytes of this rank's FlatParameter shards and of the whole unsharded FlatParameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    flats = [m._flat_param for m in FSDP.fsdp_modules(model) if getattr(m, "_flat_param", None) is not None]
+    return {
+        "flat_local_bytes": sum(f.numel() * f.element_size() for f in flats),
+        "flat_full_bytes": sum(f._unpadded_unsharded_size.numel() * f.element_size() for f in flats),
+    }
+
+
 def checksum(state):
     return float(sum(v.double().sum() * (i + 1) for i, v in enumerate(state.values())))
 
@@ -291,6 +318,19 @@ def build_model(path, kind):
             LossRecorder,
             None,
         )
+    if kind == "int8_loader":  # tests/test_int8.py: load_qlora_model(bits=8)
+        return (
+            load_qlora_model(path, bits=8, lora_config=lora_config(), gradient_checkpointing=False),
+            Int8Recorder,
+            None,
+        )
+    if kind == "int8_lowram":  # tests/test_int8.py: load_qlora_model(bits=8, low_cpu_ram=True)
+        model = load_qlora_model(
+            path, bits=8, lora_config=lora_config(), gradient_checkpointing=False, low_cpu_ram=True
+        )
+        return model, Int8Recorder, None
+    if kind == "int8_callback":  # tests/test_int8.py: stock Trainer + our callback on a load_in_8bit model
+        return user_loaded(path, eight_bit=True), _recording(_batch_recording(Trainer)), [FSDPQLoRACallback()]
     if kind == "full":  # full fine-tune: no quantization, no adapter
         from transformers import AutoModelForCausalLM
 
@@ -384,6 +424,9 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         gathered = [torch.empty_like(ids) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, ids)
         result["first_batch"] = torch.cat(gathered).tolist()
+    if getattr(trainer, "batches", None) is not None:  # tests/test_int8.py: every step's batch and loss
+        result["step_batches"], result["step_losses"] = trainer.batches, trainer.losses
+        result.update(flat_bytes(trainer.model) if version == 1 else {})
     try:  # merging a sharded model must fail clearly, naming the way to merge instead
         trainer.model.merge_and_unload()
         result["merge_while_sharded"] = "no error"
