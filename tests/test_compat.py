@@ -506,7 +506,12 @@ def test_cli_shows_its_flags_for_the_parameters_library_errors_name():
         options = {o for action in parser._actions for o in action.option_strings}
         params = [p for p in _params(func) if p not in ("base", "adapter", "output", "model", "settings")]
         params += ["base", "adapter", "output"] if func is merge_adapters else []
-        inverted = {"double_quant", "progress", "fsdp_plugin"}  # --no-double-quant, --no-progress; Python only
+        inverted = {
+            "double_quant",
+            "progress",
+            "dequantize_experts",
+            "fsdp_plugin",
+        }  # --no-...; fsdp_plugin: Python only
         missing = [p for p in params if p not in inverted and cli_message(f"`{p}`", {p}) not in options]
         assert not missing, (func.__name__, missing)
     convert = {o for action in ConvertCommand().standalone_parser("convert")._actions for o in action.option_strings}
