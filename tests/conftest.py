@@ -27,6 +27,7 @@ _SECONDS = {
     "test_prequantized.py": 40, "test_packing.py": 20,
     "test_merge_moe.py": 35,
     "test_moe.py": 50, "test_moe_prequantized.py": 25, "test_moe_benchmark.py": 45,
+    "test_moe_load.py": 10,
 }  # fmt: skip
 
 

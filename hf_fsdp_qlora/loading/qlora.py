@@ -13,6 +13,7 @@ from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..prequantized import checkpoint_quantization, refuse_saved_quantized_experts, refuse_unviewable_storage
+from ._experts_map import release_experts_dispatch
 from .experts import EXPERT_LAYOUTS, check_no_expert_lora, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
 
@@ -189,6 +190,15 @@ def load_qlora_model(
             "(quant_type/double_quant ignored); packed bytes are viewed as %s, not re-quantized",
             prequantized.quant_type, prequantized.double_quant, prequantized.storage, dtype,
         )  # fmt: skip
+    experts_device = None
+    if quantize_experts and "device_map" not in from_pretrained_kwargs:
+        # On a GPU the 16-bit experts load on the CPU and are packed one expert at a time onto the GPU (_experts_map).
+        from ._experts_map import accelerator_device, experts_on_cpu_kwargs
+
+        experts_device = accelerator_device()
+        placement = experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code, experts_device)
+        quantization_config = placement.pop("quantization_config", quantization_config)
+        from_pretrained_kwargs = {**from_pretrained_kwargs, **placement}
     if low_cpu_ram:
         from .low_ram import load_base_low_ram
 
@@ -209,6 +219,7 @@ def load_qlora_model(
             trust_remote_code=trust_remote_code,
             **from_pretrained_kwargs,
         )
+        release_experts_dispatch(model)
     if prequantized is not None:
         # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
         view_packed_storage_as(model, dtype)
@@ -217,7 +228,9 @@ def load_qlora_model(
             prequantized is not None
         ):  # a stock 4-bit MoE checkpoint: its 16-bit experts take the checkpoint's quantization
             quant_type, double_quant = prequantized.quant_type, prequantized.double_quant
-        quantize_expert_weights(model, quant_type=quant_type, double_quant=double_quant, dtype=dtype)
+        quantize_expert_weights(
+            model, quant_type=quant_type, double_quant=double_quant, dtype=dtype, device=experts_device
+        )
     disable_cpu_repack_in_model(model)
     _freeze_for_kbit_training(model, gradient_checkpointing)
     lora_config = lora_config if lora_config is not None else default_lora_config()
