@@ -145,6 +145,9 @@ def load_qlora_model(
             every rank. A single process loads normally.
         quantize_experts: quantize the fused 3-D expert weights of a mixture-of-experts model to 4 bits too
             (:mod:`hf_fsdp_qlora.loading.experts`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
+            On a GPU (and without a `device_map` of yours) the 16-bit experts load on the CPU and are packed onto the
+            GPU one expert weight at a time (:mod:`hf_fsdp_qlora.loading._experts_map`): the GPU never holds them
+            16-bit; host RAM holds them until packed.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
