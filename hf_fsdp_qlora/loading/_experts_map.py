@@ -27,7 +27,12 @@ import torch
 
 from .experts import expert_layout
 
-__all__ = ["accelerator_device", "experts_module_names", "experts_on_cpu_kwargs", "release_experts_dispatch"]
+__all__ = [
+    "accelerator_device",
+    "experts_device_map",
+    "experts_on_cpu_kwargs",
+    "release_experts_dispatch",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +42,32 @@ def accelerator_device() -> int | None:
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
-def experts_module_names(config, dtype, trust_remote_code: bool = False) -> list[str]:
-    """The names of the experts modules :func:`quantize_experts` swaps, from a meta-device build of `config`."""
+def _meta_model(config, dtype, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    return [name for name, module in model.named_modules() if expert_layout(module) is not None]
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def experts_device_map(model, device) -> dict:
+    """A device map of `model` (meta is fine) with every experts module on ``"cpu"`` and everything else on `device`.
+
+    No key is an ancestor of an experts module (nor ``""``): accelerate's dispatch hooks a non-offloaded key with
+    ``place_submodules=True``, which would move the experts below it onto `device` 16-bit. So the modules on the way
+    to the experts are split into their children; tensors held directly by such a module are keyed by name.
+    """
+    experts = {name for name, module in model.named_modules() if expert_layout(module) is not None}
+    on_the_way = {name.rsplit(".", depth)[0] for name in experts for depth in range(1, name.count(".") + 1)}
+    on_the_way |= {""} if experts else set()
+    device_map = {}
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if name in on_the_way:
+            for local, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                device_map[f"{name}.{local}" if name else local] = device
+        elif name and parent in on_the_way:
+            device_map[name] = "cpu" if name in experts else device
+    return device_map
 
 
 def experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code=False, device=None) -> dict:
@@ -65,22 +89,24 @@ def experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code=
     device = accelerator_device() if device is None else device
     if device is None or quantization_config is None:
         return {}
-    names = experts_module_names(config, dtype, trust_remote_code)
-    if not names:
+    meta = _meta_model(config, dtype, trust_remote_code)
+    device_map = experts_device_map(meta, device)
+    if not device_map:
         return {}
     quantization_config = copy.deepcopy(quantization_config)
     quantization_config.llm_int8_enable_fp32_cpu_offload = True
-    device_map = {"": device, **dict.fromkeys(names, "cpu")}
-    logger.info("hf_fsdp_qlora: %d experts modules load on the CPU (16-bit), the rest on %s", len(names), device)
+    experts = sum(expert_layout(module) is not None for module in meta.modules())
+    logger.info("hf_fsdp_qlora: %d experts modules load on the CPU (16-bit), the rest on %s", experts, device)
     return {"device_map": device_map, "quantization_config": quantization_config}
 
 
 def _is_experts_map(model, device_map) -> bool:
-    """The form :func:`experts_on_cpu_kwargs` builds: ``""`` on one device, every other key an experts module on CPU."""
-    named = {name: device for name, device in device_map.items() if name}
-    if "" not in device_map or not named or set(named.values()) != {"cpu"}:
+    """The form :func:`experts_device_map` builds: experts modules on ``"cpu"``, everything else on one device."""
+    cpu = [name for name, device in device_map.items() if device == "cpu"]
+    if not cpu or len({device for device in device_map.values() if device != "cpu"}) > 1:
         return False
-    return all(expert_layout(model.get_submodule(name)) is not None for name in named)
+    modules = dict(model.named_modules())
+    return all(name in modules and expert_layout(modules[name]) is not None for name in cpu)
 
 
 def release_experts_dispatch(model) -> bool:
@@ -88,8 +114,8 @@ def release_experts_dispatch(model) -> bool:
 
     Removes every accelerate hook (the offloaded experts' weights come back on the CPU, not meta), the ``model.to``
     warning wrappers and ``hf_device_map``, and resets ``llm_int8_enable_fp32_cpu_offload`` in the model's
-    quantization config. Acts only when ``hf_device_map`` is of the form we build: experts modules on ``"cpu"``,
-    everything else (``""``) on one device; a user's own ``device_map`` is left alone.
+    quantization config. Acts only when ``hf_device_map`` is of the form we build (:func:`experts_device_map`):
+    experts modules on ``"cpu"``, everything else on one device; a user's own ``device_map`` is left alone.
 
     Returns:
         True when it released a dispatch.
@@ -111,8 +137,9 @@ def release_experts_dispatch(model) -> bool:
         quant = getattr(quant, "quantization_config", quant)
         if hasattr(quant, "llm_int8_enable_fp32_cpu_offload"):
             quant.llm_int8_enable_fp32_cpu_offload = False
-    stranded = [name for name, param in model.named_parameters() if param.device.type == "meta"]
-    if stranded:
-        raise RuntimeError(f"hf_fsdp_qlora: parameters left on the meta device after releasing the dispatch: "
+    experts = [name for name, device in device_map.items() if device == "cpu"]
+    stranded = [f"{e}.{n}" for e in experts for n, p in model.get_submodule(e).named_parameters() if p.is_meta]
+    if stranded:  # a dispatch hook above the experts moved them before they were offloaded: their data is gone
+        raise RuntimeError(f"hf_fsdp_qlora: expert weights left on the meta device after releasing the dispatch: "
                            f"{stranded[:3]}")  # fmt: skip
     return True
