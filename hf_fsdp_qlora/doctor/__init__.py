@@ -40,7 +40,9 @@ a removal or a change of meaning bumps ``schema_version``::
         "activations": {"checkpointing": "fsdp" | "trainer" | "model" | "none",
                         "with_checkpointing": int, "without_checkpointing": int},
         "offload": {"enabled": bool, "moved_to_host": int},
-        "load_peak_per_gpu": int,      # whole quantized model on each GPU while loading (0: 16-bit, loads on CPU)
+        "load_peak_per_gpu": int,      # whole quantized model on each GPU while loading (0: 16-bit, loads on CPU;
+                                       # MoE via load_qlora_model: experts packed onto the GPU one at a time, their
+                                       # 16-bit weights in host RAM: host_per_process["loading"])
         "checkpoint": {"weights": int, "optimizer": int, "total": int},   # bytes written per checkpoint, all ranks
         "local_shard": {"params_quantized", "quant_state", "params_other", "params_trainable", "gradients",
                         "optimizer"},  # per-rank persistent state, as measured by benchmarks/memory_plan.py

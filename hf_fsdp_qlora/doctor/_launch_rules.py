@@ -123,10 +123,11 @@ def memory_rules(ctx: Context):
     mem = plan.gpu_memory
     if plan.load_peak_per_gpu > mem:
         experts = ""
-        if ctx.shape is not None and ctx.shape.experts and s.quantization:
+        if ctx.shape is not None and ctx.shape.experts and s.quantization == "4bit" and s.quantize_experts:
             sixteen = plan.parameters.get("experts_bytes_16bit", 0)
             experts = (f" The fused experts arrive in 16 bits ({format_size(sixteen)}) and are quantized only after "
-                       "the load.")  # fmt: skip
+                       "the load; load_qlora_model (our trainers) loads them on the CPU and packs them onto the GPU "
+                       "expert by expert.") if s.trainer != "hf_fsdp_qlora" else ""  # fmt: skip
         yield _finding(
             "load-does-not-fit", "error",
             f"Each rank loads and quantizes the whole model on its own GPU before FSDP shards it (transformers has "

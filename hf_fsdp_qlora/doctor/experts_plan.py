@@ -38,6 +38,7 @@ class ExpertBytes:
     per_layer_numel: int  # the largest layer's expert weights
     workspace_numel: int  # one expert's largest weight, dequantized for one matmul
     saved_numel: int  # the largest layer's routed experts kept dequantized for backward
+    layer_packed: int = 0  # the largest layer's packed bytes (stacked once more while loading)
 
 
 def _state_bytes(num_experts: int, numel: int, double_quant: bool) -> int:
@@ -51,7 +52,7 @@ def _state_bytes(num_experts: int, numel: int, double_quant: bool) -> int:
 def expert_bytes(shape: ModelShape, quantized: bool, double_quant: bool, tokens: int) -> ExpertBytes:
     """The experts' bytes for `tokens` tokens per forward; `quantized`: held in 4 bits (``quantize_experts``)."""
     packed = state = quantized_numel = 0
-    workspace = saved = 0
+    workspace = saved = layer_packed = 0
     for experts in shape.experts:
         held = quantized and experts.quantizable
         per_expert = sum(experts.expert_numel(n) for n in experts.weights)
@@ -65,6 +66,9 @@ def expert_bytes(shape: ModelShape, quantized: bool, double_quant: bool, tokens:
                 packed += experts.num_experts * math.ceil(numel / 2)
                 state += _state_bytes(experts.num_experts, numel, double_quant)
                 workspace = max(workspace, numel)
+        if held:
+            layer_packed = max(layer_packed, sum(experts.num_experts * math.ceil(experts.expert_numel(n) / 2)
+                                                 for n in experts.weights))  # fmt: skip
     return ExpertBytes(
         quantized=quantized,
         quantized_numel=quantized_numel,
@@ -73,4 +77,5 @@ def expert_bytes(shape: ModelShape, quantized: bool, double_quant: bool, tokens:
         per_layer_numel=shape.per_layer("experts"),
         workspace_numel=workspace,
         saved_numel=saved if quantized_numel else 0,
+        layer_packed=layer_packed,
     )

@@ -367,11 +367,17 @@ def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
     full_model = packed + qstate + other_numel * other_b if quant else shape.total_params * dtype_bytes(setup.dtype)
     if quant:
         # transformers 5.x has no rank-0-only loading path for bitsandbytes: every rank loads and quantizes the
-        # whole model on its own GPU before FSDP shards it. Fused experts arrive 16-bit, quantized after the load.
-        unquantized = experts.quantized_numel * dtype_bytes(setup.dtype) - experts.packed - experts.quant_state
+        # whole model on its own GPU before FSDP shards it, one 16-bit weight at a time.
         largest = max([lin.numel for lin in shape.linears] + [experts.workspace_numel])
-        load_peak = full_model + unquantized + largest * dtype_bytes(setup.dtype)
-        load_peak += RUNTIME_OVERHEAD
+        load_peak = full_model + largest * dtype_bytes(setup.dtype) + RUNTIME_OVERHEAD
+        if experts.quantized_numel and setup.trainer == "hf_fsdp_qlora":
+            # load_qlora_model loads the 16-bit experts on the CPU and packs them expert by expert onto the GPU
+            # (loading/_experts_map.py): the GPU adds one layer's packed experts while they are stacked; host RAM
+            # holds the 16-bit experts not packed yet, all of them at first, on every rank.
+            load_peak += experts.layer_packed
+            host["loading"] = int(experts.quantized_numel * dtype_bytes(setup.dtype))
+        elif experts.quantized_numel:  # a stock load: the experts arrive 16-bit on the GPU, packed after the load
+            load_peak += experts.quantized_numel * dtype_bytes(setup.dtype) - experts.packed - experts.quant_state
     else:
         load_peak = 0  # a 16-bit model loads on the CPU; FSDP moves one shard at a time
         host["loading"] = int(full_model)

@@ -107,6 +107,8 @@ def render(diagnosis: Diagnosis, width: int = 100) -> str:
             )
         if plan.load_peak_per_gpu:
             lines.append(f"  loading peak per GPU (whole model as loaded): {format_size(plan.load_peak_per_gpu)}")
+        if plan.host.get("loading"):
+            lines.append(f"  host RAM per process while loading: {format_size(plan.host['loading'])}")
         lines.append(f"  checkpoint: weights {format_size(plan.checkpoint['weights'])}, optimizer "
                      f"{format_size(plan.checkpoint['optimizer'])}")  # fmt: skip
         gpu = format_size(plan.gpu_memory) if plan.gpu_memory else "unknown (pass --gpu-memory)"

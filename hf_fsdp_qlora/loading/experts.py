@@ -106,7 +106,11 @@ class QuantizedExperts(nn.Module):
     expert's slices of ``lora_A``/``lora_B`` - the update peft would add to that expert's weight, never formed.
     """
 
-    def __init__(self, experts: nn.Module, layout: ExpertLayout, *, quant_type: str, double_quant: bool, dtype):
+    def __init__(
+        self, experts: nn.Module, layout: ExpertLayout, *, quant_type: str, double_quant: bool, dtype, device=None
+    ):
+        """`device`: where the packed experts live (default: where the 16-bit ones are). Each expert's 16-bit weight
+        moves there alone and is quantized there, so a GPU never holds more than one 16-bit expert weight."""
         super().__init__()
         from bitsandbytes.functional import quantize_4bit
 
@@ -124,12 +128,13 @@ class QuantizedExperts(nn.Module):
         self.num_experts = getattr(experts, "num_experts", getattr(experts, layout.weights[0]).shape[0])
         self._meta = {}
         self._lora = {}  # weight name -> [(lora_A, lora_B, scaling)], set by peft's wrappers while they run
+        device = torch.device(device) if device is not None else getattr(experts, layout.weights[0]).device
         for name in layout.weights:
             weight = getattr(experts, name).detach()
             packed, absmax, nested = [], [], []
             for e in range(weight.shape[0]):
                 data, state = quantize_4bit(
-                    weight[e].to(dtype).contiguous(),
+                    weight[e].to(device=device, dtype=dtype).contiguous(),
                     compress_statistics=double_quant,
                     quant_type=quant_type,
                     quant_storage=dtype,
@@ -149,7 +154,9 @@ class QuantizedExperts(nn.Module):
                 self.register_buffer(f"{name}_code2", state.state2.code, persistent=False)
             self._meta[name] = (tuple(weight.shape[1:]), state.blocksize, state.state2.blocksize if nested else None)
         for name in layout.biases:
-            self.register_parameter(name, nn.Parameter(getattr(experts, name).detach().to(dtype), requires_grad=False))
+            self.register_parameter(
+                name, nn.Parameter(getattr(experts, name).detach().to(device, dtype), requires_grad=False)
+            )
         # Whole, as quantized: under FSDP each rank's parameters hold a part (engagement log, packed_expert_bytes).
         self.packed_bytes = sum(getattr(self, f"{n}_4bit").nbytes for n in layout.weights)
 
@@ -295,7 +302,9 @@ def packed_expert_bytes(model: nn.Module) -> tuple[int, int]:
     return local, full
 
 
-def quantize_experts(model: nn.Module, *, quant_type: str = "nf4", double_quant: bool = True, dtype=None) -> list[str]:
+def quantize_experts(
+    model: nn.Module, *, quant_type: str = "nf4", double_quant: bool = True, dtype=None, device=None
+) -> list[str]:
     """Replace every fused experts module of `model` by a :class:`QuantizedExperts` (4-bit), in place.
 
     Args:
@@ -303,6 +312,9 @@ def quantize_experts(model: nn.Module, *, quant_type: str = "nf4", double_quant:
         quant_type: ``"nf4"`` or ``"fp4"``, as for the linear layers.
         double_quant: quantize the per-block absmax too, as ``bnb_4bit_use_double_quant`` does for linear layers.
         dtype: storage and compute dtype (default: the experts' own dtype).
+        device: where the packed experts go, one expert quantized there at a time (default: where each experts
+            module's 16-bit weights are). ``load_qlora_model`` loads the 16-bit experts on the CPU and packs them
+            onto the GPU this way.
 
     Returns:
         The names of the replaced modules (empty for a dense model).
@@ -330,7 +342,12 @@ def quantize_experts(model: nn.Module, *, quant_type: str = "nf4", double_quant:
         parent = model.get_submodule(parent_name) if parent_name else model
         weight_dtype = getattr(module, layout.weights[0]).dtype
         quantized = QuantizedExperts(
-            module, layout, quant_type=quant_type, double_quant=double_quant, dtype=dtype or weight_dtype
+            module,
+            layout,
+            quant_type=quant_type,
+            double_quant=double_quant,
+            dtype=dtype or weight_dtype,
+            device=device,
         )
         setattr(parent, child, quantized)
     if found:

@@ -39,6 +39,7 @@ from ..distributed import (
 )
 from ..dtypes import is_params4bit
 from ..rank_sync import agree_on_failure
+from ._experts_map import release_experts_dispatch
 from ._transfer import (
     _FLAG_ATTR,
     _ROWS_ATTR,
@@ -279,9 +280,11 @@ def load_base_low_ram(
         # None (a pre-quantized checkpoint): not passed at all, since an explicit quantization_config=None
         # replaces the checkpoint's own in transformers' AutoConfig.
         quant = {} if quantization_config is None else {"quantization_config": quantization_config}
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             model_name_or_path, dtype=dtype, trust_remote_code=trust_remote_code, **quant, **kwargs
         )
+        release_experts_dispatch(model)  # experts loaded on the CPU (_experts_map): real tensors before broadcasting
+        return model
 
     if not _ensure_process_group():
         logger.info("hf_fsdp_qlora: low_cpu_ram=True but this is a single process: loading normally")

@@ -18,6 +18,7 @@ from ..prequantized import (
     refuse_saved_quantized_experts,
     refuse_unviewable_storage,
 )
+from ._experts_map import release_experts_dispatch
 from .expert_lora import check_target_parameters, peft_sees_expert_weights
 from .experts import EXPERT_LAYOUTS, has_fused_experts, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
@@ -162,6 +163,9 @@ def load_qlora_model(
             every rank. A single process loads normally.
         quantize_experts: quantize the fused 3-D expert weights of a mixture-of-experts model to 4 bits too
             (:mod:`hf_fsdp_qlora.loading.experts`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
+            On a GPU (and without a `device_map` of yours) the 16-bit experts load on the CPU and are packed onto the
+            GPU one expert weight at a time (:mod:`hf_fsdp_qlora.loading._experts_map`): the GPU never holds them
+            16-bit; host RAM holds them until packed.
         bits: 4 (default: NF4/FP4 QLoRA) or 8: bitsandbytes' row-wise int8 (``load_in_8bit``), each int8 layer held
             as :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` so FSDP shards it (``quant_type``/``double_quant`` are
             4-bit settings and are not used). A checkpoint saved after 8-bit loading loads with ``bits=8``.
@@ -221,6 +225,15 @@ def load_qlora_model(
             "(quant_type/double_quant ignored); packed bytes are viewed as %s, not re-quantized",
             prequantized.quant_type, prequantized.double_quant, prequantized.storage, dtype,
         )  # fmt: skip
+    experts_device = None
+    if quantize_experts and "device_map" not in from_pretrained_kwargs:
+        # On a GPU the 16-bit experts load on the CPU and are packed one expert at a time onto the GPU (_experts_map).
+        from ._experts_map import accelerator_device, experts_on_cpu_kwargs
+
+        experts_device = accelerator_device()
+        placement = experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code, experts_device)
+        quantization_config = placement.pop("quantization_config", quantization_config)
+        from_pretrained_kwargs = {**from_pretrained_kwargs, **placement}
     if low_cpu_ram:
         from .low_ram import load_base_low_ram
 
@@ -242,6 +255,7 @@ def load_qlora_model(
             trust_remote_code=trust_remote_code,
             **from_pretrained_kwargs,
         )
+        release_experts_dispatch(model)
     if prequantized is not None:
         # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
         view_packed_storage_as(model, dtype)
@@ -249,7 +263,9 @@ def load_qlora_model(
         if prequantized is not None:
             # A stock 4-bit MoE checkpoint: its 16-bit experts take the checkpoint's own quantization.
             quant_type, double_quant = prequantized.quant_type, prequantized.double_quant
-        quantize_expert_weights(model, quant_type=quant_type, double_quant=double_quant, dtype=dtype)
+        quantize_expert_weights(
+            model, quant_type=quant_type, double_quant=double_quant, dtype=dtype, device=experts_device
+        )
     disable_cpu_repack_in_model(model)
     _freeze_for_kbit_training(model, gradient_checkpointing)
     lora_config = lora_config if lora_config is not None else default_lora_config()
