@@ -331,7 +331,7 @@ SCENARIOS = {
     "f1_uint8_stock": (F1, dict(BF16, quant_storage="uint8"), "transformers", {}, "fsdp1-integer-storage",
                        "Cannot flatten integer dtype tensors"),
     "f1_uint8_ours": (F1, dict(BF16, quant_storage="uint8"), "hf_fsdp_qlora", {}, None, None),
-    "f2_8bit_ours": (F2, {"quantization": "8bit"}, "hf_fsdp_qlora", {}, "8bit-under-fsdp", "[8bit-under-fsdp]"),
+    "f2_8bit_ours": (F2, {"quantization": "8bit"}, "hf_fsdp_qlora", {}, None, None),  # converted: trains
     "f1_fp32lora_stock": (F1, dict(BF16, adapter_dtype="float32"), "transformers", {}, "fsdp1-fp32-adapters",
                           "expected m1 and m2 to have the same dtype"),
     "f1_kbitprep_stock": (F1, dict(BF16, kbit_prep=True), "transformers", {}, "fsdp1-fp32-norms",
@@ -380,8 +380,6 @@ def _doctor_settings(spec: dict, trainer: str, training: dict) -> dict:
         "quant_storage": spec.get("quant_storage"), "adapter_dtype": spec.get("adapter_dtype"),
         "norm_dtype": "float32" if spec.get("kbit_prep") else None, "device_map": spec.get("device_map"),
         "trainer": trainer, "gradient_checkpointing": training.get("activation_checkpointing", False), "lora_r": 4,
-        # the worker loads 8 bits the stock way (load_in_8bit=True: Int8Params), not through load_qlora_model(bits=8)
-        "int8_unsupported": "a stock load_in_8bit load" if spec.get("quantization") == "8bit" else None,
     }  # fmt: skip
 
 
@@ -652,21 +650,26 @@ def test_8bit_plan_llama31_70b_2x80gb():
 
 
 def test_8bit_setups_we_cannot_support(tiny, tiny_moe, tmp_path):
-    """A stock load_in_8bit model (Int8Params) under FSDP, a pre-quantized 8-bit checkpoint and 8 bits on an MoE
-    model are errors naming the fix; 8 bits through our loader is a plan."""
+    """8 bits through our loader, our trainers (which convert a stock load_in_8bit model) or a checkpoint saved
+    after 8-bit loading is a plan; Int8Params under a stock Trainer and 8 bits on an MoE model are errors."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     assert _ids(tiny / "llama", F2Q, "info", quantization="8bit") >= {"8bit-under-fsdp"}
     stock = AutoModelForCausalLM.from_pretrained(tiny / "llama", quantization_config=BitsAndBytesConfig(
         load_in_8bit=True))  # fmt: skip
+    # our trainers and callback convert a stock load_in_8bit model (Int8Params) before wrapping: a plan
     found = {f.id: f for f in diagnose(stock, accelerate_config=F2Q).findings}
+    assert found["8bit-under-fsdp"].severity == "info" and "bits=8" in found["8bit-under-fsdp"].message
+    # a stock Trainer wraps the Int8Params as they are: refused, naming our route
+    found = {f.id: f for f in diagnose(stock, accelerate_config=F2Q, trainer="transformers").findings}
     assert found["8bit-under-fsdp"].severity == "error" and "Int8Params" in found["8bit-under-fsdp"].problem
     assert "bits=8" in found["8bit-under-fsdp"].message
+    # a checkpoint saved after 8-bit loading loads with load_qlora_model(path, bits=8): a plan too
     checkpoint = json.loads((tiny / "llama" / "config.json").read_text())
     checkpoint["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     (tmp_path / "config.json").write_text(json.dumps(checkpoint))
     pre = diagnose(tmp_path, accelerate_config=F2Q)
-    assert pre.setup.quantization == "8bit" and "8bit-under-fsdp" in {f.id for f in pre.errors}
+    assert pre.setup.quantization == "8bit" and not pre.errors, pre.errors
     moe = diagnose(tiny_moe["qwen3_moe"], accelerate_config=F2Q, quantization="8bit")
     assert {f.id for f in moe.errors} == {"8bit-moe-experts"}
     assert "Qwen3MoeExperts" in moe.errors[0].problem

@@ -79,8 +79,8 @@ class RunSetup:
     adapter_dtype: str | None = None
     norm_dtype: str | None = None  # "float32" after prepare_model_for_kbit_training
     double_quant: bool = True
-    # Why our 8-bit route cannot take this base: a stock load_in_8bit model (Int8Params), a pre-quantized 8-bit
-    # checkpoint the loader refuses. None: an 8-bit base is loaded by load_qlora_model(path, bits=8).
+    # Why our 8-bit route cannot take this base: a pre-quantized 8-bit checkpoint the loader refuses. None: an
+    # 8-bit base is loaded by load_qlora_model(path, bits=8) (or a stock load_in_8bit model our trainers convert).
     int8_unsupported: str | None = None
     quantize_experts: bool = True  # load_qlora_model's default: fused MoE experts in 4 bits (stock: 16-bit)
     lora_r: int = 16
@@ -355,7 +355,7 @@ def _name(dtype) -> str:
 
 def facts_from_model(model) -> dict:
     """RunSetup fields read from a loaded (possibly peft-wrapped, 4-/8-bit) model: what it really holds."""
-    from ..dtypes import is_int8, quant_storage_dtype, quantization_kind
+    from ..dtypes import quant_storage_dtype, quantization_kind
 
     kind = quantization_kind(model)
     facts: dict = {"quantization": kind}
@@ -366,8 +366,6 @@ def facts_from_model(model) -> dict:
     base = frozen[0].dtype if frozen else (adapters[0].dtype if adapters else None)
     if base is not None:
         facts["dtype"] = _name(base)
-    if kind == "8bit" and any(is_int8(p) for p in model.parameters()):
-        facts["int8_unsupported"] = "the model holds bitsandbytes' Int8Params (a stock load_in_8bit load)."
     if kind == "4bit":
         facts["quant_storage"] = _name(quant_storage_dtype(model))
         qconfig = getattr(getattr(model, "config", None), "quantization_config", None)

@@ -212,7 +212,7 @@ def apply_checkpoint_quantization(setup, model) -> None:
     config = load_model_config(model)
     bits = quantized_bits(config)
     try:
-        quant = checkpoint_quantization(config)
+        quant = checkpoint_quantization(config, allow_8bit=bits == 8)
     except UnsupportedSetupError as err:
         if bits != 8:
             raise SetupInputError(str(err)) from err
