@@ -117,8 +117,9 @@ def test_doctor_reads_the_checkpoints_quantization(checkpoints, tmp_path):
     assert stock.setup.storage == "uint8"  # a stock Trainer keeps what transformers loads
     eight_bit = {"quant_method": "bitsandbytes", "load_in_8bit": True}
     eight = diagnose(_config_only(tmp_path / "eight", eight_bit), accelerate_config="fsdp2_qlora")
-    assert eight.setup.quantization == "8bit"
-    assert "8bit-under-fsdp" in {f.id for f in eight.findings if f.severity == "error"}
+    # a checkpoint saved after 8-bit loading loads with load_qlora_model(path, bits=8): planned, not refused
+    assert eight.setup.quantization == "8bit" and not eight.errors, eight.errors
+    assert "8bit-under-fsdp" in {f.id for f in eight.findings if f.severity == "info"}
 
 
 # Distributed: the same checkpoints trained in the suite's shared FSDP1 and FSDP2 launches (tests/conftest.py).
