@@ -387,15 +387,19 @@ def test_launcher_switch_quantizes_experts_before_peft(moe_models, monkeypatch):
 def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
     """The issue's goal: trl's sft.py, unchanged, `--use_peft --load_in_4bit --lora_dropout 0
     --lora_target_parameters ...` on a Qwen3-MoE checkpoint, through `-m hf_fsdp_qlora.run` under FSDP1 and FSDP2:
-    FSDP engaged, the experts 4-bit and sharded, the adapter trained and in peft's own format."""
+    FSDP engaged, the experts 4-bit and sharded, the adapter trained, in peft's own format, and merged by
+    merge-adapters equal to peft."""
     import re
     import shutil
 
     from dist_utils import check
     from peft import PeftModel, get_peft_model_state_dict
     from recipe_fixtures import build_chat_dataset, build_recipe_model
+    from test_merge_moe import _assert_equals_peft
     from test_recipes import _adapter, _launch_script, _script_args
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
     model = shutil.copytree(moe_models["qwen3_moe"], tmp_path / "qwen3_moe")
     AutoTokenizer.from_pretrained(build_recipe_model(tmp_path / "recipe")).save_pretrained(model)
@@ -419,6 +423,10 @@ def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
         state = get_peft_model_state_dict(loaded)
         assert set(state) == set(adapter)
         assert all(torch.equal(state[k], v.to(state[k].dtype)) for k, v in adapter.items())
+    # ... and merges with merge-adapters into the 16-bit base equal to peft's merge_and_unload (bit-equal to peft's
+    # float32 merge rounded once to bf16; within two bf16 roundings of peft's bf16 merge).
+    merged = merge_adapters(model, out, tmp_path / "merged", progress=False)
+    _assert_equals_peft(model, out, merged, ["experts.gate_up_proj", "experts.down_proj", "q_proj.weight"])
 
 
 @pytest.mark.distributed
