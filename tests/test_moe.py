@@ -24,6 +24,7 @@ _SCENARIOS = {
     "moe": ("qwen3_moe", "ours_loader"),
     "moe_lowram": ("qwen3_moe", "lowram"),
     "moe_expertlora": ("qwen3_moe", "expertlora"),  # LoRA on the 4-bit experts too
+    "moe_expertcb": ("qwen3_moe", "expertlora_callback"),  # ... trained by a stock Trainer + FSDPQLoRACallback
     "moe_resume": ("qwen3_moe", "expertresume"),  # ... checkpointed at step 2 and resumed
 }
 # Stock peft's expert LoRA (16-bit experts) under FSDP1, with a stock Trainer: the error-index entry's text.
@@ -309,8 +310,9 @@ def test_stock_peft_param_wrapper_contract(moe_models):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("name", ["moe_expertlora", "moe_expertcb"])  # FSDPQLoRATrainer; stock Trainer + callback
 @pytest.mark.parametrize("version", [1, 2])
-def test_fsdp_trains_lora_on_4bit_experts(moe_models, shared_launch, version):
+def test_fsdp_trains_lora_on_4bit_experts(moe_models, shared_launch, version, name):
     """LoRA on the 4-bit experts under FSDP1 (stock peft fails there: "shape '[8, -1, 2048]' is invalid") and FSDP2:
     FSDP engaged, experts 4-bit and sharded, step-0 loss and logits equal the single-process run on the same global
     batch (loss rel 1e-6, logits 1e-5), the expert adapters trained and saved in peft's format (equal to the
@@ -319,7 +321,6 @@ def test_fsdp_trains_lora_on_4bit_experts(moe_models, shared_launch, version):
     from test_trainer_fsdp import _assert_adapter_equals
 
     models, out, results, _ = shared_launch(version)
-    name = "moe_expertlora"
     r0, r1 = results[0][name], results[1][name]
     for r in (r0, r1):
         assert r.get("ok"), r.get("traceback")

@@ -318,6 +318,9 @@ def build_model(path, kind):
             LossRecorder,
             None,
         )
+    if kind == "expertlora_callback":  # the same, trained by a stock Trainer with our callback
+        model = load_qlora_model(path, lora_config=expert_lora_config(), gradient_checkpointing=False)
+        return model, _recording(Trainer), [FSDPQLoRACallback()]
     if kind == "int8_loader":  # tests/test_int8.py: load_qlora_model(bits=8)
         return (
             load_qlora_model(path, bits=8, lora_config=lora_config(), gradient_checkpointing=False),
