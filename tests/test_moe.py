@@ -390,6 +390,7 @@ def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
     --lora_target_parameters ...` on a Qwen3-MoE checkpoint, through `-m hf_fsdp_qlora.run` under FSDP1 and FSDP2:
     FSDP engaged, the experts 4-bit and sharded, the adapter trained, in peft's own format, and merged by
     merge-adapters equal to peft."""
+    import json
     import re
     import shutil
 
@@ -408,7 +409,9 @@ def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
     lora = ["--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj", "--lora_target_parameters"]
     for version in (1, 2):
         out = tmp_path / f"sft_fsdp{version}"
-        args = _script_args(model, data, out, *lora, *EXPERT_TARGETS, "--max_steps", "2", "--eval_strategy", "no")
+        args = _script_args(
+            model, data, out, *lora, *EXPERT_TARGETS, "--max_steps", "2"
+        )  # eval + checkpoint at step 2
         proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", "sft", *args)
         check(proc)
         text = proc.stdout + proc.stderr
@@ -416,6 +419,8 @@ def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
         held = [tuple(map(int, m)) for m in re.findall(r"4-bit experts: this rank holds (\d+) of (\d+) packed", text)]
         assert len(held) == 1, text[-3000:]  # rank 0's line: it holds a part of the packed expert bytes
         assert 0 < held[0][0] < held[0][1] and (version == 1 or held[0][0] * 2 == held[0][1]), held
+        log = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+        assert any("eval_loss" in e for e in log), log  # trl's defaults: evaluation and checkpoints on
         adapter = _adapter(out)
         experts = {k: v for k, v in adapter.items() if ".experts." in k}
         assert len(experts) == 8 and all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)

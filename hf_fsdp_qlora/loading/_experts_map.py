@@ -141,5 +141,7 @@ def release_experts_dispatch(model) -> bool:
     stranded = [f"{e}.{n}" for e in experts for n, p in model.get_submodule(e).named_parameters() if p.is_meta]
     if stranded:  # a dispatch hook above the experts moved them before they were offloaded: their data is gone
         raise RuntimeError(f"hf_fsdp_qlora: expert weights left on the meta device after releasing the dispatch: "
-                           f"{stranded[:3]}")  # fmt: skip
+                           f"{stranded[:3]}. Pass a device_map of your own to load_qlora_model (e.g. device_map="
+                           "{'': torch.cuda.current_device()}: the experts then load 16-bit on the GPU) or "
+                           "quantize_experts=False.")  # fmt: skip
     return True

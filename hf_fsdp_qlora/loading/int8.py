@@ -130,7 +130,13 @@ def _viewed_width(in_features: int, dtype: torch.dtype, name: str) -> int:
     if in_features % width:
         raise UnsupportedSetupError(
             f"{name or 'An 8-bit layer'} has in_features={in_features}, not a multiple of {width}: its int8 rows "
-            f"cannot be viewed as {dtype} for FSDP. Train this model with dtype=torch.bfloat16 (2 bytes)."
+            f"cannot be viewed as {dtype} for FSDP. "
+            + (
+                "Train this model with dtype=torch.bfloat16 (2 bytes per element)."
+                if in_features % 2 == 0
+                else f"Keep this layer 16-bit (BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules="
+                f"[{(name or 'its name').rsplit('.', 1)[-1]!r}])) or load the model in 4 bits (bits=4)."
+            )
         )
     return in_features // width
 
