@@ -342,7 +342,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "dequantized gate_up and down projections; no public hook exposes it"
         ),
         where=(
-            "hf_fsdp_qlora.loading.experts.expert_layout",
+            "hf_fsdp_qlora.expert_layouts.expert_layout",
             "hf_fsdp_qlora.loading.experts.QuantizedExperts.__init__",
         ),
         remove_when="transformers exposes the experts' activation publicly (or ships quantized experts itself)",
@@ -468,7 +468,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         where=(
             "hf_fsdp_qlora.merge._base_model",
             "hf_fsdp_qlora.loading._stream.stream_plan",
-            "hf_fsdp_qlora.doctor.shapes",
+            "hf_fsdp_qlora.model_shapes",
         ),
         remove_when="never (a dependency): the canary watches the attributes' form",
         canary=_C + "test_transformers_internals",
@@ -488,7 +488,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         key="peft_target_check",
         upstream="peft <= 0.21 (peft.tuners.tuners_utils.check_target_module_exists)",
         works_around="the doctor counts LoRA targets exactly as peft matches them",
-        where=("hf_fsdp_qlora.doctor.shapes",),
+        where=("hf_fsdp_qlora.model_shapes",),
         remove_when="never (a dependency): the canary watches the signature",
         canary=_C + "test_peft_internals",
     ),

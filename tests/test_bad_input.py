@@ -44,7 +44,7 @@ def test_encoder_lm_head_is_not_a_causal_lm(tmp_path):
     refuses it with the same rule as the doctor (hf_fsdp_qlora.causal_lm)."""
     from transformers import BertConfig
 
-    from hf_fsdp_qlora.doctor.shapes import SetupInputError, load_model_config
+    from hf_fsdp_qlora.model_shapes import SetupInputError, load_model_config
 
     cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     cfg.architectures = ["BertLMHeadModel"]

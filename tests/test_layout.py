@@ -72,6 +72,26 @@ def test_subsystems_import_one_way():
     assert not problems, "\n".join(problems)
 
 
+# The front doors: the lazy public API and the `-m hf_fsdp_qlora.run` entry point may import any subsystem.
+_FRONT_DOORS = {"hf_fsdp_qlora", "hf_fsdp_qlora.run"}
+
+
+def test_lower_layers_never_import_upward():
+    """loading/, merge/ and the top-level modules (shapes, dtypes, I/O) sit below doctor/, train/ and cli/: none of
+    them imports those (the doctor and the loader both read model shapes from a module below them)."""
+    problems = []
+    for path in SOURCES:
+        me = _module_name(path)
+        parts = me.split(".")
+        lower = parts[1:2] in (["loading"], ["merge"]) or (len(parts) == 2 and not (PACKAGE / parts[1]).is_dir())
+        if not lower or me in _FRONT_DOORS:
+            continue
+        for target in _imports(path):
+            if target.split(".")[1:2] in (["doctor"], ["train"], ["cli"]):
+                problems.append(f"{me} imports {target}")
+    assert not problems, "\n".join(problems)
+
+
 # _compat is a table with one entry per upstream workaround (no logic): it grows with upstream, not with features.
 LIMITS = {"hf_fsdp_qlora._compat": 560}
 

@@ -66,11 +66,11 @@ Finding ids: ``8bit-under-fsdp``, ``8bit-moe-experts``, ``experts-not-quantizabl
 
 from __future__ import annotations
 
+from ..model_shapes import ModelShape, model_shape
 from .checks import Diagnosis, Finding, check_setup, diagnose, raise_for_errors
 from .memory import MemoryPlan, parse_gpu_memory, plan_memory
 from .report import SCHEMA_VERSION, render, to_json
 from .setup import FsdpSettings, RunSetup, SetupInputError, read_accelerate_config
-from .shapes import ModelShape, model_shape
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtype_names import BYTES, DTYPE_OF_MIXED_PRECISION, FLOAT_NAMES, MIXED_PRECISION_OF
+from ..model_shapes import ModelShape
 from .memory import MemoryPlan
 from .setup import RunSetup
-from .shapes import ModelShape
 
 OURS = "hf_fsdp_qlora"
 _INTEGER = ("uint8", "int8")

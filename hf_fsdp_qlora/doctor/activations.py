@@ -5,8 +5,8 @@ See :mod:`hf_fsdp_qlora.doctor.memory` for how the plan uses them (with and with
 
 from __future__ import annotations
 
+from ..model_shapes import ModelShape
 from .setup import RunSetup
-from .shapes import ModelShape
 
 __all__ = ["layer_activation_bytes", "layer_activations", "mlp_width", "moe_mlp_activation"]
 

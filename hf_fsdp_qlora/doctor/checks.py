@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..loss_paths import LOSS_PATHS
+from ..model_shapes import ModelShape, apply_checkpoint_quantization, model_shape
 from ._launch_rules import (
     checkpoint_rules,
     checkpointing_rules,
@@ -36,7 +37,6 @@ from .setup import (
     fsdp_from_plugin,
     read_accelerate_config,
 )
-from .shapes import ModelShape, apply_checkpoint_quantization, model_shape
 
 # in report order
 RULES = (

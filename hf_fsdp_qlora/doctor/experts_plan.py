@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .shapes import ModelShape
+from ..model_shapes import ModelShape
 
 __all__ = ["ExpertBytes", "expert_bytes"]
 

@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 
 from ..dtype_names import dtype_bytes
 from ..loss_paths import logits_bytes, loss_path, sequences_factor
+from ..model_shapes import ModelShape
 from .activations import layer_activation_bytes, layer_activations, mlp_width
 from .experts_plan import expert_bytes
 from .setup import RunSetup
-from .shapes import ModelShape
 
 __all__ = ["GIB", "MemoryPlan", "dtype_bytes", "format_size", "parse_gpu_memory", "plan_memory", "planned_loss_path"]
 

@@ -86,8 +86,8 @@ def _prequantized_check(config, dtype: torch.dtype, bits: int):
         return None
     quant = checkpoint_quantization(config)
     if quant is not None and quant.storage != str(dtype).removeprefix("torch."):
-        from ..doctor.shapes import model_shape  # the config's shapes, built on the meta device
         from ..errors import SetupInputError
+        from ..model_shapes import model_shape  # the config's shapes, built on the meta device
 
         try:
             weights = {lin.name: lin.numel for lin in model_shape(config).linears if lin.quantized}

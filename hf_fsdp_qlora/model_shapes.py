@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..causal_lm import causal_lm_problem
-from ..loss_paths import LOGIT_TRANSFORMS
-from .setup import SetupInputError
+from .causal_lm import causal_lm_problem
+from .errors import SetupInputError
+from .loss_paths import LOGIT_TRANSFORMS
 
 __all__ = [
     "ExpertsShape",
@@ -206,8 +206,8 @@ def apply_checkpoint_quantization(setup, model) -> None:
     Raises:
         SetupInputError: a quantization method other than bitsandbytes, or a storage dtype it never writes.
     """
-    from ..errors import UnsupportedSetupError
-    from ..prequantized import checkpoint_quantization, quantized_bits
+    from .errors import UnsupportedSetupError
+    from .prequantized import checkpoint_quantization, quantized_bits
 
     config = load_model_config(model)
     bits = quantized_bits(config)
@@ -345,7 +345,7 @@ def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
 
 def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], counted: set) -> None:
     """The fused 3-D expert modules of `module` into `shape` (their parameters' ids into `counted`)."""
-    from ..loading.experts import expert_layout
+    from .expert_layouts import expert_layout
 
     for name, sub in module.named_modules():
         direct = dict(sub.named_parameters(recurse=False))
