@@ -1,6 +1,8 @@
 """The per-GPU memory plan of a run, from the model's shapes and the run's settings (no weights read).
 
-Parts, per GPU (bytes), in the order they are reported:
+The plan is a table of terms (:mod:`.terms`), each a small function of the figures :mod:`.plan_context` derives
+once from the setup and the shape; :func:`plan_memory` sums them. A new capability adds a term, not a branch here.
+Terms (parts), per GPU (bytes), in the order they are reported:
 
 * ``base_quantized``: packed 4-bit weights (half a byte per weight; the storage dtype only changes how many
   elements hold them; MoE experts too, see :mod:`.experts_plan`) or int8 weights (one byte per weight), sharded
@@ -41,37 +43,19 @@ needs the rest), ``tight`` up to 100%, ``does_not_fit`` above, ``unknown`` witho
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ..dtype_names import dtype_bytes
-from ..loss_paths import logits_bytes, loss_path, sequences_factor
 from ..model_shapes import ModelShape
-from .activations import layer_activation_bytes, layer_activations, mlp_width
-from .experts_plan import expert_bytes
+from .plan_context import PlanContext, plan_context, planned_loss_path
 from .setup import RunSetup
+from .terms import RUNTIME_OVERHEAD, TERMS, Term
 
 __all__ = ["GIB", "MemoryPlan", "dtype_bytes", "format_size", "parse_gpu_memory", "plan_memory", "planned_loss_path"]
 
 GIB = 1024**3
-RUNTIME_OVERHEAD = 1 * GIB
 FIT_FRACTION = 0.90
-BLOCKSIZE = 64  # bitsandbytes' 4-bit block size
-NESTED_BLOCKSIZE = 256
-PART_NAMES = (
-    "base_quantized",
-    "base_quant_state",
-    "base_other",
-    "adapter",
-    "gradients",
-    "optimizer",
-    "fsdp_gathered",
-    "activations",
-    "logits_loss",
-    "dequant_workspace",
-    "runtime_overhead",
-)
-_OFFLOADED = ("base_quantized", "base_other", "adapter", "gradients", "optimizer")
+PART_NAMES = tuple(row.name for row in TERMS)
 
 
 def parse_gpu_memory(text) -> int:
@@ -121,6 +105,8 @@ class MemoryPlan:
     # total / active (per token) / expert parameters, and for MoE the experts' bytes and the per-GPU total as held
     # and with 16-bit experts (what a stock load_in_4bit holds)
     parameters: dict = field(default_factory=dict)
+    # the table's terms in report order: name, bytes per GPU, host bytes per process, reason (see .terms)
+    terms: list[dict] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -159,6 +145,7 @@ class MemoryPlan:
             "verdict": self.verdict,
             "headroom": None if self.gpu_memory is None else self.gpu_memory - self.total,
             "notes": self.notes,
+            "terms": self.terms,
         }
 
 
@@ -170,246 +157,97 @@ def verdict(total: int, gpu_memory: int | None) -> str:
     return "tight" if total <= gpu_memory else "does_not_fit"
 
 
-def _quant_state_bytes(numel: int, double_quant: bool) -> int:
-    blocks = math.ceil(numel / BLOCKSIZE)
-    if not double_quant:
-        return blocks * 4 + 64  # fp32 absmax + the 16-entry code
-    return blocks + math.ceil(blocks / NESTED_BLOCKSIZE) * 4 + 4 + 64 + 1024  # uint8 absmax, nested, codes
-
-
-def _shard_factor(setup: RunSetup) -> int:
-    fsdp = setup.fsdp
-    n = setup.world_size
-    if fsdp.version is None or fsdp.sharding_strategy == "NO_SHARD":
-        return 1
-    if "HYBRID" in fsdp.sharding_strategy:
-        return max(1, n // max(1, fsdp.num_machines))
-    return n
-
-
 def plan_memory(shape: ModelShape, setup: RunSetup) -> MemoryPlan:
-    """The per-GPU memory plan of `setup` for a model of `shape` (see the module docstring)."""
-    fsdp = setup.fsdp
-    n = setup.world_size
-    shard = _shard_factor(setup)
-    quant = None if setup.full_finetune else setup.quantization
-    lora = not setup.full_finetune
-    mixed = setup.effective_mixed_precision != "no"
-    path, why = planned_loss_path(setup, shape)
-    # DPO runs chosen and rejected sequences through the model in one forward: twice the tokens.
-    tokens = setup.batch_size * setup.seq_len * sequences_factor(path)
-    notes: list[str] = []
-    if why is not None and path == "stock" and setup.trainer == "hf_fsdp_qlora":
-        notes.append(f"the run keeps transformers' stock loss (full logits): {why}")
-    if path == "dpo":
-        notes.append("DPO: chosen and rejected sequences run together, twice batch x seq tokens per forward")
-
-    storage_floating = setup.storage not in ("uint8", "int8")
-    # The one dtype our trainer casts every non-quantized parameter to (see hf_fsdp_qlora.dtypes).
-    base_dtype = setup.dtype
-    if setup.trainer == "hf_fsdp_qlora" and quant == "4bit":
-        base_dtype = setup.storage if storage_floating else setup.compute
-    compute = base_dtype if setup.trainer == "hf_fsdp_qlora" else setup.compute
-    act = dtype_bytes(compute)
-    adapter_dtype = base_dtype if setup.trainer == "hf_fsdp_qlora" else setup.adapter
-
-    quantized_numel = sum(lin.numel for lin in shape.linears if lin.quantized) if quant else 0
-    experts = expert_bytes(shape, quant == "4bit" and setup.quantize_experts, setup.double_quant, tokens)
-    other_numel = shape.total_params - quantized_numel - experts.quantized_numel
-    if quant == "4bit":
-        packed = sum(math.ceil(lin.numel / 2) for lin in shape.linears if lin.quantized) + experts.packed
-        qstate = sum(_quant_state_bytes(lin.numel, setup.double_quant) for lin in shape.linears if lin.quantized)
-        qstate += experts.quant_state
-    elif quant == "8bit":
-        # LLM.int8: one byte per weight; the fp32 row scales (SCB, one per output row) counted whole on every rank.
-        packed = quantized_numel
-        qstate = sum(4 * lin.out_features for lin in shape.linears if lin.quantized)
-    else:
-        packed = qstate = 0
-    trainable = shape.total_params if setup.full_finetune else shape.lora_params(setup.lora_r)
-    expert_lora = [] if setup.full_finetune else shape.expert_lora_targets(setup.lora_target_parameters)
-    trainable += shape.expert_lora_params(setup.lora_r, setup.lora_target_parameters) if expert_lora else 0
-    if setup.use_dora and lora:  # DoRA's magnitude vectors train beside A and B
-        trainable += shape.dora_params()
-
-    # Master dtype of the trainable parameters (accelerate's upcasts; see the module docstring).
-    master = adapter_dtype if lora else setup.dtype
-    if fsdp.version == 2 and mixed and quant != "4bit":
-        master = "float32"
-    if fsdp.version == 1 and mixed:
-        master = "float32"
-    master_b = dtype_bytes(master)
-
-    # Plain accelerate + FSDP1 transformer wrap puts frozen base and LoRA in one flat parameter: FSDP1 allocates
-    # gradients for all of it and, under mixed precision, accelerate upcasts all of it to fp32.
-    whole_units_trainable = fsdp.version == 1 and setup.trainer == "accelerate" and lora
-    sharded = storage_floating or fsdp.version == 1 or setup.integer_storage_sharded
-    quant_shard = shard if quant == "4bit" and sharded else 1
-    if quant == "8bit" and setup.trainer == "hf_fsdp_qlora":
-        quant_shard = shard  # our 8-bit route holds the int8 bytes as a parameter FSDP shards (stock: refused)
-    if fsdp.version is None and quant:
-        quant_shard = 1
-    base_quantized = packed / quant_shard
-    other_b = dtype_bytes(base_dtype)
-    base_other = (other_numel * other_b if lora else 0) / shard
-    layer_base = (
-        shape.per_layer("linear") * (0.5 if quant == "4bit" else 1 if quant else dtype_bytes(base_dtype))
-        + shape.per_layer("other") * other_b
-        + experts.per_layer_numel * (0.5 if experts.quantized_numel else other_b)
-    )
-    extra_grads = 0.0
-    if whole_units_trainable:
-        in_layers = packed + (shape.other_in_layers + shape.expert_params - experts.quantized_numel) * other_b
-        in_layers = in_layers if quant else shape.total_params * other_b
-        extra_grads = in_layers / shard
-        if mixed:
-            upcast = 4 / dtype_bytes(setup.storage if quant == "4bit" else base_dtype)
-            base_quantized *= upcast
-            extra_grads *= upcast
-            notes.append(
-                "accelerate upcasts every FSDP1 unit holding a trainable parameter to fp32, 4-bit bytes included"
-            )
-    adapter = (trainable * master_b / shard) if lora else 0
-    if setup.full_finetune:
-        base_other = trainable * master_b / shard
-    gradients = trainable * master_b / shard + extra_grads
-    optimizer = (
-        {"adamw": 2 * master_b, "adamw_8bit": 2, "sgd": 0}.get(setup.optimizer, 2 * master_b) * trainable / shard
-    )
-    if setup.optimizer != "sgd":  # AdamW's fp32 `step` counter, one per trainable tensor on every rank
-        per_adapted = 3 if setup.use_dora else 2  # A, B (and DoRA's magnitude)
-        adapted = per_adapted * sum(lin.lora for lin in shape.linears) + 2 * len(expert_lora)
-        optimizer += 4 * (adapted if lora else shape.num_tensors)
-    if fsdp.version is None:
-        gradients *= 2  # DDP's gradient buckets hold a second copy
-
-    # FSDP's unsharded working copies.
-    gathered = 0.0
-    if fsdp.version is not None:
-        gather_b = dtype_bytes(fsdp.param_dtype) if fsdp.param_dtype and not quant else other_b
-        root = shape.other_outside * gather_b + sum(lin.numel * gather_b for lin in shape.linears if lin.layer is None)
-        layer = layer_base if quant else (shape.per_layer("linear") + shape.per_layer("other")
-                                          + shape.per_layer("experts")) * gather_b  # fmt: skip
-        no_wrap = fsdp.auto_wrap_policy == "NO_WRAP" and not setup.peft_wraps
-        if no_wrap or fsdp.sharding_strategy == "SHARD_GRAD_OP":
-            gathered = packed + other_numel * gather_b if quant else shape.total_params * gather_b
-            notes.append(
-                "the whole model is gathered at once (NO_WRAP or SHARD_GRAD_OP / reshard_after_forward=False)"
-            )
-        else:
-            gathered = root + 2 * layer
-        if setup.full_finetune:
-            gathered += max(root, layer)  # the unsharded gradient of the largest unit, before reduce-scatter
-        elif whole_units_trainable:
-            gathered += layer
-
-    per_layer = layer_activation_bytes(shape, setup, act, lora)
-    # Expert LoRA: each routed token's rank-r intermediate per adapted expert weight, per MoE layer.
-    per_layer += len(expert_lora) / max(1, len(shape.moe_layers)) * shape.experts_per_token * setup.lora_r * act
-    per_layer, all_layers = layer_activations(shape, act, per_layer)
-    saved_experts = experts.saved_numel * act  # one layer's routed experts, dequantized, kept for backward
-    final = tokens * (4 * shape.hidden_size + 2 * act * shape.hidden_size)
-    transient = tokens * (3 * act * mlp_width(shape) + 2 * act * shape.hidden_size)
-    with_ckpt = tokens * (shape.num_layers * act * shape.hidden_size + per_layer) + final + transient + saved_experts
-    without_ckpt = tokens * all_layers + final + transient + saved_experts * len(shape.moe_layers)
-    if fsdp.activation_checkpointing:
-        checkpointing = "fsdp"
-    elif setup.gradient_checkpointing:
-        checkpointing = "trainer"
-    elif setup.model_checkpointing:
-        checkpointing = "model"
-    else:
-        checkpointing = "none"
-    activations = with_ckpt if checkpointing != "none" else without_ckpt
-    offloaded_activations = 0.0
-    if setup.activation_offloading:
-        # What stays: the layer being back-propagated (brought back, or recomputed under checkpointing) and the
-        # transients; the final norm / LM-head inputs move too. The logits stay: they are the forward's output.
-        on_gpu = tokens * per_layer + transient + saved_experts
-        offloaded_activations = max(0.0, activations - on_gpu)
-        activations -= offloaded_activations
-    # A full fine-tune trains the plain nn.Linear head: our loss holds its fp32 gradient from forward to backward.
-    logits = logits_bytes(path, tokens, shape.vocab_size, act, shape.hidden_size, setup.loss_chunk_size,
-                          head_trained=setup.full_finetune)  # fmt: skip
-    workspace = max((lin.numel for lin in shape.linears if lin.quantized), default=0) * act if quant else 0
-    workspace = max(workspace, experts.workspace_numel * act)
-    if setup.use_dora and lora:
-        workspace = max(workspace, shape.dora_workspace() * act)
-        notes.append("DoRA: each adapted Linear's weight is dequantized for its norm in every forward")
-
-    parts = {
-        "base_quantized": base_quantized,
-        "base_quant_state": qstate,
-        "base_other": base_other,
-        "adapter": adapter,
-        "gradients": gradients,
-        "optimizer": optimizer,
-        "fsdp_gathered": gathered,
-        "activations": activations,
-        "logits_loss": logits,
-        "dequant_workspace": workspace,
-        "runtime_overhead": RUNTIME_OVERHEAD,
-    }
+    """The per-GPU memory plan of `setup` for a model of `shape`: the sum of the table's terms (:mod:`.terms`)."""
+    ctx = plan_context(shape, setup)
+    terms = [row.term(ctx) for row in TERMS]
+    notes = ctx.notes + [note for term in terms for note in term.notes]
+    parts = {term.name: term.bytes for term in terms}
     local = {
-        "params_quantized": base_quantized,
-        "quant_state": qstate,
-        "params_other": base_other if lora else 0,
-        "params_trainable": adapter if lora else base_other,
-        "gradients": gradients,
-        "optimizer": optimizer,
+        "params_quantized": parts["base_quantized"],
+        "quant_state": parts["base_quant_state"],
+        "params_other": parts["base_other"] if ctx.lora else 0,
+        "params_trainable": parts["adapter"] if ctx.lora else parts["base_other"],
+        "gradients": parts["gradients"],
+        "optimizer": parts["optimizer"],
     }
-    host = {"activations_offloaded": int(offloaded_activations)} if setup.activation_offloading else {}
+    host = _host(ctx, terms)
+    load_peak, loading = _loading(ctx)
+    if loading is not None:
+        host["loading"] = loading
+    return MemoryPlan(
+        parameters=_parameters(ctx),
+        num_gpus=setup.world_size,
+        gpu_memory=setup.gpu_memory,
+        parts={term.name: int(term.bytes) for term in terms},
+        host=host,
+        checkpointing=ctx.checkpointing,
+        activations_with_checkpointing=int(ctx.with_ckpt),
+        activations_without_checkpointing=int(ctx.without_ckpt),
+        load_peak_per_gpu=int(load_peak),
+        checkpoint=_checkpoint(ctx, parts["optimizer"]),
+        shard={k: int(v) for k, v in local.items()},
+        notes=notes,
+        loss_path=ctx.path,
+        terms=[term.to_dict() for term in terms],
+    )
+
+
+def _host(ctx: PlanContext, terms: list[Term]) -> dict[str, int]:
+    """Host RAM per process: offloaded activations, and with ``fsdp_offload_params`` the offloadable terms, which
+    then take no GPU memory (in place: the terms' bytes move to their host bytes)."""
+    host = {"activations_offloaded": int(terms[PART_NAMES.index("activations")].host_bytes)}
+    if not ctx.setup.activation_offloading:
+        host = {}
+    fsdp = ctx.setup.fsdp
     if fsdp.offload_params and fsdp.version is not None:
-        moved = sum(parts[name] for name in _OFFLOADED)
-        for name in _OFFLOADED:
-            parts[name] = 0
-        host["offloaded"] = int(moved)
-    full_model = packed + qstate + other_numel * other_b if quant else shape.total_params * dtype_bytes(setup.dtype)
-    if quant:
-        # transformers 5.x has no rank-0-only loading path for bitsandbytes: every rank loads and quantizes the
-        # whole model on its own GPU before FSDP shards it, one 16-bit weight at a time.
-        largest = max([lin.numel for lin in shape.linears] + [experts.workspace_numel])
-        load_peak = full_model + largest * dtype_bytes(setup.dtype) + RUNTIME_OVERHEAD
-        if experts.quantized_numel and setup.trainer == "hf_fsdp_qlora":
-            # load_qlora_model loads the 16-bit experts on the CPU and packs them expert by expert onto the GPU
-            # (loading/_experts_map.py): the GPU adds one layer's packed experts while they are stacked; host RAM
-            # holds the 16-bit experts not packed yet, all of them at first, on every rank.
-            load_peak += experts.layer_packed
-            host["loading"] = int(experts.quantized_numel * dtype_bytes(setup.dtype))
-        elif experts.quantized_numel:  # a stock load: the experts arrive 16-bit on the GPU, packed after the load
-            load_peak += experts.quantized_numel * dtype_bytes(setup.dtype) - experts.packed - experts.quant_state
-    else:
-        load_peak = 0  # a 16-bit model loads on the CPU; FSDP moves one shard at a time
-        host["loading"] = int(full_model)
-    weights = trainable * master_b if not setup.full_finetune else shape.total_params * master_b
-    ckpt = {"weights": int(weights), "optimizer": 0 if setup.save_only_model else int(optimizer * shard)}
+        moved = [term for term, row in zip(terms, TERMS) if row.offloadable]
+        host["offloaded"] = int(sum(term.bytes for term in moved))
+        for term in moved:
+            term.host_bytes, term.bytes = term.bytes, 0
+            term.reason += "; in host RAM (fsdp_offload_params)"
+    return host
+
+
+def _loading(ctx: PlanContext) -> tuple[float, int | None]:
+    """The GPU peak while loading, and the host RAM per process it takes (None: none planned)."""
+    s, shape, experts = ctx.setup, ctx.shape, ctx.experts
+    if not ctx.quant:
+        full_model = shape.total_params * dtype_bytes(s.dtype)
+        return 0, int(full_model)  # a 16-bit model loads on the CPU; FSDP moves one shard at a time
+    full_model = ctx.packed + ctx.qstate + ctx.other_numel * ctx.other_b
+    # transformers 5.x has no rank-0-only loading path for bitsandbytes: every rank loads and quantizes the
+    # whole model on its own GPU before FSDP shards it, one 16-bit weight at a time.
+    largest = max([lin.numel for lin in shape.linears] + [experts.workspace_numel])
+    load_peak = full_model + largest * dtype_bytes(s.dtype) + RUNTIME_OVERHEAD
+    if experts.quantized_numel and s.trainer == "hf_fsdp_qlora":
+        # load_qlora_model loads the 16-bit experts on the CPU and packs them expert by expert onto the GPU
+        # (loading/_experts_map.py): the GPU adds one layer's packed experts while they are stacked; host RAM
+        # holds the 16-bit experts not packed yet, all of them at first, on every rank.
+        return load_peak + experts.layer_packed, int(experts.quantized_numel * dtype_bytes(s.dtype))
+    if experts.quantized_numel:  # a stock load: the experts arrive 16-bit on the GPU, packed after the load
+        load_peak += experts.quantized_numel * dtype_bytes(s.dtype) - experts.packed - experts.quant_state
+    return load_peak, None
+
+
+def _checkpoint(ctx: PlanContext, optimizer: float) -> dict[str, int]:
+    """Bytes each checkpoint writes, all ranks together: the trained weights and (unless save_only_model) the
+    optimizer state."""
+    weights = ctx.trainable * ctx.master_b if not ctx.setup.full_finetune else ctx.shape.total_params * ctx.master_b
+    ckpt = {"weights": int(weights), "optimizer": 0 if ctx.setup.save_only_model else int(optimizer * ctx.shard)}
     ckpt["total"] = ckpt["weights"] + ckpt["optimizer"]
+    return ckpt
+
+
+def _parameters(ctx: PlanContext) -> dict:
+    """Total / active / expert parameters; for MoE the experts' bytes as held and in 16 bits, and the per-GPU total
+    with the experts a stock load_in_4bit leaves 16-bit."""
+    shape, s, experts = ctx.shape, ctx.setup, ctx.experts
     params = {"total": shape.total_params, "active": shape.active_params, "experts": shape.expert_params}
     if shape.experts:
         params["experts_bytes"] = experts.packed + experts.quant_state + (
-            shape.expert_params - experts.quantized_numel) * dtype_bytes(setup.dtype)  # fmt: skip
-        params["experts_bytes_16bit"] = shape.expert_params * dtype_bytes(setup.dtype)
-        if experts.quantized_numel:  # what the same run needs with the experts a stock load_in_4bit leaves 16-bit
-            params["total_with_16bit_experts"] = plan_memory(shape, setup.replace(quantize_experts=False)).total
-    return MemoryPlan(
-        parameters=params,
-        num_gpus=n,
-        gpu_memory=setup.gpu_memory,
-        parts={k: int(v) for k, v in parts.items()},
-        host=host,
-        checkpointing=checkpointing,
-        activations_with_checkpointing=int(with_ckpt),
-        activations_without_checkpointing=int(without_ckpt),
-        load_peak_per_gpu=int(load_peak),
-        checkpoint=ckpt,
-        shard={k: int(v) for k, v in local.items()},
-        notes=notes,
-        loss_path=path,
-    )
-
-
-def planned_loss_path(setup: RunSetup, shape: ModelShape) -> tuple[str, str | None]:
-    """The loss path the run takes, and why it is not ours: the predicate the trainer asks at run time."""
-    if setup.loss_path is not None:
-        return setup.loss_path, None
-    return loss_path(setup.trainer, setup.trainer_class, config=shape.logit_transforms)
+            shape.expert_params - experts.quantized_numel) * dtype_bytes(s.dtype)  # fmt: skip
+        params["experts_bytes_16bit"] = shape.expert_params * dtype_bytes(s.dtype)
+        if experts.quantized_numel:
+            params["total_with_16bit_experts"] = plan_memory(shape, s.replace(quantize_experts=False)).total
+    return params
