@@ -264,37 +264,53 @@ def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
     Raises:
         SetupInputError: the config cannot be read or has no causal-LM class.
     """
-    import torch
-
-    if isinstance(model, torch.nn.Module):
-        module, config = model, model.config
-    else:
-        config = load_model_config(model)
-        from transformers import AutoModelForCausalLM
-
-        try:
-            with torch.device("meta"):
-                module = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        except Exception as err:  # any failure to build a model from this config is bad input
-            raise SetupInputError(
-                f"{config.model_type!r} has no causal-LM class in transformers ({err}). Pass a causal language "
-                "model's config (Llama, Qwen2, Mistral, ...)."
-            ) from err
+    module, config = _module_and_config(model)
     if hasattr(module, "get_base_model"):  # a peft model: shapes of the base
         module = module.get_base_model()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_classes = list(getattr(module, "_no_split_modules", None) or [])
-    # The decoder layers live in a ModuleList: "model.layers.3" -> prefix "model.layers.".
-    layer_prefixes = sorted(
+    layer_prefixes = _layer_prefixes(module, layer_classes)
+    shape = _sizes(config, text, module, layer_classes)
+    linear_weights = set()
+    _add_experts(shape, module, text, layer_prefixes, linear_weights)
+    _add_linears(shape, module, layer_prefixes, lora_target_modules, linear_weights)
+    _count_other_parameters(shape, module, layer_prefixes, linear_weights)
+    return shape
+
+
+def _module_and_config(model):
+    """The module to read (`model` itself, or built from its config on the meta device) and its config."""
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        return model, model.config
+    config = load_model_config(model)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), config
+    except Exception as err:  # any failure to build a model from this config is bad input
+        raise SetupInputError(
+            f"{config.model_type!r} has no causal-LM class in transformers ({err}). Pass a causal language "
+            "model's config (Llama, Qwen2, Mistral, ...)."
+        ) from err
+
+
+def _layer_prefixes(module, layer_classes: list[str]) -> list[str]:
+    """The decoder layers live in a ModuleList: "model.layers.3" -> prefix "model.layers."."""
+    return sorted(
         {
             n[: n.rfind(".") + 1]
             for n, m in module.named_modules()
             if type(m).__name__ in layer_classes and n.rsplit(".", 1)[-1].isdigit()
         }
     )
-    head = module.get_output_embeddings()
-    linear_types = (torch.nn.Linear,)
-    shape = ModelShape(
+
+
+def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
+    """A shape with the config's sizes (no parameters counted yet)."""
+    return ModelShape(
         model_type=config.model_type,
         layer_classes=layer_classes,
         module_classes={type(m).__name__ for m in module.modules()},
@@ -310,37 +326,45 @@ def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
         rotary=any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_theta", "rotary_dim")),
         logit_transforms={k: getattr(text, k) for k in LOGIT_TRANSFORMS if getattr(text, k, None) is not None},
     )
-    linear_weights = set()
-    _add_experts(shape, module, text, layer_prefixes, linear_weights)
+
+
+def _add_linears(shape: ModelShape, module, layer_prefixes: list[str], lora_target_modules, counted: set) -> None:
+    """Every linear layer of `module` into `shape` (quantized and LoRA-targeted but the head); weight ids into
+    `counted`."""
+    import torch
+
+    head = module.get_output_embeddings()
     for name, sub in module.named_modules():
-        is_linear = isinstance(sub, linear_types) or type(sub).__name__ in ("Linear4bit", "Linear8bitLt")
+        is_linear = isinstance(sub, torch.nn.Linear) or type(sub).__name__ in ("Linear4bit", "Linear8bitLt")
         if not is_linear or "lora_" in name or ".base_layer" in name[-11:]:
             continue
         is_head = sub is head
-        in_f = int(sub.in_features)
-        out_f = int(sub.out_features)
         shape.linears.append(
             LinearShape(
                 name=name,
-                in_features=in_f,
-                out_features=out_f,
+                in_features=int(sub.in_features),
+                out_features=int(sub.out_features),
                 layer=_layer_index(name, layer_prefixes),
                 quantized=not is_head,
                 lora=not is_head and _targets(lora_target_modules, name),
             )
         )
-        linear_weights.add(id(sub.weight))
+        counted.add(id(sub.weight))
+
+
+def _count_other_parameters(shape: ModelShape, module, layer_prefixes: list[str], counted: set) -> None:
+    """Parameters that are neither linear nor expert weights (embeddings, norms, biases), inside / outside the
+    layers, tied ones once; and the number of parameter tensors."""
     seen = set()
     shape.num_tensors = sum(1 for _ in module.parameters())
     for name, param in module.named_parameters(remove_duplicate=True):
-        if id(param) in linear_weights or id(param) in seen or "lora_" in name:
+        if id(param) in counted or id(param) in seen or "lora_" in name:
             continue
         seen.add(id(param))
         if _layer_index(name, layer_prefixes) is None:
             shape.other_outside += param.numel()
         else:
             shape.other_in_layers += param.numel()
-    return shape
 
 
 def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], counted: set) -> None:

@@ -150,8 +150,21 @@ def test_memory_plan_matches_a_loaded_model(tiny):
         key = "params_trainable" if p.requires_grad else "params_quantized" if id(p) in quantized else "params_other"
         real[key] += p.numel() * p.element_size()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    plan = diagnose(str(tiny / "llama"), accelerate_config=_yaml("fsdp2_qlora"), num_gpus=1, quantization="4bit").plan
-    assert {k: plan.shard[k] for k in real} == real
+    d = diagnose(str(tiny / "llama"), accelerate_config=_yaml("fsdp2_qlora"), num_gpus=1, quantization="4bit")
+    assert {k: d.plan.shard[k] for k in real} == real
+    assert _weight_terms(d) == real  # each term function on its own
+
+
+def _weight_terms(diagnosis) -> dict[str, int]:
+    """The weight terms of the plan's table (hf_fsdp_qlora.doctor.terms), each called on its own, by the measured
+    key they stand for."""
+    from hf_fsdp_qlora.doctor import terms
+    from hf_fsdp_qlora.doctor.plan_context import plan_context
+
+    ctx = plan_context(diagnosis.shape, diagnosis.setup)
+    return {key: int(term(ctx).bytes) for key, term in (
+        ("params_quantized", terms.base_quantized), ("quant_state", terms.base_quant_state),
+        ("params_other", terms.base_other), ("params_trainable", terms.adapter))}  # fmt: skip
 
 
 def test_lora_count_matches_peft(tiny):
@@ -540,8 +553,10 @@ def test_moe_plan_matches_a_loaded_model(tiny_moe, arch):
     for p in model.parameters():
         key = "params_trainable" if p.requires_grad else "params_quantized" if id(p) in packed else "params_other"
         real[key] += p.numel() * p.element_size()
-    plan = diagnose(str(tiny_moe[arch]), accelerate_config=_yaml("fsdp2_qlora"), num_gpus=1, quantization="4bit").plan
+    d = diagnose(str(tiny_moe[arch]), accelerate_config=_yaml("fsdp2_qlora"), num_gpus=1, quantization="4bit")
+    plan = d.plan
     assert {k: plan.shard[k] for k in real} == real
+    assert _weight_terms(d) == real  # each term function on its own
     # Kept 16-bit (a stock load_in_4bit): the experts move from the packed bytes into the 16-bit weights.
     stock = diagnose(str(tiny_moe[arch]), accelerate_config=_yaml("fsdp2_qlora"), num_gpus=1, quantization="4bit",
                      quantize_experts=False).plan  # fmt: skip

@@ -51,7 +51,12 @@ a removal or a change of meaning bumps ``schema_version``::
                        "total_with_16bit_experts": int},   # MoE with 4-bit experts: the per-GPU total of a stock load
         "verdict": "fits" | "tight" | "does_not_fit" | "unknown",
         "headroom": int | null,        # gpu_memory - total
-        "notes": [str]
+        "notes": [str],
+        "terms": [                     # the plan's table (hf_fsdp_qlora.doctor.terms), per_gpu's parts in order
+          {"name": str, "bytes": int,  # bytes per GPU (per_gpu[name])
+           "host_bytes": int,          # host RAM per process (offloaded parameters, activations)
+           "reason": str}              # one line: what the term holds and how it is sharded
+        ]
       }
     }
 

@@ -160,62 +160,79 @@ def experts_rule(ctx: Context):
 def dtype_rules(ctx: Context):
     """Storage vs FSDP param dtype vs compute dtype; fp32 adapters or norms beside a 16-bit base."""
     s = ctx.setup
-    version = s.fsdp.version
-    if version is None or s.full_finetune or s.quantization == "8bit":
+    if s.fsdp.version is None or s.full_finetune or s.quantization == "8bit":
+        return
+    if s.quantization == "4bit" and s.storage not in _INTEGER:
+        yield from _storage_vs_param_dtype(s)
+        yield from _storage_vs_compute_dtype(s)
+    yield from _odd_dtype_beside_base(s)
+
+
+def _storage_vs_param_dtype(s: RunSetup):
+    """FSDP's mixed-precision param dtype against the 4-bit storage dtype: synced (info), refused, or corrupting."""
+    version, ours = s.fsdp.version, s.trainer == OURS
+    mp = s.effective_mixed_precision
+    param = DTYPE_OF_MIXED_PRECISION.get(mp) if mp != "fp8" else None
+    if param is None or param == s.storage:
+        return
+    # transformers' update_fsdp_plugin_peft syncs FSDP1's mixed precision to the storage dtype; nothing does
+    # under FSDP2, and a plain accelerate loop never does.
+    synced = ours or (s.trainer == "transformers" and version == 1)
+    if synced and BYTES.get(param) == BYTES.get(s.storage) == 2:
+        # FSDP's param dtype can be fixed, but accelerate still autocasts every op to the other 16-bit type
+        # (and runs a gradient scaler for fp16) over the stored weights: refuse rather than say "handled".
+        yield _finding(
+            "mixed-precision-vs-storage", "error",
+            f"mixed_precision={mp} over weights stored as {s.storage}: FSDP's param dtype is kept at "
+            f"{s.storage}, but accelerate still runs {param} autocast"
+            + (" and a gradient scaler" if mp == "fp16" else "")
+            + f" over {s.storage} weights, so every matmul rounds to {param} "
+            + ("(bfloat16 values beyond float16's range overflow to inf)." if mp == "fp16" else "."),
+            "mixed_precision", f"{MIXED_PRECISION_OF.get(s.storage, 'no')} (TrainingArguments "
+            f"{'bf16=True, fp16=False' if s.storage == 'bfloat16' else 'fp16=True, bf16=False'}), or load "
+            f"the model with dtype=torch.{param}",
+        )  # fmt: skip
+    elif synced:
+        who = "hf_fsdp_qlora" if ours else "transformers (FSDP1 only)"
+        yield _finding(
+            "storage-vs-param-dtype", "info",
+            f"mixed_precision={mp} would make FSDP cast the 4-bit weights (stored as {s.storage}) to {param}; "
+            f"{who} sets FSDP's param_dtype to {s.storage} instead.",
+            "mixed_precision", MIXED_PRECISION_OF.get(s.storage, "no"),
+        )  # fmt: skip
+    else:
+        same_size = BYTES.get(param) == BYTES.get(s.storage)
+        effect = (
+            "every base weight is silently corrupted (training runs, on garbage)"
+            if same_size
+            else "bitsandbytes then fails on the resized buffer (\"shape '[...]' is invalid for input of size ...\")"
+        )
+        yield _finding(
+            "storage-vs-param-dtype", "error",
+            f"FSDP{version}'s mixed precision param_dtype ({param}, from mixed_precision={mp}) differs from "
+            f"the 4-bit storage dtype ({s.storage}): FSDP casts the packed 4-bit bytes as if they were "
+            f"numbers, and {effect}.",
+            "mixed_precision", f"{MIXED_PRECISION_OF.get(s.storage, 'no')} (or bnb_4bit_quant_storage=torch.{param}; "
+            "hf_fsdp_qlora's trainer keeps them equal)",
+        )  # fmt: skip
+
+
+def _storage_vs_compute_dtype(s: RunSetup):
+    if s.compute == s.storage:
         return
     ours = s.trainer == OURS
-    if s.quantization == "4bit" and s.storage not in _INTEGER:
-        mp = s.effective_mixed_precision
-        param = DTYPE_OF_MIXED_PRECISION.get(mp) if mp != "fp8" else None
-        # transformers' update_fsdp_plugin_peft syncs FSDP1's mixed precision to the storage dtype; nothing does
-        # under FSDP2, and a plain accelerate loop never does.
-        synced = ours or (s.trainer == "transformers" and version == 1)
-        if param is not None and param != s.storage:
-            if synced and BYTES.get(param) == BYTES.get(s.storage) == 2:
-                # FSDP's param dtype can be fixed, but accelerate still autocasts every op to the other 16-bit type
-                # (and runs a gradient scaler for fp16) over the stored weights: refuse rather than say "handled".
-                yield _finding(
-                    "mixed-precision-vs-storage", "error",
-                    f"mixed_precision={mp} over weights stored as {s.storage}: FSDP's param dtype is kept at "
-                    f"{s.storage}, but accelerate still runs {param} autocast"
-                    + (" and a gradient scaler" if mp == "fp16" else "")
-                    + f" over {s.storage} weights, so every matmul rounds to {param} "
-                    + ("(bfloat16 values beyond float16's range overflow to inf)." if mp == "fp16" else "."),
-                    "mixed_precision", f"{MIXED_PRECISION_OF.get(s.storage, 'no')} (TrainingArguments "
-                    f"{'bf16=True, fp16=False' if s.storage == 'bfloat16' else 'fp16=True, bf16=False'}), or load "
-                    f"the model with dtype=torch.{param}",
-                )  # fmt: skip
-            elif synced:
-                who = "hf_fsdp_qlora" if ours else "transformers (FSDP1 only)"
-                yield _finding(
-                    "storage-vs-param-dtype", "info",
-                    f"mixed_precision={mp} would make FSDP cast the 4-bit weights (stored as {s.storage}) to {param}; "
-                    f"{who} sets FSDP's param_dtype to {s.storage} instead.",
-                    "mixed_precision", MIXED_PRECISION_OF.get(s.storage, "no"),
-                )  # fmt: skip
-            else:
-                same_size = BYTES.get(param) == BYTES.get(s.storage)
-                effect = (
-                    "every base weight is silently corrupted (training runs, on garbage)"
-                    if same_size
-                    else "bitsandbytes then fails on the resized buffer (\"shape '[...]' is invalid for input of size ...\")"
-                )
-                yield _finding(
-                    "storage-vs-param-dtype", "error",
-                    f"FSDP{version}'s mixed precision param_dtype ({param}, from mixed_precision={mp}) differs from "
-                    f"the 4-bit storage dtype ({s.storage}): FSDP casts the packed 4-bit bytes as if they were "
-                    f"numbers, and {effect}.",
-                    "mixed_precision", f"{MIXED_PRECISION_OF.get(s.storage, 'no')} (or bnb_4bit_quant_storage=torch.{param}; "
-                    "hf_fsdp_qlora's trainer keeps them equal)",
-                )  # fmt: skip
-        if s.compute != s.storage:
-            yield _finding(
-                "storage-vs-compute-dtype", "info" if ours else "warning",
-                f"bnb_4bit_compute_dtype ({s.compute}) differs from bnb_4bit_quant_storage ({s.storage}): every "
-                "matmul casts its input to the compute dtype and back, and the non-quantized weights follow the "
-                "storage dtype." + (" hf_fsdp_qlora sets the compute dtype to the storage dtype." if ours else ""),
-                "bnb_4bit_compute_dtype", f"torch.{s.storage}" if s.storage in FLOAT_NAMES else s.storage,
-            )  # fmt: skip
+    yield _finding(
+        "storage-vs-compute-dtype", "info" if ours else "warning",
+        f"bnb_4bit_compute_dtype ({s.compute}) differs from bnb_4bit_quant_storage ({s.storage}): every "
+        "matmul casts its input to the compute dtype and back, and the non-quantized weights follow the "
+        "storage dtype." + (" hf_fsdp_qlora sets the compute dtype to the storage dtype." if ours else ""),
+        "bnb_4bit_compute_dtype", f"torch.{s.storage}" if s.storage in FLOAT_NAMES else s.storage,
+    )  # fmt: skip
+
+
+def _odd_dtype_beside_base(s: RunSetup):
+    """Adapters or norms in another dtype than the base: cast by our trainer, refused by FSDP1 on the stock stack."""
+    version, ours = s.fsdp.version, s.trainer == OURS
     base = s.storage if (s.quantization == "4bit" and s.storage not in _INTEGER) else s.dtype
     for kind, dtype in (("adapters", s.adapter), ("norms", s.norm_dtype)):
         if dtype is None or dtype == base or (kind == "adapters" and s.full_finetune):

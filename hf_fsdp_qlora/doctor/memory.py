@@ -205,7 +205,7 @@ def _host(ctx: PlanContext, terms: list[Term]) -> dict[str, int]:
         host["offloaded"] = int(sum(term.bytes for term in moved))
         for term in moved:
             term.host_bytes, term.bytes = term.bytes, 0
-            term.reason += "; in host RAM (fsdp_offload_params)"
+            term.reason += "; offloaded (fsdp_offload_params)"
     return host
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from .checks import Diagnosis
-from .memory import PART_NAMES, format_size
+from .memory import format_size
 
 __all__ = ["SCHEMA_VERSION", "render", "to_json"]
 
@@ -71,6 +71,17 @@ def _parameters(params: dict) -> list[str]:
     return lines
 
 
+def _terms(plan) -> list[str]:
+    """One line per term that takes memory: its name, bytes per GPU, why (and its host RAM where it has some)."""
+    lines = []
+    for term in plan.terms:
+        if not (term["bytes"] or term["host_bytes"]):
+            continue
+        host = f" (host RAM {format_size(term['host_bytes'])})" if term["host_bytes"] else ""
+        lines.append(f"  {term['name']:<20} {format_size(term['bytes']):>12}  {term['reason']}{host}")
+    return lines
+
+
 def render(diagnosis: Diagnosis, width: int = 100) -> str:
     """A human-readable report: the setup line, the findings table, the memory table and the verdict."""
     s, plan = diagnosis.setup, diagnosis.plan
@@ -92,10 +103,7 @@ def render(diagnosis: Diagnosis, width: int = 100) -> str:
         lines.append("")
         lines.append(f"Memory plan per GPU ({plan.num_gpus} GPU(s), activations: checkpointing={plan.checkpointing})")
         lines.extend(_parameters(plan.parameters))
-        for name in PART_NAMES:
-            size = plan.parts[name]
-            if size:
-                lines.append(f"  {name:<20} {format_size(size):>12}")
+        lines.extend(_terms(plan))
         lines.append(f"  {'total':<20} {format_size(plan.total):>12}")
         lines.append(f"  activations with / without checkpointing: {format_size(plan.activations_with_checkpointing)}"
                      f" / {format_size(plan.activations_without_checkpointing)}")  # fmt: skip

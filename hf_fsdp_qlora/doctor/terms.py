@@ -35,13 +35,13 @@ class Term:
                 "reason": self.reason}  # fmt: skip
 
 
-def _per(ctx: PlanContext, divisor: int) -> str:
-    return f"sharded 1/{divisor}" if divisor > 1 else "whole on every GPU"
+def _sharded(divisor: int) -> str:
+    return f"sharded 1/{divisor}" if divisor > 1 else "unsharded"
 
 
 def base_quantized(ctx: PlanContext) -> Term:
     kind = {"4bit": "packed 4-bit weights, half a byte", "8bit": "int8 weights, one byte"}.get(ctx.quant)
-    reason = f"{kind} per weight, {_per(ctx, ctx.quant_shard)}" if kind else "no quantized weights"
+    reason = f"{kind} per weight, {_sharded(ctx.quant_shard)}" if kind else "no quantized weights"
     term = Term("base_quantized", ctx.packed / ctx.quant_shard * ctx.upcast, reason)
     if ctx.whole_units_trainable and ctx.mixed:
         term.reason += "; accelerate upcasts FSDP1 units holding a trainable parameter to fp32"
@@ -61,22 +61,22 @@ def base_quant_state(ctx: PlanContext) -> Term:
 def base_other(ctx: PlanContext) -> Term:
     if ctx.setup.full_finetune:
         return Term("base_other", ctx.trainable * ctx.master_b / ctx.shard,
-                    f"every weight (full fine-tune), {ctx.master_b} bytes each, {_per(ctx, ctx.shard)}")  # fmt: skip
+                    f"every weight (full fine-tune), {ctx.master_b} bytes each, {_sharded(ctx.shard)}")  # fmt: skip
     return Term("base_other", ctx.other_numel * ctx.other_b / ctx.shard,
                 f"embeddings, norms, biases, head and 16-bit weights in {ctx.base_dtype}, "
-                f"{_per(ctx, ctx.shard)}")  # fmt: skip
+                f"{_sharded(ctx.shard)}")  # fmt: skip
 
 
 def adapter(ctx: PlanContext) -> Term:
     if not ctx.lora:
         return Term("adapter", 0, "no adapter (full fine-tune)")
     return Term("adapter", ctx.trainable * ctx.master_b / ctx.shard,
-                f"{ctx.trainable:,} trainable parameters, {ctx.master_b} bytes each, {_per(ctx, ctx.shard)}")  # fmt: skip
+                f"{ctx.trainable:,} trainable parameters, {ctx.master_b} bytes each, {_sharded(ctx.shard)}")  # fmt: skip
 
 
 def gradients(ctx: PlanContext) -> Term:
     grads = ctx.trainable * ctx.master_b / ctx.shard + ctx.extra_grads
-    reason = f"the trainable parameters' gradients, {_per(ctx, ctx.shard)}"
+    reason = f"the trainable parameters' gradients, {_sharded(ctx.shard)}"
     if ctx.extra_grads:
         reason += ", and FSDP1's for the frozen bytes of units holding a trainable parameter"
     if ctx.setup.fsdp.version is None:
@@ -94,7 +94,7 @@ def optimizer(ctx: PlanContext) -> Term:
         adapted = per_adapted * sum(lin.lora for lin in ctx.shape.linears) + 2 * len(ctx.expert_lora)
         states += 4 * (adapted if ctx.lora else ctx.shape.num_tensors)
     return Term("optimizer", states, f"{s.optimizer}: {per_param} bytes per trainable parameter, "
-                                     f"{_per(ctx, ctx.shard)}, and its step counters")  # fmt: skip
+                                     f"{_sharded(ctx.shard)}, and its step counters")  # fmt: skip
 
 
 def fsdp_gathered(ctx: PlanContext) -> Term:
@@ -142,7 +142,7 @@ def logits_loss(ctx: PlanContext) -> Term:
     # A full fine-tune trains the plain nn.Linear head: our loss holds its fp32 gradient from forward to backward.
     size = logits_bytes(ctx.path, ctx.tokens, shape.vocab_size, ctx.act, shape.hidden_size, s.loss_chunk_size,
                         head_trained=s.full_finetune)  # fmt: skip
-    return Term("logits_loss", size, f"the logits and the loss's fp32 working memory on the {ctx.path} loss path")
+    return Term("logits_loss", size, f"the logits and the loss's fp32 working memory (loss path: {ctx.path})")
 
 
 def dequant_workspace(ctx: PlanContext) -> Term:
