@@ -93,8 +93,10 @@ def optimizer(ctx: PlanContext) -> Term:
         per_adapted = 3 if s.use_dora else 2  # A, B (and DoRA's magnitude)
         adapted = per_adapted * sum(lin.lora for lin in ctx.shape.linears) + 2 * len(ctx.expert_lora)
         states += 4 * (adapted if ctx.lora else ctx.shape.num_tensors)
+    if s.optimizer == "sgd":
+        return Term("optimizer", states, "sgd: no optimizer state")
     return Term("optimizer", states, f"{s.optimizer}: {per_param} bytes per trainable parameter, "
-                                     f"{_sharded(ctx.shard)}, and its step counters")  # fmt: skip
+                                     f"{_sharded(ctx.shard)}, and a step counter per tensor")  # fmt: skip
 
 
 def fsdp_gathered(ctx: PlanContext) -> Term:
