@@ -330,7 +330,17 @@ def test_stage_killed_at_its_deadline_keeps_earlier_results(monkeypatch, tmp_pat
     assert final["b"]["runs"]["b.1"]["status"] == "ok" and final["b"]["runs"]["b.2"]["status"] == "timeout"
     b = final["b"]
     assert 6 <= b["deadline_in_s"] <= 12 and b["deadline_in_s"] <= b["seconds"] < b["deadline_in_s"] + 10  # not 600
-    assert check.resumed(str(out / "gpu_report.json")).keys() == {"a", "c"}  # a resumed call runs b again
+    done, kept = check.resumed(str(out / "gpu_report.json"))
+    assert done.keys() == {"a", "c"} and not kept  # a resumed call runs b again (all of it: b is no RUNS_KEPT stage)
+    monkeypatch.setattr(check, "RUNS_KEPT", ("b",))
+    done, kept = check.resumed(str(out / "gpu_report.json"))
+    assert kept == {"b": {"b.1": {**final["b"]["runs"]["b.1"], "from": str(out / "gpu_report.json")}}}
+    (out / "gpu_report.json.during").unlink()
+    again = Report(tmp_path / "again", {"dry_run": False})
+    monkeypatch.setenv("GPU_REPORT", str(tmp_path / "again" / "gpu_report.json"))
+    check.run_stages(ctx, again, plan[1:2], time.monotonic() + 60, kept=kept)  # b.1 kept, only b.2 launched
+    runs = again.data["stages"]["b"]["runs"]
+    assert runs["b.1"]["from"] and runs["b.2"]["status"] == "timeout"
 
 
 def test_install_unpacks_what_the_check_imports(tmp_path):

@@ -34,6 +34,9 @@ from .report import Report
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_STAGES = ("tests", "tests_rest")  # they run pytest (stages.start_tests)
+# Stages whose runs need nothing of each other (no adapter passed on, no chain): a resumed call keeps their runs
+# that ended "ok" and runs only the rest (speed's rounds do not fit one call).
+RUNS_KEPT = ("memory", "speed")
 STAGES = {  # name -> (scenarios, summary) of the stages that launch the worker; budget.PLAN's slots run nothing yet
     "correctness": (stages.correctness_scenarios, stages.correctness_summary),
     "memory": (stages.memory_scenarios, stages.memory_summary),
@@ -152,8 +155,9 @@ def install_seconds(dry: bool, work: Path) -> float | None:
     return time.monotonic() - t
 
 
-def _stage_result(ctx: Context, stage: Stage, deadline: float, pooled: dict, tests: dict) -> dict:
-    """Run one stage until `deadline` (a slot reports what it waits for); the figures its summary makes."""
+def _stage_result(ctx: Context, stage: Stage, deadline: float, pooled: dict, tests: dict, kept: dict) -> dict:
+    """Run one stage until `deadline` (a slot reports what it waits for), less the runs `kept` from a first call;
+    the figures its summary makes of them all."""
     if stage.waiting_for:
         return {"status": "not yet available", "waiting_for": stage.waiting_for, "what": stage.what}
     if stage.name in TEST_STAGES:
@@ -161,8 +165,9 @@ def _stage_result(ctx: Context, stage: Stage, deadline: float, pooled: dict, tes
         return stages.finish_tests(ctx, proc, max(10.0, deadline - time.monotonic()))
     scenarios, summary = STAGES[stage.name]
     mine = scenarios(ctx)
-    found = pooled if ctx.dry else run_scenarios(ctx, mine, deadline, parallel=stage.name == "correctness")
-    found = {sc["name"]: found.get(sc["name"], {"status": "not run"}) for sc in mine}
+    todo = [sc for sc in mine if sc["name"] not in kept]
+    found = pooled if ctx.dry else run_scenarios(ctx, todo, deadline, parallel=stage.name == "correctness")
+    found = {sc["name"]: kept.get(sc["name"]) or found.get(sc["name"], {"status": "not run"}) for sc in mine}
     result = summary(ctx, found)
     if result["status"] != "ok" and any(f.get("status") in ("timeout", "stopped") for f in found.values()):
         result["status"] = "stopped"  # cut at its deadline: --resume-from runs it again
@@ -172,12 +177,13 @@ def _stage_result(ctx: Context, stage: Stage, deadline: float, pooled: dict, tes
     return result
 
 
-def run_stages(ctx: Context, report: Report, plan: list[Stage], end: float, pooled=None, tests=None) -> None:
+def run_stages(ctx: Context, report: Report, plan: list[Stage], end: float, pooled=None, tests=None,
+               kept=None) -> None:  # fmt: skip
     """Each stage of `plan` in order, cut at its deadline, its result written to the report the moment it ends."""
     for stage, deadline in zip(plan, deadlines(plan, time.monotonic(), end).values()):
         t = time.monotonic()
         try:
-            result = _stage_result(ctx, stage, deadline, pooled or {}, tests or {})
+            result = _stage_result(ctx, stage, deadline, pooled or {}, tests or {}, (kept or {}).get(stage.name, {}))
         except Exception as e:  # noqa: BLE001  (the report says which stage broke; later stages still run)
             result = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         result.update(seconds=time.monotonic() - t, share_s=stage.share_s, deadline_in_s=deadline - t)
@@ -185,24 +191,35 @@ def run_stages(ctx: Context, report: Report, plan: list[Stage], end: float, pool
         print(f"stage {stage.name}: {result['status']} ({result['seconds']:.0f} s)", flush=True)
 
 
-def resumed(path: str | None) -> dict:
-    """The stages a first call finished (any status but "stopped"), from its report; they are not run again."""
+def resumed(path: str | None) -> tuple[dict, dict]:
+    """From a first call's report: the stages it finished (any status but "stopped"; not run again), and of each
+    stopped stage whose runs stand alone (RUNS_KEPT) the runs that ended "ok" (only the others run again)."""
     if not path:
-        return {}
+        return {}, {}
     earlier = json.loads(Path(path).read_text())["stages"]
-    return {k: {**v, "from": path} for k, v in earlier.items() if k != "setup" and v.get("status") != "stopped"}
+    done = {k: {**v, "from": path} for k, v in earlier.items() if k != "setup" and v.get("status") != "stopped"}
+    kept = {k: {n: {**r, "from": path} for n, r in v.get("runs", {}).items() if r.get("status") == "ok"}
+            for k, v in earlier.items() if k in RUNS_KEPT and v.get("status") == "stopped"}  # fmt: skip
+    return done, kept
 
 
 def _dry_pool(ctx: Context, plan: list[Stage], end: float) -> dict:
-    """Dry run: every stage's scenarios in one launch per config (the dry run's cost is process start-up)."""
+    """Dry run: every stage's scenarios in one launch per config, the launches at once (the dry run's cost is
+    process start-up and single-threaded CPU work: two cores overlap them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     by_config: dict = {}
     for stage in plan:
         if stage.name in STAGES and STAGES[stage.name][0]:
             for sc in STAGES[stage.name][0](ctx):
                 by_config.setdefault(sc["config"], []).append(sc)
     pooled: dict = {}
-    for config, group in by_config.items():
-        pooled.update(launch(ctx, config, group, f"dry-{config or 'none'}", end - time.monotonic()))
+    with ThreadPoolExecutor(max(1, len(by_config))) as pool:
+        jobs = [
+            pool.submit(launch, ctx, c, g, f"dry-{c or 'none'}", end - time.monotonic()) for c, g in by_config.items()
+        ]
+        for job in jobs:
+            pooled.update(job.result())
     return pooled
 
 
@@ -255,7 +272,7 @@ def main(argv=None) -> int:
     ctx = Context(root=ROOT, work=work, model=work / f"model-{profile['shape_name']}", profile=profile,
                   dry=args.dry_run, device="cuda" if cuda else "cpu",
                   gpu_memory=torch.cuda.get_device_properties(0).total_memory if cuda else 80 * 10**9)  # fmt: skip
-    done = resumed(args.resume_from)
+    done, kept = resumed(args.resume_from)
     plan = [s for s in plan_for(names) if s.name not in done]
     report = Report(out, _header(args, argv, profile, budget, plan))
     # The fast CUDA tests run beside the model build (small models: both fit the GPU; neither is a timing), so their
@@ -273,7 +290,7 @@ def main(argv=None) -> int:
         for proc in tests.values():  # no stage will wait for them
             os.killpg(proc.pid, signal.SIGKILL)
         return 1
-    run_stages(ctx, report, plan, end, _dry_pool(ctx, plan, end) if ctx.dry else None, tests)
+    run_stages(ctx, report, plan, end, _dry_pool(ctx, plan, end) if ctx.dry else None, tests, kept)
     report.data["total_s"] = time.monotonic() - started
     report.write()
     print(f"report: {out / 'gpu_report.md'}")
