@@ -64,6 +64,7 @@ def test_every_stage_ran_in_order_of_value_and_reported(dry):
     assert setup["build_s"] > 0 and setup["parameters"] > 0  # the model build, timed (the wheel install: below)
     for name in NAMES:
         assert stages[name]["deadline_in_s"] >= 0 and "share_s" in stages[name]
+    assert report["total_s"] <= report["header"]["budget_s"]  # every stage within the run's budget
 
 
 def test_correctness_fsdp_engaged_losses_adapters_merge(dry):
