@@ -34,9 +34,10 @@ quality: setup
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
 
 # The GPU check (docs/gpu-check.md). On a GPU machine: `make gpu-check` (GPU_PY: the machine's python with CUDA torch;
-# STAGES picks stages, OUT the report folder). `make gpu-check DRY_RUN=1`: every stage at tiny shape on CPU.
+# STAGES picks stages, run in the plan's order of value; OUT the report folder). `make gpu-check DRY_RUN=1`: every
+# stage at tiny shape on CPU. On the lent device machine (no make there) the one command in docs/gpu-check.md.
 GPU_PY ?= python3
-STAGES ?= tests,correctness,memory,speed,capacity
+STAGES ?= tests,correctness,memory,speed,fp32_vs_bf16,moe_speed,longest_seq,capacity,tests_rest
 ifdef DRY_RUN
 gpu-check: setup
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.gpu --dry-run --stages $(STAGES) $(if $(OUT),--out $(OUT))

@@ -19,9 +19,11 @@ from dist_utils import REPO
 
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu.budget import DEVICE_TIMEOUT_S, NAMES, PLAN, deadlines, first_call_estimate
 from benchmarks.gpu.profiles import PROFILES
 from benchmarks.gpu.report import Report
-from benchmarks.gpu.wheels import DEVICE_COMMANDS, WHEELS
+from benchmarks.gpu.stages import FAST_CUDA_TESTS
+from benchmarks.gpu.wheels import DEVICE_COMMAND, DEVICE_COMMANDS, RESULTS, RESUME_COMMAND, WHEELS
 
 pytestmark = pytest.mark.distributed
 
@@ -37,16 +39,32 @@ def dry(tmp_path_factory):
     return proc, report, (out / "gpu_report.md").read_text(), work
 
 
-def test_every_stage_ran_and_reported(dry):
+SLOTS = ("fp32_vs_bf16", "moe_speed", "longest_seq")  # stages whose checks wait on other issues
+
+
+def test_every_stage_ran_in_order_of_value_and_reported(dry):
     proc, report, md, _ = dry
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stages = report["stages"]
-    assert list(stages) == ["setup", "tests", "correctness", "memory", "speed", "capacity"]
-    assert all(s["status"] == "ok" for s in stages.values()), {k: s["status"] for k, s in stages.items()}
-    for name in stages:
+    assert list(stages) == ["setup", "tests", "correctness", "memory", "speed", *SLOTS, "capacity", "tests_rest"]
+    assert {k: s["status"] for k, s in stages.items()} == {
+        k: "not yet available" if k in SLOTS else "ok" for k in stages
+    }
+    for name in SLOTS:
+        assert stages[name]["waiting_for"] and f"## {name}: not yet available" in md
+    for name in set(stages) - set(SLOTS):
         assert f"## {name}: ok" in md
+    # Written the moment each ended: the stage lines of the log come in plan order.
+    assert [ln.split()[1][:-1] for ln in proc.stdout.splitlines() if ln.startswith("stage ")] == list(NAMES)
     assert report["header"]["dry_run"] is True and report["header"]["versions"]["torch"]
-    assert stages["tests"]["collected"] >= 5  # tests/test_cuda.py's tests, collected (no GPU to run them)
+    assert report["header"]["plan"][0] == "tests: 40 s" and report["header"]["plan"][-1] == "tests_rest: rest s"
+    # The fast CUDA tests and the rest, collected (no GPU to run them): every chosen node id still exists.
+    assert stages["tests"]["collected"] >= len(FAST_CUDA_TESTS) and stages["tests_rest"]["collected"] >= 3
+    setup = stages["setup"]
+    assert setup["build_s"] > 0 and setup["parameters"] > 0  # the model build, timed (the wheel install: below)
+    for name in NAMES:
+        assert stages[name]["deadline_in_s"] >= 0 and "share_s" in stages[name]
+    assert report["total_s"] <= report["header"]["budget_s"]  # every stage within the run's budget
 
 
 def test_correctness_fsdp_engaged_losses_adapters_merge(dry):
@@ -136,12 +154,13 @@ def test_report_is_written_stage_by_stage(tmp_path):
 def test_device_commands_fit_and_install_what_gpu_wheels_fetches():
     for command in DEVICE_COMMANDS:
         assert len(command) < 2000
-        assert "install_wheels.py .whl" in command and "python3 -m benchmarks.gpu --stages" in command
-    assert {s for c in DEVICE_COMMANDS for s in c.split("--stages ")[1].split()[0].split(",")} == {
-        "tests", "correctness", "memory", "speed", "capacity"}  # fmt: skip
+        assert command.startswith("python3 benchmarks/gpu/install_wheels.py .whl /tmp/site && export PYTHONPATH")
+    assert "python3 -m benchmarks.gpu 2>&1 | tee $OUT/log.txt" in DEVICE_COMMAND  # every stage, in plan order
+    assert f"--resume-from {RESULTS}/gpu_report.json" in RESUME_COMMAND
     assert {w.split("==")[0] for w in WHEELS} >= {"bitsandbytes", "trl", "datasets", "dill", "multiprocess"}
     docs = (REPO / "docs" / "gpu-check.md").read_text()
     assert all(command in docs for command in DEVICE_COMMANDS)  # the page gives the exact commands
+    assert f"timeout_s: {DEVICE_TIMEOUT_S}" in docs
     makefile = (REPO / "Makefile").read_text()
     assert "benchmarks.gpu.wheels" in makefile and "gpu-check:" in makefile
 
@@ -155,15 +174,19 @@ def test_unknown_stage_is_refused():
 def test_gpu_scheduling_isolates_chains_and_time_boxes(monkeypatch, tmp_path):
     """The GPU form's launch plan (no GPU needed; the launch itself is replaced by a recorder): consecutive scenarios
     of one config share a launch, `isolate` ones (OOM risks, speed rounds) get their own, a chain stops at its first
-    success (largest shape), and a spent time box launches nothing."""
+    success (largest shape), a spent time box launches nothing, and correctness launches all at once."""
     import time
 
     from benchmarks.gpu import check, stages, stages_speed
 
-    launches = []
+    launches, active, running = [], [0], [0]
 
     def fake_launch(ctx, config, scenarios, tag, timeout):
         launches.append((config, [sc["name"] for sc in scenarios]))
+        running[0] += 1
+        time.sleep(0.2)  # long enough for launches made at once to overlap
+        active.append(running[0])
+        running[0] -= 1
         return {sc["name"]: {"status": "oom" if sc["name"] == "e.shape.llama3.1-70b" else "ok"} for sc in scenarios}
 
     monkeypatch.setattr(check, "launch", fake_launch)
@@ -172,6 +195,10 @@ def test_gpu_scheduling_isolates_chains_and_time_boxes(monkeypatch, tmp_path):
     check.run_scenarios(ctx, stages.correctness_scenarios(ctx), time.monotonic() + 600)
     assert launches == [(None, ["b.none", "b.merge"]), ("fsdp2_qlora", ["b.fsdp2_qlora", "b.callback"]),
                         ("fsdp1_qlora", ["b.fsdp1_qlora"]), ("fsdp2_qlora_offload", ["b.fsdp2_qlora_offload"])]  # fmt: skip
+    expected, active = list(launches), []
+    launches.clear()
+    check.run_scenarios(ctx, stages.correctness_scenarios(ctx), time.monotonic() + 600, parallel=True)
+    assert sorted(launches, key=str) == sorted(expected, key=str) and max(active) == 4  # the same four, at once
     launches.clear()
     results = check.run_scenarios(ctx, stages_speed.capacity_scenarios(ctx), time.monotonic() + 600)
     assert [names for _, names in launches] == [["e.shape.llama3.1-70b"], ["e.shape.codellama-34b"], ["e.seq.ours"],
@@ -231,3 +258,136 @@ def test_mfu_counts_matmul_parameters_not_the_embedding(tmp_path):
     s, seq = PROFILES["gpu"]["shape"], PROFILES["gpu"]["speed"]["seq"]
     assert stages_speed.matmul_parameters(ctx) == linear
     assert stages_speed._flops_per_token(ctx) == 4 * linear + 8 * s["num_hidden_layers"] * seq * s["hidden_size"]
+
+
+def test_budget_plan_fits_one_device_call():
+    """The stage plan and its arithmetic at the real shape: stages in order of value, each stage's estimate within
+    its share, set-up + shares + margin within the device call's 480 s (capacity and the rest of the CUDA tests take
+    what is left, most of them in a resumed call), and deadlines that pass unused time on and never exceed the end."""
+    assert NAMES == ("tests", "correctness", "memory", "speed", *SLOTS, "capacity", "tests_rest")
+    for stage in PLAN:
+        if stage.share_s is not None:
+            assert 0 <= stage.estimate_s <= stage.share_s, stage
+        if stage.waiting_for:  # a named slot: no time, "not yet available"
+            assert stage.name in SLOTS and stage.share_s == 0
+    assert [s.name for s in PLAN if s.share_s is None] == ["capacity", "tests_rest"]
+    first = first_call_estimate()
+    assert first["fits"] and first["setup_s"] + first["shares_s"] + first["margin_s"] <= DEVICE_TIMEOUT_S
+    assert first["left_for_unshared_s"] >= 0
+    assert not first_call_estimate(install_s=200)["fits"]  # a slow install is seen for what it costs
+    marks = deadlines(list(PLAN), start=1000.0, end=1000.0 + 400)
+    assert list(marks) == list(NAMES)
+    assert marks["tests"] == 1040 and marks["correctness"] == 1150 and marks["speed"] == 1375  # cumulative
+    assert marks["fp32_vs_bf16"] == marks["longest_seq"] == 1375 and marks["capacity"] == marks["tests_rest"] == 1400
+    short = deadlines(list(PLAN), start=0.0, end=100.0)  # set-up ran long: the earliest stages keep their shares
+    assert short["tests"] == 40 and short["correctness"] == 100 and short["speed"] == 100
+
+
+STAND_IN_WORKER = """
+import json, os, shutil, sys, time
+spec = json.load(open(sys.argv[1]))
+for sc in spec["scenarios"]:
+    if sc.get("hang"):  # what the report holds while this stage runs, then a hang the deadline must end
+        shutil.copy(os.environ["GPU_REPORT"], os.environ["GPU_REPORT"] + ".during")
+        time.sleep(600)
+    with open(os.path.join(spec["out"], "results-rank0.jsonl"), "a") as f:
+        f.write(json.dumps({"name": sc["name"], "status": "ok"}) + "\\n")
+"""
+
+
+def test_stage_killed_at_its_deadline_keeps_earlier_results(monkeypatch, tmp_path):
+    """A real launch (its own process group, killed at the stage's deadline) of a stand-in worker (no model: the
+    kill is what is under test): the earlier stage's results were in $OUT before the kill and stay there, the killed
+    stage keeps the scenario it finished and is "stopped" (a resumed call runs it again), and the next stage runs."""
+    import time
+
+    from benchmarks.gpu import check, launch
+    from benchmarks.gpu.budget import Stage
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(STAND_IN_WORKER)
+    monkeypatch.setattr(launch, "WORKER", worker)
+    out = tmp_path / "out"
+    monkeypatch.setenv("GPU_REPORT", str(out / "gpu_report.json"))
+
+    def summary(ctx, results):
+        return {"status": "ok" if all(r["status"] == "ok" for r in results.values()) else "failed"}
+
+    scenarios = {"a": [{"name": "a.1"}], "b": [{"name": "b.1"}, {"name": "b.2", "hang": True}], "c": [{"name": "c.1"}]}
+    for name, mine in scenarios.items():
+        runs = [{**sc, "config": None, "kind": "stand-in"} for sc in mine]
+        monkeypatch.setitem(check.STAGES, name, (lambda ctx, runs=runs: runs, summary))
+    ctx = check.Context(root=REPO, work=tmp_path, model=tmp_path / "m", profile=PROFILES["dry"], dry=False,
+                        device="cpu", gpu_memory=None)  # fmt: skip
+    report = Report(out, {"dry_run": False})
+    # a's unused share goes to b (a launch is refused under 5 s left, so the shares are a little longer)
+    plan = [Stage("a", 6, 1, "a"), Stage("b", 6, 1, "b"), Stage("c", None, 1, "c")]
+    t = time.monotonic()
+    check.run_stages(ctx, report, plan, end=t + 120)
+    during = json.loads((out / "gpu_report.json.during").read_text())["stages"]
+    assert list(during) == ["a"] and during["a"]["status"] == "ok"  # on disk before b was killed
+    final = json.loads((out / "gpu_report.json").read_text())["stages"]
+    assert {k: v["status"] for k, v in final.items()} == {"a": "ok", "b": "stopped", "c": "ok"}
+    assert final["b"]["runs"]["b.1"]["status"] == "ok" and final["b"]["runs"]["b.2"]["status"] == "timeout"
+    b = final["b"]
+    assert 6 <= b["deadline_in_s"] <= 12 and b["deadline_in_s"] <= b["seconds"] < b["deadline_in_s"] + 10  # not 600
+    done, kept = check.resumed(str(out / "gpu_report.json"))
+    assert done.keys() == {"a", "c"} and not kept  # a resumed call runs b again (all of it: b is no RUNS_KEPT stage)
+    monkeypatch.setattr(check, "RUNS_KEPT", ("b",))
+    done, kept = check.resumed(str(out / "gpu_report.json"))
+    assert kept == {"b": {"b.1": {**final["b"]["runs"]["b.1"], "from": str(out / "gpu_report.json")}}}
+    (out / "gpu_report.json.during").unlink()
+    again = Report(tmp_path / "again", {"dry_run": False})
+    monkeypatch.setenv("GPU_REPORT", str(tmp_path / "again" / "gpu_report.json"))
+    check.run_stages(ctx, again, plan[1:2], time.monotonic() + 60, kept=kept)  # b.1 kept, only b.2 launched
+    runs = again.data["stages"]["b"]["runs"]
+    assert runs["b.1"]["from"] and runs["b.2"]["status"] == "timeout"
+
+
+def test_install_unpacks_what_the_check_imports(tmp_path):
+    """install_wheels.py's unpacking against pip's layout: the import tree and the .dist-info (importlib.metadata
+    finds the version), no .data/scripts, and the bitsandbytes kernels of the machine's CUDA major only."""
+    import importlib.metadata
+    import zipfile
+
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    import install_wheels
+
+    wheel = tmp_path / "toy_pkg-1.2.3-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("toy_pkg/__init__.py", "VALUE = 7\n")
+        z.writestr("toy_pkg-1.2.3.dist-info/METADATA", "Metadata-Version: 2.1\nName: toy-pkg\nVersion: 1.2.3\n")
+        z.writestr("toy_pkg-1.2.3.data/scripts/toy", "#!/bin/sh\n")
+    site = tmp_path / "site"
+    assert install_wheels.main(str(tmp_path), str(site)) == 0
+    assert (site / "toy_pkg" / "__init__.py").exists() and not list(site.glob("*.data"))
+    found = list(importlib.metadata.distributions(path=[str(site)]))
+    assert [(d.metadata["Name"], d.version) for d in found] == [("toy-pkg", "1.2.3")]
+    assert json.loads((site / "install_seconds.json").read_text())["wheels"] == 1
+    kernels = ["bitsandbytes/libbitsandbytes_cuda130.so", "bitsandbytes/libbitsandbytes_cuda128.so",
+               "bitsandbytes/libbitsandbytes_rocm64.so", "bitsandbytes/libbitsandbytes_cpu.so"]  # fmt: skip
+    assert [k for k in kernels if install_wheels.wanted(k, "13")] == [kernels[0], kernels[3]]
+    assert all(install_wheels.wanted(k, None) for k in kernels)  # the CUDA major unknown: every kernel kept
+
+
+def test_resume_from_runs_only_what_the_first_call_left(tmp_path):
+    """A second call with --resume-from: the first call's finished stages are kept (marked ``from``), only the
+    stopped one runs (here tests_rest, whose dry form is cheap: a collection), in plan order after the kept ones."""
+    first = {"header": {}, "stages": {"setup": {"status": "ok"}}}
+    for name in NAMES:
+        first["stages"][name] = {"status": "not yet available" if name in SLOTS else "ok", "seconds": 1.0}
+    first["stages"]["tests_rest"] = {"status": "stopped", "seconds": 120.0}
+    (tmp_path / "first.json").write_text(json.dumps(first))
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--resume-from",
+                           str(tmp_path / "first.json"), "--out", str(out), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=str(REPO), check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_report.json").read_text())
+    assert list(report["stages"]) == ["setup", *NAMES]
+    assert [ln.split()[1] for ln in proc.stdout.splitlines() if ln.startswith("stage ")] == ["tests_rest:"]
+    rest = report["stages"]["tests_rest"]
+    assert rest["status"] == "ok" and rest["collected"] >= 3 and "from" not in rest
+    assert all(report["stages"][n]["from"].endswith("first.json") for n in NAMES if n != "tests_rest")
+    assert report["header"]["plan"] == ["tests_rest: rest s"] and report["header"]["resumed_from"]

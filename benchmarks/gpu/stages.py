@@ -27,31 +27,37 @@ ONE_GPU_CANNOT_SHOW = ("one GPU cannot show FSDP's sharding is correct: at world
 EXPECT = {None: 0, "fsdp2_qlora": 2, "fsdp1_qlora": 1, "fsdp2_qlora_offload": 2, "callback": 2}  # FSDP version
 
 
-def start_tests(ctx) -> subprocess.Popen:
-    """Stage a: every test marked ``cuda`` (tests/test_cuda.py and the rest); on CPU, their collection only."""
-    junit = ctx.work / "cuda-tests.xml"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "cuda",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "tests",
-        f"--junitxml={junit}",
-    ]
-    if ctx.dry:
-        cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "--collect-only",
-               "tests/test_cuda.py"]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ctx.root),
+# The fast CUDA tests the first stage runs (under a minute on an H100): the merge kernels, the quantized weights and
+# one shipped config end to end. The correctness stage covers the other configs at the 8B shape; "tests_rest" runs
+# every other test marked cuda when time is left.
+FAST_CUDA_TESTS = (
+    "tests/test_cuda.py::test_qlora_weights_on_gpu_have_one_dtype_and_match_cpu_quantization",
+    "tests/test_cuda.py::test_merge_on_cuda_equals_cpu_merge_and_peft",
+    "tests/test_cuda.py::test_dequantized_merge_on_cuda_uses_the_cuda_kernels_and_matches_cpu",
+    "tests/test_cuda.py::test_shipped_gpu_config_trains_and_merges_on_cuda[fsdp2_qlora.yaml]",
+)
+
+
+def start_tests(ctx, which: str = "tests") -> subprocess.Popen:
+    """The CUDA tests of stage `which`: "tests" the fast ones, "tests_rest" every other test marked ``cuda``; on
+    CPU (dry run) their collection only, which proves the chosen tests still exist."""
+    junit = ctx.work / f"cuda-{which}.xml"
+    if which == "tests":
+        selection = list(FAST_CUDA_TESTS)
+    else:
+        # Dry run: test_cuda.py alone (every cuda test lives there today; collecting all of tests/ imports it all).
+        selection = ["tests/test_cuda.py" if ctx.dry else "tests", *(f"--deselect={t}" for t in FAST_CUDA_TESTS)]
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *selection]
+    cmd += ["--collect-only"] if ctx.dry else [f"--junitxml={junit}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ctx.root),
                             start_new_session=True)  # fmt: skip
+    proc.junit = junit
+    return proc
 
 
 def finish_tests(ctx, proc: subprocess.Popen, seconds: float) -> dict:
     """The counts of the pytest run `proc`, killed (its whole process group) after `seconds`."""
-    junit = ctx.work / "cuda-tests.xml"
+    junit = proc.junit
     try:
         text, _ = proc.communicate(timeout=max(1.0, seconds))
     except subprocess.TimeoutExpired:
@@ -142,14 +148,16 @@ def memory_scenarios(ctx) -> list[dict]:
     p = ctx.profile
     base = {"kind": "ours", "lora_r": p["lora_r"], "batch": 1, "steps": p["memory"]["steps"], "warmup": 1,
             "count_saved": ctx.dry}  # fmt: skip
-    safe, risky = [], []
-    for seq in p["memory"]["seqs"]:
-        safe.append({**base, "name": f"c.none.ckpt.{seq}", "seq": seq, "config": None})
-        safe.append({**base, "name": f"c.none.ckpt_offload.{seq}", "seq": seq, "config": None,
-                     "options": {"activation_offloading": True}})  # fmt: skip
-        safe.append({**base, "name": f"c.fsdp2.ckpt.{seq}", "seq": seq, "config": "fsdp2_qlora", "isolate": True})
-        risky.append({**base, "name": f"c.none.no_ckpt.{seq}", "seq": seq, "config": None, "checkpointing": False,
-                      "isolate": True})  # fmt: skip
+    # In order of value, so a stage cut at its deadline has the most telling rows: the no-FSDP run with
+    # checkpointing at every sequence length shares the first launch, then activation offloading, then FSDP2, then
+    # the runs without checkpointing (out-of-memory risks: a launch each).
+    safe = [{**base, "name": f"c.none.ckpt.{seq}", "seq": seq, "config": None} for seq in p["memory"]["seqs"]]
+    safe += [{**base, "name": f"c.none.ckpt_offload.{seq}", "seq": seq, "config": None,
+              "options": {"activation_offloading": True}} for seq in p["memory"]["seqs"]]  # fmt: skip
+    safe += [{**base, "name": f"c.fsdp2.ckpt.{seq}", "seq": seq, "config": "fsdp2_qlora", "isolate": True}
+             for seq in p["memory"]["seqs"]]  # fmt: skip
+    risky = [{**base, "name": f"c.none.no_ckpt.{seq}", "seq": seq, "config": None, "checkpointing": False,
+              "isolate": True} for seq in p["memory"]["seqs"]]  # fmt: skip
     return safe + risky
 
 
