@@ -16,6 +16,7 @@ __all__ = ["load_config", "check_causal_lm", "prequantized_check", "config_has_f
 
 
 def load_config(model_name_or_path, trust_remote_code: bool):
+    """The checkpoint's config; a path that is no saved transformers model is refused with what to pass instead."""
     from transformers import AutoConfig
 
     path = os.fspath(model_name_or_path)
@@ -39,6 +40,7 @@ def load_config(model_name_or_path, trust_remote_code: bool):
 
 
 def check_causal_lm(config) -> None:
+    """Refuse a model with no causal-LM head: the loader fine-tunes for text generation only."""
     kind = causal_lm_problem(config)
     if kind is not None:
         raise UnsupportedSetupError(
@@ -73,6 +75,7 @@ def prequantized_check(config, dtype: torch.dtype, bits: int):
 
 
 def config_has_fused_experts(config, trust_remote_code: bool) -> bool:
+    """Whether the model `config` builds (on meta) has fused 3-D expert weights; False when it cannot be built."""
     from transformers import AutoModelForCausalLM
 
     try:
