@@ -25,6 +25,7 @@ Use it through ``load_qlora_model(path, low_cpu_ram=True)``.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -121,6 +122,35 @@ def materialize_from_rank0(model, src: int = 0, *, shard_world: int | None = Non
         RuntimeError: if the module trees differ between ranks (names are compared before any tensor moves).
     """
     is_src = dist.get_rank() == src
+    slots, manifest, shard_world = _agree_on_manifest(model, src, shard_world)
+    device = collective_device()
+    made = {}
+    sent = 0
+    for (name, module, local, is_param), entry in zip(slots, manifest):
+        store = module._parameters if is_param else module._buffers
+        if entry["tied_to"] is not None:
+            if not is_src:
+                store[local] = made[entry["tied_to"]]
+            continue
+        if shard_world and is_param and len(entry["shape"]) >= 1:
+            tensor, moved = _move_rows(store, module, local, entry, device, shard_world, src)
+        else:
+            tensor, moved = _move_whole(store, module, local, entry, device, src)
+        sent += moved
+        if not is_src:
+            made[name] = store[local] = tensor
+    if shard_world:
+        object.__setattr__(model, _FLAG_ATTR, True)
+    return sent
+
+
+def _agree_on_manifest(model, src: int, shard_world: int | None) -> tuple[list, list[dict], int | None]:
+    """Rank `src`'s manifest and `shard_world` on every rank, once every rank has checked it built the same tree.
+
+    Returns:
+        This rank's slots of `model`, rank `src`'s manifest, and rank `src`'s `shard_world`.
+    """
+    is_src = dist.get_rank() == src
     payload = [(_manifest(model), shard_world) if is_src else None]
     dist.broadcast_object_list(payload, src=src)
     manifest, shard_world = payload[0]
@@ -134,43 +164,40 @@ def materialize_from_rank0(model, src: int = 0, *, shard_world: int | None = Non
             f"(first differing tensors: {missing}). Every rank must load the same model with the same settings."
         )
     agree_on_failure(error)  # rank `src` must not go on broadcasting to a rank that gave up
-    device = collective_device()
-    made = {}
-    sent = 0
-    for (name, module, local, is_param), entry in zip(slots, manifest):
-        store = module._parameters if is_param else module._buffers
-        if entry["tied_to"] is not None:
-            if not is_src:
-                store[local] = made[entry["tied_to"]]
-            continue
-        if shard_world and is_param and len(entry["shape"]) >= 1:
-            if is_src:
-                _send_rows(store[local].data.contiguous(), device, shard_world, src)
-            else:
-                data = _receive_rows(entry, module, local, device, shard_world, src)
-                if not entry["on_cpu"] and "params4bit" in entry:
-                    entry["params4bit"]["quant_state"].to(data.device)
-                made[name] = store[local] = _new_tensor(entry, module, data)
-            sent += 1
-            continue
-        if is_src:
-            data = store[local].data
-            buffer = data if data.device == device and data.is_contiguous() else data.contiguous().to(device)
-        else:
-            buffer = torch.empty(entry["shape"], dtype=entry["dtype"], device=device)
-        if buffer.numel():
-            dist.broadcast(buffer, src=src)
-            sent += 1
-        if not is_src:
-            # NCCL moves GPU tensors only; put each tensor where rank `src` keeps it (CPU or this rank's GPU).
-            if entry["on_cpu"] and buffer.device.type != "cpu":
-                buffer = buffer.cpu()
-            elif not entry["on_cpu"] and "params4bit" in entry:
-                entry["params4bit"]["quant_state"].to(buffer.device)  # unpickled on rank `src`'s device
-            made[name] = store[local] = _new_tensor(entry, module, buffer)
-    if shard_world:
-        object.__setattr__(model, _FLAG_ATTR, True)
-    return sent
+    return slots, manifest, shard_world
+
+
+def _move_rows(store, module, local, entry, device, shard_world: int, src: int):
+    """Rank `src` sends each rank the rows of one parameter FSDP2 will keep there; returns (a receiver's tensor, 1)."""
+    if dist.get_rank() == src:
+        _send_rows(store[local].data.contiguous(), device, shard_world, src)
+        return None, 1
+    data = _receive_rows(entry, module, local, device, shard_world, src)
+    if not entry["on_cpu"] and "params4bit" in entry:
+        entry["params4bit"]["quant_state"].to(data.device)
+    return _new_tensor(entry, module, data), 1
+
+
+def _move_whole(store, module, local, entry, device, src: int):
+    """Rank `src` broadcasts one whole tensor; returns (a receiver's tensor, how many tensors moved: 0 when empty)."""
+    is_src = dist.get_rank() == src
+    if is_src:
+        data = store[local].data
+        buffer = data if data.device == device and data.is_contiguous() else data.contiguous().to(device)
+    else:
+        buffer = torch.empty(entry["shape"], dtype=entry["dtype"], device=device)
+    moved = 0
+    if buffer.numel():
+        dist.broadcast(buffer, src=src)
+        moved = 1
+    if is_src:
+        return None, moved
+    # NCCL moves GPU tensors only; put each tensor where rank `src` keeps it (CPU or this rank's GPU).
+    if entry["on_cpu"] and buffer.device.type != "cpu":
+        buffer = buffer.cpu()
+    elif not entry["on_cpu"] and "params4bit" in entry:
+        entry["params4bit"]["quant_state"].to(buffer.device)  # unpickled on rank `src`'s device
+    return _new_tensor(entry, module, buffer), moved
 
 
 def verify_partial_rows(model) -> int:
@@ -274,22 +301,48 @@ def load_base_low_ram(
     Returns:
         The quantized base model, identical on every rank (packed bytes and quant states bit for bit).
     """
-    from transformers import AutoModelForCausalLM
-
-    def load():
-        # None (a pre-quantized checkpoint): not passed at all, since an explicit quantization_config=None
-        # replaces the checkpoint's own in transformers' AutoConfig.
-        quant = {} if quantization_config is None else {"quantization_config": quantization_config}
-        model = AutoModelForCausalLM.from_pretrained(
-            model_name_or_path, dtype=dtype, trust_remote_code=trust_remote_code, **quant, **kwargs
-        )
-        release_experts_dispatch(model)  # experts loaded on the CPU (_experts_map): real tensors before broadcasting
-        return model
-
+    load = functools.partial(_load_whole, model_name_or_path, quantization_config, dtype, trust_remote_code, kwargs)
     if not _ensure_process_group():
         logger.info("hf_fsdp_qlora: low_cpu_ram=True but this is a single process: loading normally")
         return load()
-    from ._stream import stream_plan, stream_to_ranks
+    model, shard_world, plan = _skeleton_and_plan(
+        model_name_or_path, quantization_config, dtype, trust_remote_code, whole_experts, prepare, kwargs
+    )
+    decision = [None if plan is None else (plan["entries"] is not None, plan["reason"])]
+    dist.broadcast_object_list(decision, src=0)  # rank 0's plan decides for every rank
+    if decision[0] is not None and decision[0][0]:
+        from ._stream import stream_to_ranks
+
+        sent = stream_to_ranks(model, plan["entries"] if plan else None, shard_world, dtype)
+        logger.info("hf_fsdp_qlora: rank %d has its rows of the base model (%d tensors)", dist.get_rank(), sent)
+        return model
+    if decision[0] is not None:
+        logger.info("hf_fsdp_qlora: rank 0 loads the whole checkpoint: %s", decision[0][1])
+    return _send_rank0_load(model, load, prepare, shard_world)
+
+
+def _load_whole(model_name_or_path, quantization_config, dtype, trust_remote_code, kwargs):
+    """A plain ``from_pretrained`` of the whole checkpoint (a single process, or rank 0 when it does not stream)."""
+    from transformers import AutoModelForCausalLM
+
+    # None (a pre-quantized checkpoint): not passed at all, since an explicit quantization_config=None
+    # replaces the checkpoint's own in transformers' AutoConfig.
+    quant = {} if quantization_config is None else {"quantization_config": quantization_config}
+    model = AutoModelForCausalLM.from_pretrained(
+        model_name_or_path, dtype=dtype, trust_remote_code=trust_remote_code, **quant, **kwargs
+    )
+    release_experts_dispatch(model)  # experts loaded on the CPU (_experts_map): real tensors before broadcasting
+    return model
+
+
+def _skeleton_and_plan(
+    model_name_or_path, quantization_config, dtype, trust_remote_code, whole_experts, prepare, kwargs
+):
+    """Every rank's meta skeleton, the FSDP2 shard count rows are sent for, and rank 0's streaming plan (or None).
+
+    Collective: a failure on any rank is raised on every rank before any tensor moves.
+    """
+    from ._stream import stream_plan
 
     shard_world = fsdp2_shard_world()
     model, error, plan = None, None, None
@@ -309,20 +362,18 @@ def load_base_low_ram(
     except Exception as err:  # noqa: BLE001 - re-raised below; the other ranks must not wait in a broadcast
         error = err
     agree_on_failure(error)
-    decision = [None if plan is None else (plan["entries"] is not None, plan["reason"])]
-    dist.broadcast_object_list(decision, src=0)
-    if decision[0] is not None and decision[0][0]:
-        sent = stream_to_ranks(model, plan["entries"] if plan else None, shard_world, dtype)
-        logger.info("hf_fsdp_qlora: rank %d has its rows of the base model (%d tensors)", dist.get_rank(), sent)
-        return model
-    if decision[0] is not None:
-        logger.info("hf_fsdp_qlora: rank 0 loads the whole checkpoint: %s", decision[0][1])
+    return model, shard_world, plan
+
+
+def _send_rank0_load(skeleton, load, prepare, shard_world: int | None):
+    """Rank 0 loads the whole checkpoint and every other rank receives its tensors into `skeleton`."""
+    model, error = skeleton, None
     try:
         if dist.get_rank() == 0:
             model = load()
             if prepare is not None:
                 prepare(model)
-    except Exception as err:  # noqa: BLE001 - re-raised below
+    except Exception as err:  # noqa: BLE001 - re-raised below; the other ranks must not wait in a broadcast
         error = err
     agree_on_failure(error)
     sent = materialize_from_rank0(model, shard_world=shard_world)

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import logging
-import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .._bnb_cpu import disable_cpu_repack_in_model
-from ..causal_lm import causal_lm_problem
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
-from ..prequantized import (
-    checkpoint_quantization,
-    quantized_bits,
-    refuse_saved_quantized_experts,
-    refuse_unviewable_storage,
-)
+from ..prequantized import quantized_bits, refuse_saved_quantized_experts
+from ._checkpoint import check_causal_lm, config_has_fused_experts, load_config, prequantized_check
 from ._experts_map import release_experts_dispatch
 from .expert_lora import check_target_parameters, peft_sees_expert_weights
-from .experts import EXPERT_LAYOUTS, has_fused_experts, lora_config_for_experts
+from .experts import EXPERT_LAYOUTS, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
 from .int8 import convert_int8_layers, keep_int8_scales
 
@@ -40,88 +36,24 @@ def default_lora_config(**overrides):
     return LoraConfig(**kwargs)
 
 
-def _load_config(model_name_or_path, trust_remote_code: bool):
-    from transformers import AutoConfig
+@dataclass
+class _Load:
+    """One load as it passes through the steps of :func:`load_qlora_model`: the caller's settings, then what each
+    step read, decided or built (each field says which step fills it)."""
 
-    path = os.fspath(model_name_or_path)
-    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
-    if looks_local:
-        local = os.path.expanduser(path)
-        if not os.path.isdir(local):
-            raise FileNotFoundError(
-                f"Model path {path!r} does not exist. Pass the directory written by save_pretrained (it holds "
-                "config.json and *.safetensors) or a model id on the Hugging Face Hub."
-            )
-        if not os.path.isfile(os.path.join(local, "config.json")):
-            raise FileNotFoundError(
-                f"{path!r} has no config.json, so it is not a saved transformers model. Pass the directory "
-                "written by model.save_pretrained(...)."
-            )
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except OSError as err:
-        raise FileNotFoundError(f"Could not read a model config from {path!r}: {err}") from err
-
-
-def _check_causal_lm(config) -> None:
-    kind = causal_lm_problem(config)
-    if kind is not None:
-        raise UnsupportedSetupError(
-            f"The model at this path is {kind}, which has no causal-LM head, so load_qlora_model cannot fine-tune "
-            "it for text generation. Pass a causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint)."
-        )
-
-
-def _prequantized_check(config, dtype: torch.dtype, bits: int):
-    """The checkpoint's own 4-bit quantization, refused before any weight is read if the run cannot use it."""
-    saved_bits = quantized_bits(config)
-    if bits == 8:
-        if saved_bits == 4:
-            raise UnsupportedSetupError(
-                "bits=8 was asked for, but this checkpoint is pre-quantized in 4 bits (its config.json has "
-                "quantization_config.load_in_4bit=true): its 4-bit weights cannot be turned back into 8 bits. Pass "
-                "bits=4 to train it as it is, or load the original 16-bit checkpoint with bits=8."
-            )
-        checkpoint_quantization(config, allow_8bit=True)  # other methods are refused; a saved 8-bit base loads
-        return None
-    quant = checkpoint_quantization(config)
-    if quant is not None and quant.storage != str(dtype).removeprefix("torch."):
-        from ..errors import SetupInputError
-        from ..model_shapes import model_shape  # the config's shapes, built on the meta device
-
-        try:
-            weights = {lin.name: lin.numel for lin in model_shape(config).linears if lin.quantized}
-        except SetupInputError:  # no meta build from this config (remote code): from_pretrained will tell
-            return quant
-        refuse_unviewable_storage(quant, str(dtype), weights)
-    return quant
-
-
-def _freeze_for_kbit_training(model, gradient_checkpointing: bool) -> None:
-    # peft's prepare_model_for_kbit_training does this too, but it also upcasts every non-quantized
-    # parameter (norms, embeddings) to fp32, which puts fp32 beside bf16 inside one FSDP1 unit.
-    for param in model.parameters():
-        param.requires_grad_(False)
-    if gradient_checkpointing:
-        # use_reentrant=False: the reentrant variant needs inputs that require grad and breaks with FSDP.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-
-
-def _apply_lora(model, lora_config):
-    from peft import get_peft_model
-
-    try:
-        # autocast_adapter_dtype=False: peft would otherwise upcast the adapters to fp32.
-        return get_peft_model(model, lora_config, autocast_adapter_dtype=False)
-    except ValueError as err:
-        if "not found in the base model" not in str(err) and "Target module" not in str(err):
-            raise
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if "Linear" in type(m).__name__})
-        raise UnsupportedSetupError(
-            f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model. Set "
-            f"LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
-        ) from err
+    source: Any  # model_name_or_path
+    dtype: torch.dtype
+    bits: int
+    quant_type: str  # _decide_quantization: a pre-quantized checkpoint's own
+    double_quant: bool  # _decide_quantization: a pre-quantized checkpoint's own
+    quantize_experts: bool
+    trust_remote_code: bool
+    from_pretrained_kwargs: dict  # _place_experts adds where the experts load
+    config: Any = None  # _read_config
+    prequantized: Any = None  # _read_checkpoint_quantization: the checkpoint's own 4-bit quantization, or None
+    quantization_config: Any = None  # _decide_quantization, _place_experts: what from_pretrained quantizes with
+    experts_device: Any = None  # _place_experts: the accelerator the experts are packed onto, one at a time
+    model: Any = None  # _build_base; the PeftModel from _attach_adapter on
 
 
 def load_qlora_model(
@@ -182,112 +114,201 @@ def load_qlora_model(
             whose experts we cannot quantize (pass ``quantize_experts=False`` to keep them 16-bit knowingly); a
             checkpoint saved from a model with our 4-bit experts (their quantization constants are not saved).
     """
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    load = _Load(
+        source=model_name_or_path,
+        dtype=resolve_dtype(dtype),
+        bits=bits,
+        quant_type=quant_type,
+        double_quant=double_quant,
+        quantize_experts=quantize_experts,
+        trust_remote_code=trust_remote_code,
+        from_pretrained_kwargs=dict(from_pretrained_kwargs),
+    )
+    _check_arguments(load)
+    _read_config(load)
+    _read_checkpoint_quantization(load)
+    _refuse_8bit_experts(load)
+    _decide_quantization(load)
+    _place_experts(load)
+    _build_base(load, low_cpu_ram)
+    _view_packed_storage(load)
+    _quantize_experts(load)
+    disable_cpu_repack_in_model(load.model)
+    _freeze_for_kbit_training(load.model, gradient_checkpointing)
+    _attach_adapter(load, lora_config)
+    _convert_int8(load)
+    # The record of what was quantized (which layers, bits, quant type, storage), to travel with the adapter so
+    # merge follows it, is a step here: every quantizing step has run and load.model is the PeftModel.
+    harmonize_dtypes(load.model, load.dtype)  # one floating dtype in every FSDP unit: adapters, norms, heads
+    return load.model
 
-    dtype = resolve_dtype(dtype)
-    if quant_type not in ("nf4", "fp4"):
-        raise ValueError(f"quant_type={quant_type!r} is not supported: use 'nf4' (default) or 'fp4'.")
-    if bits not in (4, 8):
-        raise ValueError(f"bits={bits!r} is not supported: use 4 (NF4/FP4, the default) or 8 (bitsandbytes int8).")
+
+# ---------------------------------------------------------------- the steps, in the order load_qlora_model runs them
+
+
+def _check_arguments(load: _Load) -> None:
+    """Refuse settings the loader does not take, before anything is read."""
+    if load.quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"quant_type={load.quant_type!r} is not supported: use 'nf4' (default) or 'fp4'.")
+    if load.bits not in (4, 8):
+        raise ValueError(
+            f"bits={load.bits!r} is not supported: use 4 (NF4/FP4, the default) or 8 (bitsandbytes int8)."
+        )
     for key in ("load_in_8bit", "load_in_4bit", "quantization_config", "torch_dtype", "dtype"):
-        if key in from_pretrained_kwargs:
+        if key in load.from_pretrained_kwargs:
             raise UnsupportedSetupError(
                 f"load_qlora_model sets {key!r} itself from `bits` and `dtype`. Remove {key}=... and pass bits=4 "
                 "(NF4, default) or bits=8 (int8), and dtype=torch.bfloat16 (or float16/float32) instead."
             )
-    config = _load_config(model_name_or_path, trust_remote_code)
-    _check_causal_lm(config)
 
-    prequantized = _prequantized_check(config, dtype, bits)
-    refuse_saved_quantized_experts(model_name_or_path, {w for lay in EXPERT_LAYOUTS.values() for w in lay.weights})
-    if bits == 8 and quantize_experts and _has_fused_experts(config, trust_remote_code):
+
+def _read_config(load: _Load) -> None:
+    """The checkpoint's config.json, refused unless it is a causal LM."""
+    load.config = load_config(load.source, load.trust_remote_code)
+    check_causal_lm(load.config)
+
+
+def _read_checkpoint_quantization(load: _Load) -> None:
+    """The checkpoint's own quantization (if any), refused before any weight is read if the run cannot use it."""
+    load.prequantized = prequantized_check(load.config, load.dtype, load.bits)
+    refuse_saved_quantized_experts(load.source, {w for lay in EXPERT_LAYOUTS.values() for w in lay.weights})
+
+
+def _refuse_8bit_experts(load: _Load) -> None:
+    """8-bit loading leaves fused MoE experts 16-bit: refused unless the caller opts out of quantizing them."""
+    if load.bits == 8 and load.quantize_experts and config_has_fused_experts(load.config, load.trust_remote_code):
         raise UnsupportedSetupError(
             "bits=8 on a mixture-of-experts model: its fused expert weights are quantized in 4 bits only "
             "(hf_fsdp_qlora.loading.experts) and bitsandbytes' 8-bit loading leaves them 16-bit. Pass "
             "quantize_experts=False to train with 16-bit experts knowingly, or bits=4."
         )
-    quantization_config = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=quant_type,
-        bnb_4bit_use_double_quant=double_quant,
-        bnb_4bit_compute_dtype=dtype,
-        bnb_4bit_quant_storage=dtype,
-    )
-    if bits == 8:
-        # A checkpoint saved after 8-bit loading brings its own quantization_config (and int8 weights + SCB).
-        quantization_config = None if quantized_bits(config) == 8 else BitsAndBytesConfig(load_in_8bit=True)
-    if prequantized is not None:
+
+
+def _decide_quantization(load: _Load) -> None:
+    """bitsandbytes' config for from_pretrained: storage dtype = compute dtype = `dtype` (one dtype per FSDP unit)."""
+    from transformers import BitsAndBytesConfig
+
+    if load.prequantized is not None:
         # transformers loads a pre-quantized checkpoint with its own quantization_config whatever is passed (and
         # warns; an explicit None would drop it): pass none, and make its storage dtype the run's dtype after loading.
-        quantization_config = None
+        load.quantization_config = None
+        # A stock 4-bit MoE checkpoint: its 16-bit experts take the checkpoint's own quantization.
+        load.quant_type, load.double_quant = load.prequantized.quant_type, load.prequantized.double_quant
         logger.info(
             "hf_fsdp_qlora: pre-quantized checkpoint (%s, double quant %s, %s storage): its quantization is used "
             "(quant_type/double_quant ignored); packed bytes are viewed as %s, not re-quantized",
-            prequantized.quant_type, prequantized.double_quant, prequantized.storage, dtype,
+            load.prequantized.quant_type, load.prequantized.double_quant, load.prequantized.storage, load.dtype,
         )  # fmt: skip
-    experts_device = None
-    if quantize_experts and "device_map" not in from_pretrained_kwargs:
-        # On a GPU the 16-bit experts load on the CPU and are packed one expert at a time onto the GPU (_experts_map).
-        from ._experts_map import accelerator_device, experts_on_cpu_kwargs
+    elif load.bits == 8:
+        # A checkpoint saved after 8-bit loading brings its own quantization_config (and int8 weights + SCB).
+        load.quantization_config = None if quantized_bits(load.config) == 8 else BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        load.quantization_config = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=load.quant_type,
+            bnb_4bit_use_double_quant=load.double_quant,
+            bnb_4bit_compute_dtype=load.dtype,
+            bnb_4bit_quant_storage=load.dtype,
+        )
 
-        experts_device = accelerator_device()
-        placement = experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code, experts_device)
-        quantization_config = placement.pop("quantization_config", quantization_config)
-        from_pretrained_kwargs = {**from_pretrained_kwargs, **placement}
+
+def _place_experts(load: _Load) -> None:
+    """On a GPU the 16-bit experts load on the CPU and are packed one expert at a time onto the GPU (_experts_map)."""
+    if not load.quantize_experts or "device_map" in load.from_pretrained_kwargs:
+        return
+    from ._experts_map import accelerator_device, experts_on_cpu_kwargs
+
+    load.experts_device = accelerator_device()
+    placement = experts_on_cpu_kwargs(
+        load.config, load.quantization_config, load.dtype, load.trust_remote_code, load.experts_device
+    )
+    load.quantization_config = placement.pop("quantization_config", load.quantization_config)
+    load.from_pretrained_kwargs = {**load.from_pretrained_kwargs, **placement}
+
+
+def _build_base(load: _Load, low_cpu_ram: bool) -> None:
+    """The quantized base model: from_pretrained, or read by rank 0 only and sent to the other ranks."""
     if low_cpu_ram:
         from .low_ram import load_base_low_ram
 
-        model = load_base_low_ram(
-            model_name_or_path,
-            quantization_config=quantization_config,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            whole_experts=quantize_experts,
-            prepare=keep_int8_scales if bits == 8 else None,  # the int8 row scales travel as buffers
-            **from_pretrained_kwargs,
+        load.model = load_base_low_ram(
+            load.source,
+            quantization_config=load.quantization_config,
+            dtype=load.dtype,
+            trust_remote_code=load.trust_remote_code,
+            whole_experts=load.quantize_experts,
+            prepare=keep_int8_scales if load.bits == 8 else None,  # the int8 row scales travel as buffers
+            **load.from_pretrained_kwargs,
         )
-    else:
-        quant = {} if quantization_config is None else {"quantization_config": quantization_config}
-        model = AutoModelForCausalLM.from_pretrained(
-            model_name_or_path,
-            **quant,
-            dtype=dtype,
-            trust_remote_code=trust_remote_code,
-            **from_pretrained_kwargs,
-        )
-        release_experts_dispatch(model)
-    if prequantized is not None:
-        # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
-        view_packed_storage_as(model, dtype)
-    if quantize_experts and bits == 4:
-        if prequantized is not None:
-            # A stock 4-bit MoE checkpoint: its 16-bit experts take the checkpoint's own quantization.
-            quant_type, double_quant = prequantized.quant_type, prequantized.double_quant
-        quantize_expert_weights(
-            model, quant_type=quant_type, double_quant=double_quant, dtype=dtype, device=experts_device
-        )
-    disable_cpu_repack_in_model(model)
-    _freeze_for_kbit_training(model, gradient_checkpointing)
-    lora_config = lora_config if lora_config is not None else default_lora_config()
-    if quantize_experts:
-        lora_config = lora_config_for_experts(model, lora_config)
-    check_target_parameters(model, lora_config)
-    with peft_sees_expert_weights(model):  # LoRA on 4-bit experts: peft builds its own wrappers (expert_lora.py)
-        model = _apply_lora(model, lora_config)
-    if bits == 8:  # after peft, which wraps bitsandbytes' Linear8bitLt: its LoRA layers keep their own forward
-        convert_int8_layers(model, dtype)
-    harmonize_dtypes(model, dtype)
-    return model
-
-
-def _has_fused_experts(config, trust_remote_code: bool) -> bool:
+        return
     from transformers import AutoModelForCausalLM
 
-    try:
-        from accelerate import init_empty_weights
+    quant = {} if load.quantization_config is None else {"quantization_config": load.quantization_config}
+    load.model = AutoModelForCausalLM.from_pretrained(
+        load.source,
+        **quant,
+        dtype=load.dtype,
+        trust_remote_code=load.trust_remote_code,
+        **load.from_pretrained_kwargs,
+    )
+    release_experts_dispatch(load.model)
 
-        with init_empty_weights():
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except Exception:  # noqa: BLE001 - no meta build from this config: nothing to decide here
-        return False
-    return has_fused_experts(skeleton)
+
+def _view_packed_storage(load: _Load) -> None:
+    if load.prequantized is not None:
+        # bitsandbytes reads packed weights back as bytes: a view changes no bit and gives FSDP one floating dtype.
+        view_packed_storage_as(load.model, load.dtype)
+
+
+def _quantize_experts(load: _Load) -> None:
+    """Fused 3-D MoE expert weights in 4 bits too (bitsandbytes packs only linear layers)."""
+    if load.quantize_experts and load.bits == 4:
+        quantize_expert_weights(
+            load.model,
+            quant_type=load.quant_type,
+            double_quant=load.double_quant,
+            dtype=load.dtype,
+            device=load.experts_device,
+        )
+
+
+def _freeze_for_kbit_training(model, gradient_checkpointing: bool) -> None:
+    # peft's prepare_model_for_kbit_training does this too, but it also upcasts every non-quantized
+    # parameter (norms, embeddings) to fp32, which puts fp32 beside bf16 inside one FSDP1 unit.
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if gradient_checkpointing:
+        # use_reentrant=False: the reentrant variant needs inputs that require grad and breaks with FSDP.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+
+
+def _attach_adapter(load: _Load, lora_config) -> None:
+    """peft's LoRA on the frozen base (and on 4-bit experts, through our wrappers: expert_lora.py)."""
+    lora_config = lora_config if lora_config is not None else default_lora_config()
+    if load.quantize_experts:
+        lora_config = lora_config_for_experts(load.model, lora_config)
+    check_target_parameters(load.model, lora_config)
+    with peft_sees_expert_weights(load.model):
+        load.model = _apply_lora(load.model, lora_config)
+
+
+def _apply_lora(model, lora_config):
+    from peft import get_peft_model
+
+    try:
+        # autocast_adapter_dtype=False: peft would otherwise upcast the adapters to fp32.
+        return get_peft_model(model, lora_config, autocast_adapter_dtype=False)
+    except ValueError as err:
+        if "not found in the base model" not in str(err) and "Target module" not in str(err):
+            raise
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if "Linear" in type(m).__name__})
+        raise UnsupportedSetupError(
+            f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model. Set "
+            f"LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
+        ) from err
+
+
+def _convert_int8(load: _Load) -> None:
+    if load.bits == 8:  # after peft, which wraps bitsandbytes' Linear8bitLt: its LoRA layers keep their own forward
+        convert_int8_layers(load.model, load.dtype)

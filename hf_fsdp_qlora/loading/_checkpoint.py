@@ -1,0 +1,88 @@
+"""What a checkpoint is, read before any of its weights: its config, whether it is a causal LM, its own quantization
+and whether it has fused MoE experts. The loader refuses what it cannot use here, before reading a weight."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..causal_lm import causal_lm_problem
+from ..errors import UnsupportedSetupError
+from ..prequantized import checkpoint_quantization, quantized_bits, refuse_unviewable_storage
+from .experts import has_fused_experts
+
+__all__ = ["load_config", "check_causal_lm", "prequantized_check", "config_has_fused_experts"]
+
+
+def load_config(model_name_or_path, trust_remote_code: bool):
+    """The checkpoint's config; a path that is no saved transformers model is refused with what to pass instead."""
+    from transformers import AutoConfig
+
+    path = os.fspath(model_name_or_path)
+    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+    if looks_local:
+        local = os.path.expanduser(path)
+        if not os.path.isdir(local):
+            raise FileNotFoundError(
+                f"Model path {path!r} does not exist. Pass the directory written by save_pretrained (it holds "
+                "config.json and *.safetensors) or a model id on the Hugging Face Hub."
+            )
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise FileNotFoundError(
+                f"{path!r} has no config.json, so it is not a saved transformers model. Pass the directory "
+                "written by model.save_pretrained(...)."
+            )
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise FileNotFoundError(f"Could not read a model config from {path!r}: {err}") from err
+
+
+def check_causal_lm(config) -> None:
+    """Refuse a model with no causal-LM head: the loader fine-tunes for text generation only."""
+    kind = causal_lm_problem(config)
+    if kind is not None:
+        raise UnsupportedSetupError(
+            f"The model at this path is {kind}, which has no causal-LM head, so load_qlora_model cannot fine-tune "
+            "it for text generation. Pass a causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint)."
+        )
+
+
+def prequantized_check(config, dtype: torch.dtype, bits: int):
+    """The checkpoint's own 4-bit quantization, refused before any weight is read if the run cannot use it."""
+    saved_bits = quantized_bits(config)
+    if bits == 8:
+        if saved_bits == 4:
+            raise UnsupportedSetupError(
+                "bits=8 was asked for, but this checkpoint is pre-quantized in 4 bits (its config.json has "
+                "quantization_config.load_in_4bit=true): its 4-bit weights cannot be turned back into 8 bits. Pass "
+                "bits=4 to train it as it is, or load the original 16-bit checkpoint with bits=8."
+            )
+        checkpoint_quantization(config, allow_8bit=True)  # other methods are refused; a saved 8-bit base loads
+        return None
+    quant = checkpoint_quantization(config)
+    if quant is not None and quant.storage != str(dtype).removeprefix("torch."):
+        from ..errors import SetupInputError
+        from ..model_shapes import model_shape  # the config's shapes, built on the meta device
+
+        try:
+            weights = {lin.name: lin.numel for lin in model_shape(config).linears if lin.quantized}
+        except SetupInputError:  # no meta build from this config (remote code): from_pretrained will tell
+            return quant
+        refuse_unviewable_storage(quant, str(dtype), weights)
+    return quant
+
+
+def config_has_fused_experts(config, trust_remote_code: bool) -> bool:
+    """Whether the model `config` builds (on meta) has fused 3-D expert weights; False when it cannot be built."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - no meta build from this config: nothing to decide here
+        return False
+    return has_fused_experts(skeleton)
