@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +49,9 @@ def _env(extra: dict | None = None) -> dict:
 
 def _run(cmd: list[str], timeout: int, env: dict | None) -> subprocess.CompletedProcess:
     """Run `cmd` like subprocess.run(capture_output=True, text=True, timeout=...), in its own session so that a
-    timeout kills the whole launch (launcher and ranks), not just the launcher."""
+    timeout kills the whole launch (launcher and ranks), not just the launcher. With TESTS_LAUNCH_LOG=FILE
+    exported, each launch appends a JSON line (test, command, wall and CPU seconds) to FILE: the suite profile."""
+    started, cpu = time.monotonic(), _children_cpu()
     with subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env), cwd=str(REPO),
         start_new_session=True,
@@ -58,7 +62,19 @@ def _run(cmd: list[str], timeout: int, env: dict | None) -> subprocess.Completed
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None
+    if os.environ.get("TESTS_LAUNCH_LOG"):
+        entry = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), "cmd": [Path(c).name for c in cmd[:8]],
+                 "rc": proc.returncode, "wall_s": round(time.monotonic() - started, 1),
+                 "cpu_s": round(_children_cpu() - cpu, 1)}  # fmt: skip
+        with open(os.environ["TESTS_LAUNCH_LOG"], "a") as log:
+            log.write(json.dumps(entry) + "\n")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's waited-for children so far, grandchildren included."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _fork_cmd(script: str, args: tuple, timeout: int, nproc: int = 2, config: Path | None = None, num_processes=None):
