@@ -8,8 +8,9 @@ forks the ranks, which run the script as ``__main__`` with the environment torch
 processes with real gloo process groups: the scenario code, and its FSDP-engagement assertions, are unchanged.
 
 Fork is safe only from a single-threaded parent: OMP_NUM_THREADS=1 keeps torch's OpenMP pool unstarted, pyarrow's
-jemalloc is told to start no background thread, and the parent checks it has one OS thread before forking. The users' paths (recipes, README/docs commands, trl's scripts, the demo,
-multi-node) keep real launchers: see tests/dist_utils.py.
+jemalloc is told to start no background thread, and the parent checks it has one OS thread before forking. The
+users' paths (recipes, README/docs commands, trl's scripts, the demo, multi-node) keep real launchers: see
+tests/dist_utils.py.
 
     python tests/fork_launch.py --nproc 2 --master-port P [--accelerate-config FILE] SCRIPT [ARGS...]
 """
@@ -27,8 +28,6 @@ import time
 import traceback
 from pathlib import Path
 
-# torch's default CPU generator seed in a fresh interpreter: each forked rank starts from it, as a launched one does.
-_TORCH_DEFAULT_SEED = 67280421310721
 # After one rank fails, the others get this long to fail on their own (their messages are often what a test
 # asserts) before they are killed, as torchrun kills them.
 _GRACE_S = 15.0
@@ -103,6 +102,16 @@ def _die_with_parent() -> None:
         pass
 
 
+def _fresh_seeds() -> None:
+    """Give this rank its own random seeds, as a fresh interpreter has (torch 2.13 seeds its default generator
+    from the OS per process; forked ranks would otherwise share the parent's state). Python's `random` reseeds
+    itself at fork."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
 def run_rank(rank: int, world: int, script: Path, args: list[str]) -> None:
     """In the forked child: become rank `rank`, run `script` as __main__, and leave with its exit status."""
     _die_with_parent()
@@ -113,8 +122,7 @@ def run_rank(rank: int, world: int, script: Path, args: list[str]) -> None:
     )  # fmt: skip
     code = 0
     try:
-        if "torch" in sys.modules:
-            sys.modules["torch"].manual_seed(_TORCH_DEFAULT_SEED)
+        _fresh_seeds()
         import runpy
 
         sys.argv = [str(script), *args]

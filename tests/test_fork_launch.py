@@ -48,13 +48,19 @@ def test_ranks_get_the_environment_accelerate_launch_gives(tmp_path):
 
 
 def test_torchrun_ranks(tmp_path):
+    """torchrun's rank variables, and each rank its own torch seed (the parent imported torch; a fresh
+    interpreter's torch seeds itself from the OS)."""
     out = tmp_path / "out"
     out.mkdir()
-    proc = torchrun(_script(tmp_path, "dump.py", _ENV_DUMP), str(out), nproc=3, timeout=60)
+    script = _script(
+        tmp_path, "dump.py", "import torch\n" + _ENV_DUMP.replace('"name": __name__', '"seed": torch.initial_seed()')
+    )
+    proc = torchrun(script, str(out), nproc=3, timeout=120)
     assert proc.returncode == 0, proc.stderr
     results = read_results(out)
     assert sorted(results) == [0, 1, 2]
     assert {r["WORLD_SIZE"] for r in results.values()} == {"3"} and results[2]["LOCAL_RANK"] == "2"
+    assert len({r["seed"] for r in results.values()}) == 3
 
 
 def test_a_failing_rank_fails_the_launch_and_stops_the_others(tmp_path):
