@@ -14,14 +14,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # session's launches (they define SHARED_TRAIN_SCENARIOS) run together in one worker, so those launches run once
 # too. The slowest files start first: a long file started last would leave the other worker idle at the end.
 # Seconds on an idle 2-core machine, roughly (pytest --durations); a file not listed counts 30 s if it launches
-# processes (marked distributed), else 5 s.
+# processes (marked distributed), else 5 s. Files whose launches fork their ranks (tests/fork_launch.py) count ~4 s
+# less per such launch (~8.5 CPU-s of imports spared each, on a machine whose 2 cores both work).
 _SECONDS = {
-    "test_recipes.py": 270, "test_trainer_fsdp.py": 60, "test_throughput_benchmark.py": 60,
-    "test_speed_options.py": 55, "test_semantics_dist.py": 45, "test_checkpoints.py": 40,
-    "test_semantics_pref.py": 40, "test_doctor.py": 35, "test_cpu_rehearsal.py": 25, "test_eval_generate.py": 25,
-    "test_low_ram.py": 20, "test_sharding.py": 20, "test_multinode.py": 20, "test_bad_input.py": 20,
-    "test_preemption.py": 210, "test_demo.py": 75, "test_chunked_loss.py": 50, "test_readme.py": 50,
-    "test_error_index.py": 30, "test_quiet.py": 30, "test_train_imports.py": 20, "test_docs.py": 15,
+    "test_recipes.py": 270, "test_trainer_fsdp.py": 48, "test_throughput_benchmark.py": 60,
+    "test_speed_options.py": 51, "test_semantics_dist.py": 37, "test_checkpoints.py": 20,
+    "test_semantics_pref.py": 28, "test_doctor.py": 31, "test_cpu_rehearsal.py": 25, "test_eval_generate.py": 17,
+    "test_low_ram.py": 20, "test_sharding.py": 20, "test_multinode.py": 20, "test_bad_input.py": 8,
+    "test_preemption.py": 210, "test_demo.py": 75, "test_chunked_loss.py": 42, "test_readme.py": 50,
+    "test_error_index.py": 26, "test_quiet.py": 30, "test_train_imports.py": 20, "test_docs.py": 15,
     "test_slurm_recipe.py": 60, "test_finish.py": 25,
     "test_dora.py": 80,
     "test_prequantized.py": 40, "test_packing.py": 20,

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CONFIGS = REPO / "accelerate_configs"
 BIN = Path(sys.executable).parent
+# The one switch: our worker scripts' launches fork their ranks (tests/fork_launch.py) unless a call says
+# fork=False or TESTS_FORK_LAUNCH=0 is exported (real launchers everywhere: to compare, or to rule forking out).
+FORK_DEFAULT = os.environ.get("TESTS_FORK_LAUNCH", "1") != "0"
 
 
 def free_port() -> int:
@@ -42,18 +48,66 @@ def _env(extra: dict | None = None) -> dict:
 
 
 def _run(cmd: list[str], timeout: int, env: dict | None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(env), cwd=str(REPO))
-    return proc
+    """Run `cmd` like subprocess.run(capture_output=True, text=True, timeout=...), in its own session so that a
+    timeout kills the whole launch (launcher and ranks), not just the launcher. With TESTS_LAUNCH_LOG=FILE
+    exported, each launch appends a JSON line (test, command, wall and CPU seconds) to FILE: the suite profile."""
+    started, cpu = time.monotonic(), _children_cpu()
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env), cwd=str(REPO),
+        start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None
+    if os.environ.get("TESTS_LAUNCH_LOG"):
+        entry = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), "cmd": [Path(c).name for c in cmd[:8]],
+                 "rc": proc.returncode, "wall_s": round(time.monotonic() - started, 1),
+                 "cpu_s": round(_children_cpu() - cpu, 1)}  # fmt: skip
+        with open(os.environ["TESTS_LAUNCH_LOG"], "a") as log:
+            log.write(json.dumps(entry) + "\n")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's waited-for children so far, grandchildren included."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _fork_cmd(script: str, args: tuple, timeout: int, nproc: int = 2, config: Path | None = None, num_processes=None):
+    """The tests/fork_launch.py command for one of our worker scripts: one parent imports the stack, the ranks
+    are forked from it (see that module). Its own timeout kills the ranks a little before ours kills it."""
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / "fork_launch.py"), "--nproc", str(nproc),
+           "--master-port", str(free_port()), "--timeout", str(max(timeout - 5, 1))]  # fmt: skip
+    cmd += ["--accelerate-config", str(config)] if config is not None else []
+    cmd += ["--num-processes", str(num_processes)] if num_processes else []
+    return [*cmd, str(SCRIPTS / script), *args]
 
 
 def accelerate_launch(
-    config: str | Path, script: str, *args: str, timeout: int = 300, env: dict | None = None, num_processes=None
+    config: str | Path,
+    script: str,
+    *args: str,
+    timeout: int = 300,
+    env: dict | None = None,
+    num_processes=None,
+    fork: bool | None = None,
 ):
     """`accelerate launch --config_file CONFIG tests/scripts/SCRIPT ARGS` on a fresh port
-    (`num_processes`: override the config's, e.g. 1 for a single-GPU user)."""
+    (`num_processes`: override the config's, e.g. 1 for a single-GPU user).
+
+    `fork` (the default, for our own worker scripts): the ranks are forked from one parent that imported the
+    stack, with the environment accelerate's launcher computes for CONFIG (tests/fork_launch.py), which spares
+    the launcher's and all but one rank's imports. ``fork=False``: the real `accelerate launch`, for the paths
+    users take (and the rehearsal probe, so each FSDP version keeps a real launch)."""
     config = Path(config)
     if not config.is_absolute():
         config = CONFIGS / config
+    if FORK_DEFAULT if fork is None else fork:
+        return _run(_fork_cmd(script, args, timeout, config=config, num_processes=num_processes), timeout, env)
     cmd = [
         str(BIN / "accelerate"), "launch", "--config_file", str(config),
         "--main_process_port", str(free_port()),
@@ -62,8 +116,13 @@ def accelerate_launch(
     return _run(cmd, timeout, env)
 
 
-def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 300, env: dict | None = None):
-    """`torchrun --nproc-per-node N tests/scripts/SCRIPT ARGS` on a fresh port."""
+def torchrun(
+    script: str, *args: str, nproc: int = 2, timeout: int = 300, env: dict | None = None, fork: bool | None = None
+):
+    """`torchrun --nproc-per-node N tests/scripts/SCRIPT ARGS` on a fresh port (`fork`: see accelerate_launch;
+    the ranks get torchrun's RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* environment)."""
+    if FORK_DEFAULT if fork is None else fork:
+        return _run(_fork_cmd(script, args, timeout, nproc), timeout, env)
     cmd = [
         str(BIN / "torchrun"), f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
         f"--master-port={free_port()}", str(SCRIPTS / script), *args,

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module", params=[1, 2])
 def probe(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"probe{request.param}")
-    proc = accelerate_launch(f"cpu_fsdp{request.param}_rehearsal.yaml", "rehearsal_probe.py", str(out), timeout=300)
+    proc = accelerate_launch(f"cpu_fsdp{request.param}_rehearsal.yaml", "rehearsal_probe.py", str(out), timeout=300,
+                             fork=False)  # fmt: skip
     check(proc)
     results = read_results(out)
     assert sorted(results) == [0, 1]

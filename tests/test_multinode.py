@@ -68,7 +68,7 @@ def test_hsdp_2x2(tmp_path):
     out = tmp_path / "run"
     proc = accelerate_launch(
         path, "train_scenarios.py", "--models", str(models), "--out", str(out), "--fsdp-version", "2",
-        "--scenarios", "a=llama:ours_loader", timeout=400,
+        "--scenarios", "a=llama:ours_loader", timeout=400, fork=False,
     )  # fmt: skip
     check(proc)
     results = read_results(out)

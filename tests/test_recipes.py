@@ -70,7 +70,7 @@ def matrices(models, trl_data, tmp_path_factory):
         done[version] = out, trl_out, accelerate_launch(
             f"cpu_fsdp{version}_rehearsal.yaml", "recipe_scenarios.py",
             "--models", str(models), "--out", str(out), "--fsdp-version", str(version),
-            "--trl", script, *_script_args(models / "recipe", trl_data[script], trl_out), timeout=600,
+            "--trl", script, *_script_args(models / "recipe", trl_data[script], trl_out), timeout=600, fork=False,
         )  # fmt: skip
     return done
 

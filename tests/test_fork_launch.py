@@ -1,0 +1,107 @@
+"""tests/fork_launch.py, the launcher most of our worker scripts' launches use: its ranks see what a real launch
+gives them, and a failing, hanging or thread-running launch fails as a real one does (tiny scripts, no torch)."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from dist_utils import REPO, _run, accelerate_launch, read_results, torchrun
+
+pytestmark = pytest.mark.distributed
+
+_ENV_DUMP = """
+import json, os, sys
+keys = [k for k in os.environ if k.startswith(("ACCELERATE_", "FSDP_", "MASTER_", "TORCHELASTIC_RUN"))]
+keys += ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"]
+with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({k: os.environ.get(k) for k in keys} | {"argv": sys.argv[1:], "name": __name__}, f)
+"""
+
+
+def _script(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_ranks_get_the_environment_accelerate_launch_gives(tmp_path):
+    script = _script(tmp_path, "dump.py", _ENV_DUMP)
+    found = {}
+    for fork in (False, True):
+        out = tmp_path / f"fork{fork}"
+        out.mkdir()
+        proc = accelerate_launch("cpu_fsdp1_rehearsal.yaml", script, str(out), "x", fork=fork, timeout=200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found[fork] = read_results(out)
+    assert sorted(found[True]) == [0, 1]
+    for rank in (0, 1):
+        real, forked = found[False][rank], found[True][rank]
+        assert real.pop("argv") == [str(tmp_path / "forkFalse"), "x"]
+        assert forked.pop("argv") == [str(tmp_path / "forkTrue"), "x"]
+        real.pop("MASTER_PORT"), forked.pop("MASTER_PORT")  # a fresh port per launch
+        assert forked == real
+        assert (
+            forked["ACCELERATE_USE_FSDP"] == "true" and forked["FSDP_VERSION"] == "1" and forked["name"] == "__main__"
+        )
+
+
+def test_torchrun_ranks(tmp_path):
+    """torchrun's rank variables, and each rank its own torch seed (the parent imported torch; a fresh
+    interpreter's torch seeds itself from the OS)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = _script(
+        tmp_path, "dump.py", "import torch\n" + _ENV_DUMP.replace('"name": __name__', '"seed": torch.initial_seed()')
+    )
+    proc = torchrun(script, str(out), nproc=3, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = read_results(out)
+    assert sorted(results) == [0, 1, 2]
+    assert {r["WORLD_SIZE"] for r in results.values()} == {"3"} and results[2]["LOCAL_RANK"] == "2"
+    assert len({r["seed"] for r in results.values()}) == 3
+
+
+def test_a_failing_rank_fails_the_launch_and_stops_the_others(tmp_path):
+    """Rank 1 raises while rank 0 would wait forever (a peer stuck in a collective): the launch fails with rank
+    1's traceback and rank 0 is killed after the grace period, not at the timeout."""
+    script = _script(
+        tmp_path, "fail.py",
+        """
+        import os, time
+        if os.environ["RANK"] == "1":
+            raise ValueError("rank one broke")
+        time.sleep(600)
+        """,
+    )  # fmt: skip
+    started = time.monotonic()
+    proc = torchrun(script, timeout=120)
+    assert proc.returncode == 1
+    assert "ValueError: rank one broke" in proc.stderr and "rank 1 exited with status 1" in proc.stderr
+    assert time.monotonic() - started < 90
+
+
+def test_exit_status_and_timeout(tmp_path):
+    code = torchrun(_script(tmp_path, "exit.py", "import sys\nsys.exit(3)\n"), timeout=60)
+    assert code.returncode == 3
+    hang = _script(tmp_path, "hang.py", "import time\ntime.sleep(600)\n")
+    proc = _run([sys.executable, str(REPO / "tests" / "fork_launch.py"), "--master-port", "1", "--timeout", "3",
+                 hang], 60, None)  # fmt: skip
+    assert proc.returncode == 137 and "timed out after 3 s" in proc.stderr
+    with pytest.raises(subprocess.TimeoutExpired):  # ours kills the whole launch: no rank is left behind
+        _run([sys.executable, str(REPO / "tests" / "fork_launch.py"), "--master-port", "1", hang], 5, None)
+
+
+def test_refuses_to_fork_a_threaded_parent(tmp_path):
+    _script(
+        tmp_path, "threads.py",
+        """
+        import threading, time
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+        """,
+    )  # fmt: skip
+    # The thread starts at import: the parent's preload of a sibling module runs it.
+    _script(tmp_path, "main.py", "import threads\n")
+    proc = torchrun(str(tmp_path / "main.py"), timeout=60)
+    assert proc.returncode != 0 and "forking ranks is unsafe" in proc.stderr
