@@ -52,7 +52,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         works_around='fp32 LoRA recomputed under checkpointing: "CheckpointError: ... different metadata"',
         where=(
             "hf_fsdp_qlora.train.consistency.keep_trainable_in_training_dtype",
-            f"{MIXIN}._follow_wrapping",
+            "hf_fsdp_qlora.train.consistency.follow_wrapping",
         ),
         remove_when="accelerate stops upcasting trainable FlatParameters (or FSDP1 goes)",
         canary=LAUNCHED,
@@ -64,6 +64,8 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         where=(
             f"{MIXIN}._save_optimizer_and_scheduler",
             f"{MIXIN}._load_optimizer_and_scheduler",
+            "hf_fsdp_qlora.train.checkpoint_hooks.save_optimizer_and_scheduler",
+            "hf_fsdp_qlora.train.checkpoint_hooks.load_optimizer_and_scheduler",
             "hf_fsdp_qlora.train.checkpoint.gather_optimizer_state",
         ),
         remove_when="accelerate's FSDP optimizer save/load round-trips exactly on CPU and GPU",

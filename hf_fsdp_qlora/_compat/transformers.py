@@ -41,8 +41,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         works_around="FSDP's and the Trainer's activation checkpointing both on raises \"can't both be set to True\"",
         where=(
             f"{MIXIN}.create_accelerator_and_postprocess",
-            "hf_fsdp_qlora.train._trainer_mixin.resolve_activation_checkpointing",
-            "hf_fsdp_qlora.train._trainer_mixin._set_trainer_checkpointing",
+            "hf_fsdp_qlora.train.accelerator_setup.set_aside_refused_settings",
+            "hf_fsdp_qlora.train.accelerator_setup.resolve_activation_checkpointing",
+            "hf_fsdp_qlora.train.accelerator_setup._set_trainer_checkpointing",
         ),
         remove_when="transformers resolves the two settings itself",
         canary=DOCTOR + "[f2_ac_twice_stock]",
@@ -51,7 +52,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         key="save_only_model_sharded",
         upstream="transformers <= 5.23 (create_accelerator_and_postprocess)",
         works_around="save_only_model=True with SHARDED_STATE_DICT is refused, though our saves gather the adapter",
-        where=(f"{MIXIN}.create_accelerator_and_postprocess",),
+        where=(
+            f"{MIXIN}.create_accelerator_and_postprocess",
+            "hf_fsdp_qlora.train.accelerator_setup.set_aside_refused_settings",
+        ),
         remove_when="transformers allows the combination (or our saves go)",
         canary=LAUNCHED,
     ),
@@ -61,6 +65,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         works_around="stock FSDP saves: nothing (SHARDED), a crash (FSDP2 FULL) or an empty adapter (FSDP1 nested)",
         where=(
             f"{MIXIN}.save_model",
+            "hf_fsdp_qlora.train.checkpoint_hooks.save_model",
             "hf_fsdp_qlora.train.checkpoint.save_adapter",
         ),
         remove_when="peft's save_pretrained and Trainer.save_model under FSDP write the gathered adapter",
@@ -70,7 +75,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         key="checkpoint_staging",
         upstream="transformers <= 5.23 (_save_checkpoint writes into the final folder)",
         works_around="a run killed mid-save leaves a checkpoint-N that resume_from_checkpoint=True picks up",
-        where=(f"{MIXIN}._get_output_dir", f"{MIXIN}._save_checkpoint"),
+        where=(
+            f"{MIXIN}._get_output_dir",
+            f"{MIXIN}._save_checkpoint",
+            "hf_fsdp_qlora.train.checkpoint_hooks.staged_output_dir",
+            "hf_fsdp_qlora.train.checkpoint_hooks.save_checkpoint",
+        ),
         remove_when="transformers writes checkpoints atomically",
         canary=CANARIES + "test_trainer_private_methods",
     ),
@@ -81,7 +91,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "after a preemption stop, load_best_model_at_end loads inside the kill-grace window and "
             "save_total_limit=1 deletes the preemption checkpoint that preempted.json names"
         ),
-        where=(f"{MIXIN}._finalize_training",),
+        where=(f"{MIXIN}._finalize_training", "hf_fsdp_qlora.train.preemption_callback.finalize_training"),
         remove_when="transformers skips best-model loading and rotation when a callback stops training to save",
         canary="tests/test_preemption.py::test_best_model_at_end_keeps_the_preemption_checkpoint",
     ),
@@ -91,6 +101,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         works_around="resuming an adapter-only checkpoint under FSDP restarts the adapter silently",
         where=(
             f"{MIXIN}._load_from_checkpoint",
+            "hf_fsdp_qlora.train.checkpoint_hooks.load_from_checkpoint",
             "hf_fsdp_qlora.train.checkpoint.load_adapter_into",
         ),
         remove_when="stock resume restores a peft adapter under FSDP",
@@ -115,6 +126,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         where=(
             f"{MIXIN}.compute_loss",
             f"{MIXIN}.prediction_step",
+            "hf_fsdp_qlora.train.loss.loss_only_prediction",
             "hf_fsdp_qlora.train.loss._fused_head",
             "hf_fsdp_qlora.train.loss._replaced",
         ),
@@ -126,8 +138,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         upstream="transformers <= 5.23 (no preemption handling; accelerate#3400)",
         works_around="a scheduler's signal ends training without a checkpoint; a callback cannot end an evaluation",
         where=(
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.train",
-            "hf_fsdp_qlora.train._trainer_mixin.FSDPSaveMixin.evaluate",
+            f"{MIXIN}.train",
+            f"{MIXIN}.evaluate",
+            "hf_fsdp_qlora.train.preemption_callback.train_then_exit_if_preempted",
+            "hf_fsdp_qlora.train.preemption_callback.evaluate_unless_stopped",
         ),
         remove_when="Trainer checkpoints on a signal agreed across ranks, and lets a callback stop an evaluation",
         canary="tests/test_preemption.py::test_stock_trainer_structure_preemption_relies_on",
