@@ -18,7 +18,7 @@ on CPU with gloo, so the only thing missing is accelerate's decision. This modul
 
 Nothing changes on a machine with an accelerator: the wrap only acts when accelerate itself chose
 ``MULTI_CPU``. A release of accelerate that runs FSDP on CPU by itself makes this module unnecessary; the
-canary test named in ``_compat.py`` (entry ``cpu_fsdp_decision``) fails then.
+canary test named in ``_compat/accelerate.py`` (entry ``cpu_fsdp_decision``) fails then.
 """
 
 from __future__ import annotations

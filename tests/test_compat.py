@@ -1,6 +1,7 @@
-"""The compat registry (hf_fsdp_qlora/_compat.py) is complete and its canaries watch upstream.
+"""The compat registry (the hf_fsdp_qlora/_compat/ package) is complete and its canaries watch upstream.
 
-* the registry: every `where` resolves to our code, every canary test exists, keys are unique;
+* the registry: every `where` resolves to our code, every canary test exists, keys are unique; every module of
+  the package is part of the combined registry and holds only entries for its own upstream library;
 * the guard: every private access / patch of upstream in the package is covered by an entry's `where`
   (a new one without an entry fails here);
 * canaries: each runs the STOCK upstream path and asserts the behaviour we work around (or the private API we
@@ -20,10 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_fsdp_qlora._compat import WORKAROUNDS, Workaround
+from hf_fsdp_qlora._compat import LIBRARIES, WORKAROUNDS, Workaround
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "hf_fsdp_qlora"
+COMPAT = PACKAGE / "_compat"
 UPSTREAM = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "trl", "safetensors", "atexit", "os")
 # Attributes of upstream objects (methods, switches) that we assign: a patch or a setting upstream reads.
 PATCHED_ATTRS = {
@@ -61,6 +63,28 @@ def test_registry_entries_resolve_and_are_unique():
         for path in entry.where:
             assert path.startswith("hf_fsdp_qlora."), (entry.key, path)
             _resolve(path)
+
+
+def test_every_registry_module_is_in_the_registry():
+    """A module added to _compat/ but not to LIBRARIES would drop its entries from every check here."""
+    modules = {p.stem for p in COMPAT.glob("*.py")} - {"__init__", "_entry"}
+    assert modules == set(LIBRARIES), sorted(modules ^ set(LIBRARIES))
+    assert WORKAROUNDS == tuple(entry for module in LIBRARIES.values() for entry in module.WORKAROUNDS)
+    assert all(module.WORKAROUNDS for module in LIBRARIES.values()), "an empty registry module"
+
+
+def test_each_entry_sits_with_its_upstream_library():
+    """An entry goes in the module of the library it works around: the first its `upstream` names. `multi` holds
+    only entries that name several libraries."""
+    names = [library for library in LIBRARIES if library != "multi"]
+    misplaced = []
+    for library, module in LIBRARIES.items():
+        for entry in module.WORKAROUNDS:
+            at = {name: entry.upstream.find(name) for name in names if name in entry.upstream}
+            ok = len(at) >= 2 if library == "multi" else min(at, key=at.get, default=None) == library
+            if not ok:
+                misplaced.append(f"{entry.key} in _compat/{library}.py: {entry.upstream[:60]}")
+    assert not misplaced, "\n".join(misplaced)
 
 
 def test_every_canary_exists():
@@ -194,14 +218,12 @@ def test_every_upstream_internal_has_a_registry_entry():
     missing = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        if module == "hf_fsdp_qlora._compat":
-            continue
         for where, what in find_upstream_internals(path.read_text(), module, _trainer_methods()):
             if not _covered(where):
                 missing.append(f"{where}: {what}")
     assert not missing, (
-        "private upstream access or patches without an entry in hf_fsdp_qlora/_compat.py (add one, with a canary):\n"
-        + "\n".join(missing)
+        "private upstream access or patches without an entry in hf_fsdp_qlora/_compat/<library>.py (add one, with a "
+        "canary):\n" + "\n".join(missing)
     )
 
 

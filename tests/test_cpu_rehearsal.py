@@ -26,7 +26,7 @@ def test_upstream_accelerate_does_not_run_fsdp_on_cpu(probe):
     for found in results.values():
         assert found["upstream_distributed_type"] != "DistributedType.FSDP", (
             "accelerate now runs FSDP on CPU by itself: hf_fsdp_qlora.cpu_rehearsal is no longer needed "
-            "(see hf_fsdp_qlora/_compat.py)"
+            "(see hf_fsdp_qlora/_compat/accelerate.py)"
         )
         # Not even distributed: each rank trains alone (the silent fallback this module exists for).
         assert found["upstream_distributed_type"] == "DistributedType.NO"

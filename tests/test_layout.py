@@ -92,8 +92,8 @@ def test_lower_layers_never_import_upward():
     assert not problems, "\n".join(problems)
 
 
-# _compat is a table with one entry per upstream workaround (no logic): it grows with upstream, not with features.
-LIMITS = {"hf_fsdp_qlora._compat": 560}
+# Modules allowed past the default 420 lines, each with the reason (none today: _compat/ is one module per library).
+LIMITS: dict[str, int] = {}
 
 
 def test_modules_stay_small():

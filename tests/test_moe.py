@@ -283,7 +283,7 @@ def test_router_aux_loss_kept_by_the_chunked_loss(moe_models, tmp_path):
 
 
 def test_stock_peft_param_wrapper_contract(moe_models):
-    """Canary (hf_fsdp_qlora/_compat.py `peft_expert_param_wrapper`): what expert_lora.py relies on in stock peft.
+    """Canary (hf_fsdp_qlora/_compat/peft.py `peft_expert_param_wrapper`): what expert_lora.py relies on in stock peft.
 
     peft matches `target_parameters` against registered parameters only (a 4-bit experts module without our
     stand-ins matches nothing), its wrapper is a class named ParamWrapper whose forward adapts the weight through
@@ -438,7 +438,7 @@ def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
 @pytest.mark.distributed
 def test_stock_peft_expert_lora_fails_under_fsdp1(shared_launch):
     """Upstream alone (peft's expert LoRA on 16-bit experts, a stock Trainer) under FSDP1: peft reshapes lora_A.weight
-    while it is a flat shard. If this starts passing, upstream fixed it: see hf_fsdp_qlora/_compat.py
+    while it is a flat shard. If this starts passing, upstream fixed it: see hf_fsdp_qlora/_compat/peft.py
     `peft_expert_param_wrapper` (our 4-bit experts read the adapters inside their own units)."""
     _, _, results, _ = shared_launch(1)
     for rank in (0, 1):

@@ -208,7 +208,7 @@ def test_preemption_chain_fsdp2_plain_trainer_via_run(models, tmp_path):
 
 
 def test_stock_trainer_structure_preemption_relies_on():
-    """Canary (_compat.py "preemption_trainer_hooks"): the stock loop calls on_step_end before deciding to save,
+    """Canary (_compat/transformers.py "preemption_trainer_hooks"): the stock loop calls on_step_end before deciding to save,
     saves when control.should_save is set after an evaluation, calls on_save after the write and
     on_prediction_step per evaluation batch, and reaches evaluate() through _evaluate."""
     import inspect

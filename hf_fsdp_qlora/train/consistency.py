@@ -16,7 +16,7 @@ from ..loading.int8 import convert_int8_layers
 from .fsdp import configure_plugin, fsdp_version
 from ..rank_sync import agree_on_failure, broadcast_trainable_parameters
 
-__all__ = ["ConsistencyReport", "make_fsdp_consistent"]
+__all__ = ["ConsistencyReport", "follow_wrapping", "make_fsdp_consistent"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +130,22 @@ def keep_trainable_in_training_dtype(model, dtype: torch.dtype) -> int:
             dtype,
         )
     return count
+
+
+def follow_wrapping(trainer) -> None:
+    """Run our after-wrap fix-ups the moment accelerate wraps the model - before a resume loads weights into it
+    or an evaluation runs it (either would start FSDP's lazy initialisation with the wrong dtypes)."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return
+    accelerator, prepare_model = trainer.accelerator, trainer.accelerator.prepare_model
+
+    def prepare_model_then_fix(model, *args, **kwargs):
+        wrapped = prepare_model(model, *args, **kwargs)
+        callback = trainer.fsdp_callback
+        report = getattr(callback, "report", None)
+        if report is not None and report.fsdp_version == 1:
+            keep_trainable_in_training_dtype(wrapped, report.dtype)
+        return wrapped
+
+    # An instance attribute: only this trainer's accelerator is affected.
+    accelerator.prepare_model = prepare_model_then_fix

@@ -43,7 +43,14 @@ import torch.nn.functional as F
 from ..loss_paths import DEFAULT_LOSS_CHUNK_SIZE, loss_path
 from .loss_kernel import IGNORE_INDEX, head_loss
 
-__all__ = ["chunked_loss_reason", "compute_chunked_loss", "compute_loss", "head_loss", "trainer_loss_path"]
+__all__ = [
+    "chunked_loss_reason",
+    "compute_chunked_loss",
+    "compute_loss",
+    "head_loss",
+    "loss_only_prediction",
+    "trainer_loss_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +248,17 @@ def compute_loss(trainer, stock, model, inputs: dict, return_outputs=False, num_
     else:
         _note(trainer, path, reason)
     return stock(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+
+@contextlib.contextmanager
+def loss_only_prediction(trainer, prediction_loss_only):
+    """Around `Trainer.prediction_step`: a loss-only evaluation takes the chunked loss; predict() / compute_metrics
+    get the model's logits."""
+    trainer.hf_fsdp_qlora_loss_only = bool(prediction_loss_only)
+    try:
+        yield
+    finally:
+        trainer.hf_fsdp_qlora_loss_only = False
 
 
 @contextlib.contextmanager

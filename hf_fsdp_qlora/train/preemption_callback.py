@@ -39,6 +39,7 @@ from .preemption import (
     parse_signals,
     parse_stop_after,
     process_start_time,
+    resolve_resume,
 )
 
 __all__ = ["PreemptionCallback"]
@@ -168,3 +169,54 @@ class PreemptionCallback(TrainerCallback):
         self.disarm()
         if self.stopped and self.exit_code is not None and not self.exit_deferred:
             exit_after_preemption(self.exit_code)
+
+
+# -- the trainer's side: FSDPSaveMixin's train, _finalize_training and evaluate delegate here
+
+
+def preemption_callback_of(trainer) -> PreemptionCallback | None:
+    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PreemptionCallback)), None)
+
+
+def train_then_exit_if_preempted(trainer, stock, resume_from_checkpoint, trial, **kwargs):
+    """`Trainer.train` with auto_resume (the latest complete checkpoint in output_dir); a preempted run exits after
+    train() has returned, so every callback's on_train_end (trackers) has run."""
+    resume_from_checkpoint = resolve_resume(trainer.args, resume_from_checkpoint)
+    preemption = preemption_callback_of(trainer)
+    if preemption is not None:
+        preemption.exit_deferred = True
+    try:
+        output = stock(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+    finally:
+        if preemption is not None:
+            preemption.disarm()  # also when training raised: the user's handlers come back
+    if preemption is not None and preemption.stopped and preemption.exit_code is not None:
+        exit_after_preemption(preemption.exit_code)
+    return output
+
+
+def finalize_training(trainer, stock, trial, num_train_samples, start_time):
+    """`Trainer._finalize_training`. After a preemption stop, upstream would load the best model inside the
+    kill-grace window and, with save_total_limit=1, delete every checkpoint but the best - the preemption checkpoint
+    too. Neither runs."""
+    preemption = preemption_callback_of(trainer)
+    if preemption is None or not preemption.stopped:
+        return stock(trial, num_train_samples, start_time)
+    args = trainer.args
+    load_best, limit = args.load_best_model_at_end, args.save_total_limit
+    args.load_best_model_at_end, args.save_total_limit = False, None
+    try:
+        return stock(trial, num_train_samples, start_time)
+    finally:
+        args.load_best_model_at_end, args.save_total_limit = load_best, limit
+
+
+def evaluate_unless_stopped(trainer, stock, *args, **kwargs):
+    """`Trainer.evaluate`: no metrics from an evaluation a preemption stop ended."""
+    preemption = preemption_callback_of(trainer)
+    if preemption is not None and preemption.stopped and preemption.flag is not None:
+        return {}  # the next dataset of a dict eval_dataset, after a stop: the checkpoint comes first
+    try:
+        return stock(*args, **kwargs)
+    except _EvaluationStopped:  # every rank stopped at the same batch to checkpoint (preemption)
+        return {}

@@ -1,4 +1,4 @@
-"""Worker: stock upstream behaviours the compat registry (hf_fsdp_qlora/_compat.py) works around, which need FSDP.
+"""Worker: stock upstream behaviours the compat registry (hf_fsdp_qlora/_compat/) works around, which need FSDP.
 
 Launched once with 2 ranks: `accelerate launch --config_file accelerate_configs/cpu_fsdp2_rehearsal.yaml
 compat_canaries.py OUT`. Only the CPU rehearsal hook (accelerate's FSDP decision on CPU) is ours; everything

@@ -1,0 +1,62 @@
+"""peft: adapter dtypes and DoRA/expert LoRA under FSDP1, merging sharded models, and its target matching."""
+
+from __future__ import annotations
+
+from hf_fsdp_qlora._compat._entry import CANARIES, DOCTOR, LAUNCHED, Workaround
+
+__all__ = ["WORKAROUNDS"]
+
+WORKAROUNDS: tuple[Workaround, ...] = (
+    Workaround(
+        key="fsdp1_uniform_dtype",
+        upstream="peft <= 0.21 (autocast_adapter_dtype=True, prepare_model_for_kbit_training) with torch FSDP1",
+        works_around='fp32 adapters/norms beside bf16 weights: "Must flatten tensors with uniform dtype"',
+        where=(
+            "hf_fsdp_qlora.dtypes.harmonize_dtypes",
+            "hf_fsdp_qlora.loading.qlora",
+        ),
+        remove_when="FSDP1 flattens mixed dtypes (it will not: FSDP1 is deprecated)",
+        canary=DOCTOR + "[f1_kbitprep_stock]",
+    ),
+    Workaround(
+        key="fsdp1_dora_flat_shard",
+        upstream="peft <= 0.21 (DoraLinearLayer.get_lora_weight reads lora_A.weight.shape[1]) with torch FSDP1",
+        works_around='DoRA under FSDP1: lora_A is its own unit, its weight a 1-D shard: "IndexError: tuple index '
+        'out of range"',
+        where=("hf_fsdp_qlora.train.dora.size_dora_identity_from_layer", "hf_fsdp_qlora.train.fsdp.configure_plugin"),
+        remove_when="peft sizes DoRA's identity from the layer (in_features), or FSDP1 goes",
+        canary="tests/test_dora.py::test_stock_trainer_fails_under_fsdp1",
+    ),
+    Workaround(
+        key="peft_expert_param_wrapper",
+        upstream="peft <= 0.21 (lora.ParamWrapper: matches registered parameters only, adapts them through "
+        "torch.nn.utils.parametrize; lora_A [r*E, in], lora_B [out, r*E]) with torch FSDP1",
+        works_around="LoRA on 4-bit experts (no 16-bit weight to parametrize): stand-ins while peft injects, the "
+        "wrappers' forward replaced per instance; under FSDP1 peft's own expert LoRA reads lora_A.weight as a flat "
+        "shard: \"RuntimeError: shape '[8, -1, 2048]' is invalid for input of size 2048\"",
+        where=(
+            "hf_fsdp_qlora.loading.expert_lora.attach_expert_lora",
+            "hf_fsdp_qlora.loading.expert_lora.peft_sees_expert_weights",
+            "hf_fsdp_qlora.loading.expert_lora.quantize_experts_before_peft",
+            "hf_fsdp_qlora.loading.experts.run_with_weight",
+        ),
+        remove_when="peft adapts quantized expert modules itself and reads adapter weights inside their FSDP1 units",
+        canary="tests/test_moe.py::test_stock_peft_param_wrapper_contract",
+    ),
+    Workaround(
+        key="sharded_merge_guard",
+        upstream="peft <= 0.21 merge_and_unload on an FSDP2-sharded 4-bit model",
+        works_around="merge_and_unload on FSDP2 shards crashes (broadcast error or missing quant_state)",
+        where=("hf_fsdp_qlora.train.fsdp.guard_sharded_merge",),
+        remove_when="peft merges sharded models (it gathers), or refuses with a clear error",
+        canary=LAUNCHED,
+    ),
+    Workaround(
+        key="peft_target_check",
+        upstream="peft <= 0.21 (peft.tuners.tuners_utils.check_target_module_exists)",
+        works_around="the doctor counts LoRA targets exactly as peft matches them",
+        where=("hf_fsdp_qlora.model_shapes",),
+        remove_when="never (a dependency): the canary watches the signature",
+        canary=CANARIES + "test_peft_internals",
+    ),
+)

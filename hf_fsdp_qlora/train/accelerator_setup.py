@@ -1,0 +1,93 @@
+"""Around the Trainer's `create_accelerator_and_postprocess`: the two settings transformers refuses under FSDP that
+we handle (set aside while it runs), and activation checkpointing applied exactly once after the plugin exists."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+__all__ = ["resolve_activation_checkpointing", "set_aside_refused_settings"]
+
+logger = logging.getLogger(__name__)
+
+
+def _set_trainer_checkpointing(args, value: bool) -> None:
+    # `gradient_checkpointing` is transformers 5's deprecated alias of `activation_checkpointing`; trl reads both.
+    args.activation_checkpointing = value
+    if hasattr(args, "gradient_checkpointing"):
+        args.gradient_checkpointing = value
+
+
+def _trainer_checkpointing(args) -> bool:
+    # transformers 5.17 (our floor) has only `gradient_checkpointing`; later 5.x add `activation_checkpointing`.
+    value = getattr(args, "activation_checkpointing", None)
+    return bool(getattr(args, "gradient_checkpointing", False) if value is None else value)
+
+
+@contextlib.contextmanager
+def set_aside_refused_settings(args):
+    """Turn off, while transformers creates the accelerator, what it refuses under FSDP but we handle; restore both.
+
+    transformers refuses save_only_model with SHARDED_STATE_DICT because its FSDP model save needs the sharded
+    format; ours writes the gathered adapter, so the combination is fine and is how a user turns optimizer state off
+    in checkpoints. It also refuses FSDP's activation checkpointing together with the Trainer's, which trl's configs
+    turn on by default: the choice is made after the plugin exists (:func:`resolve_activation_checkpointing`).
+    """
+    save_only_model = args.save_only_model
+    if save_only_model and args.load_best_model_at_end:
+        raise ValueError("save_only_model=True cannot be combined with load_best_model_at_end=True under FSDP.")
+    wants_checkpointing = _trainer_checkpointing(args)
+    args.save_only_model = False
+    _set_trainer_checkpointing(args, False)
+    try:
+        yield
+    finally:
+        args.save_only_model = save_only_model
+        _set_trainer_checkpointing(args, wants_checkpointing)
+
+
+def _model_checkpointing(model) -> bool:
+    # transformers 5 names it is_activation_checkpointing; reading the old alias there warns (FutureWarning)
+    if hasattr(model, "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+def resolve_activation_checkpointing(trainer) -> str:
+    """Apply activation checkpointing exactly once, and say which in one line. Returns "fsdp", "trainer",
+    "model" or "none".
+
+    Three switches can each turn it on: FSDP's own (``fsdp_activation_checkpointing``, which wraps every
+    transformer layer), the Trainer's ``activation_checkpointing``/``gradient_checkpointing`` (trl's configs
+    default to True) and the model's own (``load_qlora_model`` and ``prepare_model_for_kbit_training`` enable it).
+    With two on, transformers raises, or each layer's forward runs three times per step. FSDP's own is kept when
+    the accelerate config asks for it (transformers' advice under FSDP: the Trainer's adds a redundant all-gather
+    in backward); the others are turned off.
+    """
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    model = trainer.model
+    model_on = _model_checkpointing(model)
+    trainer_on = _trainer_checkpointing(trainer.args)
+    if plugin is not None and plugin.activation_checkpointing:
+        off = []
+        if trainer_on:
+            _set_trainer_checkpointing(trainer.args, False)
+            off.append("TrainingArguments.gradient_checkpointing=True")
+        if model_on:
+            disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+            disable()
+            off.append("the model's gradient checkpointing")
+        logger.info(
+            "hf_fsdp_qlora: activation checkpointing: FSDP's own (fsdp_activation_checkpointing: true), once per "
+            "layer%s",
+            f"; turned off {' and '.join(off)} so it is not applied twice" if off else "",
+        )
+        return "fsdp"
+    if trainer_on or model_on:
+        logger.info(
+            "hf_fsdp_qlora: activation checkpointing: %s",
+            "TrainingArguments.gradient_checkpointing=True" if trainer_on else "the model's gradient checkpointing",
+        )
+        return "trainer" if trainer_on else "model"
+    logger.info("hf_fsdp_qlora: activation checkpointing: off")
+    return "none"
