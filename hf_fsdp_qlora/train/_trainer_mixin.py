@@ -174,7 +174,7 @@ class FSDPSaveMixin:
             callback = self.fsdp_callback
             report = getattr(callback, "report", None)
             if report is not None and report.fsdp_version == 1:
-                keep_trainable_in_training_dtype(wrapped, report.dtype)
+                keep_trainable_in_training_dtype(wrapped, report.adapter_dtype)
             return wrapped
 
         # An instance attribute: only this trainer's accelerator is affected.

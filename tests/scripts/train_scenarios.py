@@ -361,6 +361,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         import packing_scenarios
 
         return packing_scenarios.run(name, path, out, version, arch, kind)
+    if kind.startswith("precision_"):  # float32 master weights (tests/test_precision.py)
+        import precision_scenarios
+
+        return precision_scenarios.run(name, path, out, version, arch, kind)
     if kind == "expertresume":  # LoRA on 4-bit experts: checkpoint and exact resume (tests/test_moe.py)
         import resume_scenarios
 
