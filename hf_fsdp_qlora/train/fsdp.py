@@ -37,7 +37,12 @@ def _mixed_precision_policy(version: int, dtype: torch.dtype, reduce_dtype: torc
 
         # buffer_dtype=None keeps buffers (rotary inv_freq) in their own dtype: FSDP1 would cast them
         # to bf16 and shift every output by ~1e-3 relative to an unsharded run.
-        return MixedPrecision(param_dtype=dtype, reduce_dtype=reduce_dtype, buffer_dtype=None)
+        # cast_forward_inputs: every fp32 lora_A / lora_B is a unit of its own, and peft casts the layer input to
+        # `lora_A.weight.dtype` read outside that unit (the fp32 shard): the unit casts it back to `dtype`, or the
+        # matmul fails without autocast ("expected m1 and m2 to have the same dtype").
+        return MixedPrecision(
+            param_dtype=dtype, reduce_dtype=reduce_dtype, buffer_dtype=None, cast_forward_inputs=reduce_dtype != dtype
+        )
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     # No output_dtype: casting the model's outputs would round the fp32 loss transformers computes to bf16.

@@ -388,6 +388,14 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
     init = trainable_snapshot(trainer.model)
     result["init_checksum"] = checksum(init)
     result["dtypes_before_wrap"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
+    # float32 master weights (train/precision.py): an adapter run's trainable tensors fp32, the frozen ones bf16
+    result["frozen_dtypes_before_wrap"] = sorted(
+        {str(p.dtype) for p in trainer.model.parameters() if not p.requires_grad}
+    )
+    result["trainable_dtypes_before_wrap"] = sorted(
+        {str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}
+    )
+    result["adapter_run"] = hasattr(trainer.model, "peft_config")
     trainer.train()
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FSDPQLoRACallback)), None)
     result["engagement"] = cb.engagement if cb else None
