@@ -36,7 +36,7 @@ __all__ = [
     "adapter_dtype_for",
     "is_adapter_run",
     "keep_trainable_in_adapter_dtype",
-    "fsdp1_dora_adapter_dtype",
+    "fsdp1_adapter_dtype",
 ]
 
 DEFAULT_ADAPTER_DTYPE = "float32"
@@ -110,25 +110,34 @@ def keep_trainable_in_adapter_dtype(model, args=None) -> list[str]:
     return changed
 
 
-def fsdp1_dora_adapter_dtype(model, version: int, adapter_dtype: torch.dtype, training_dtype: torch.dtype):
-    """The adapter dtype FSDP1 can train a DoRA model in: `training_dtype` where `adapter_dtype` would be float32.
+def _checkpointing_on(model, plugin, args) -> bool:
+    model_on = getattr(model, "is_activation_checkpointing", None)
+    if model_on is None:
+        model_on = getattr(model, "is_gradient_checkpointing", False)
+    args_on = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
+    return bool(model_on or args_on or getattr(plugin, "activation_checkpointing", False))
 
-    DoRA runs each lora_A / lora_B unit twice per forward (``get_lora_weight`` and the input path). Under FSDP1 with
-    fp32 units cast to bf16 by mixed precision, lora_A and lora_B then got no update at all (8 steps at lr 2e-4,
-    tiny Llama: every element bit-identical to its start; the magnitudes moved), so DoRA under FSDP1 keeps its
-    adapters in the training dtype, as before, and says so. FSDP2 trains DoRA in float32 (magnitudes within 0.008
-    relative of stock peft).
+
+def fsdp1_adapter_dtype(model, plugin, args, version: int, adapter_dtype: torch.dtype, training_dtype: torch.dtype):
+    """The adapter dtype FSDP1 can train this model in: `training_dtype` where float32 does not work yet.
+
+    * DoRA runs each lora_A / lora_B unit twice per forward; with fp32 units cast to bf16 by FSDP1's mixed precision
+      they got no update at all (8 steps at lr 2e-4, tiny Llama: every element bit-identical to its start).
+    * Activation checkpointing (non-reentrant) with LoRA dropout and autocast: the recomputed forward gives bf16 where
+      the forward saved fp32 ("CheckpointError: ... Recomputed values ... have different metadata").
+    FSDP2 and no FSDP train both in float32. Follow-up: find both FSDP1 causes.
     """
     if version != 1 or adapter_dtype == training_dtype:
         return adapter_dtype
-    if not any(type(m).__name__ == "DoraLinearLayer" for m in model.modules()):
+    dora = any(type(m).__name__ == "DoraLinearLayer" for m in model.modules())
+    if not dora and not _checkpointing_on(model, plugin, args):
         return adapter_dtype
     import logging
 
     logging.getLogger(__name__).warning(
-        "hf_fsdp_qlora: DoRA under FSDP1 trains its adapters in %s, not float32 (FSDP1's mixed precision loses the "
-        "gradients of a unit run twice per forward, as DoRA's lora_A/lora_B are). Use FSDP2 (fsdp_version: 2) for "
-        "float32 DoRA weights.",
+        "hf_fsdp_qlora: under FSDP1 with %s the adapters train in %s, not float32 (small updates are rounded away). "
+        "Use FSDP2 (fsdp_version: 2) for float32 adapter weights.",
+        "DoRA" if dora else "activation checkpointing",
         training_dtype,
     )
     return training_dtype
