@@ -21,16 +21,23 @@ from dist_utils import BIN, REPO, _env
 from readme_blocks import blocks, node_exists, options, resolve_name, shell_commands
 
 DOCS = REPO / "docs"
-PAGES = sorted(DOCS.glob("*.md"))
+PAGES = sorted(DOCS.rglob("*.md"))  # docs/recipes/ included
 BLOCKS = [b for page in PAGES for b in blocks(page)]
 SHELL = [b for b in BLOCKS if b.lang != "python"]
-STATIC = [b for b in SHELL if b.kind in ("gpu-only", "tested-by")]
+STATIC = [b for b in SHELL if b.kind in ("gpu-only", "tested-by", "command")]
 _SUBSTITUTION = re.compile(r"\$\((hf-fsdp-qlora config (\w+)|python -c .*)\)")
+
+
+def _nav_files(entry) -> list[str]:
+    """The files of a nav entry: a page, or a section's pages (`- Recipes: [...]`)."""
+    if isinstance(entry, str):
+        return [entry]
+    return [f for item in entry for f in _nav_files(next(iter(item.values())) if isinstance(item, dict) else item)]
 
 
 def test_pages_listed_in_nav_exist():
     nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
-    files = [next(iter(item.values())) for item in nav]
+    files = [f for item in nav for f in _nav_files(next(iter(item.values())))]
     assert all((DOCS / f).is_file() for f in files), files
     for name in ("index", "routes", "dtypes", "fsdp1-vs-fsdp2", "checkpoints", "evaluation", "doctor", "merge",
                  "configs", "cpu-rehearsal", "performance", "troubleshooting", "errors"):  # fmt: skip
@@ -108,8 +115,12 @@ def test_python_names_in_docsresolve_name():
 
 def test_every_shell_block_is_marked():
     assert len(SHELL) >= 15, len(SHELL)
-    unmarked = [b.where for b in SHELL if b.kind not in ("as-written", "tested-by", "make-targets", "gpu-only")]
+    # "command" (<!-- cpu-rehearsal: COMMAND -->, the CPU form): run by tests/test_recipes_docs.py
+    unmarked = [b.where for b in SHELL if b.kind not in ("as-written", "tested-by", "make-targets", "gpu-only",
+                                                         "command")]  # fmt: skip
     assert not unmarked, f"shell blocks need <!-- cpu-rehearsal: ... --> or <!-- gpu-only -->: {unmarked}"
+    elsewhere = [b.where for b in SHELL if b.kind == "command" and "recipes" not in b.path.parts]
+    assert not elsewhere, f"only docs/recipes/ pages' CPU forms are run (tests/test_recipes_docs.py): {elsewhere}"
     for block in SHELL:
         if block.kind == "tested-by":
             assert node_exists(block.arg), (block.where, block.arg)
