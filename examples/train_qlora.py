@@ -120,6 +120,9 @@ def main(argv=None):
     if trainer.is_world_process_zero():
         engaged = trainer.fsdp_callback.engagement
         print(f"\nFSDP engaged: {engaged}")
+        if not curve.points:  # fewer steps than --logging-steps: nothing was logged
+            print(f"no loss logged (fewer steps than --logging-steps); adapter saved to {args.output}")
+            return 0
         print("loss curve (step: loss):")
         for step, loss in curve.points:
             print(f"  {step:4d}: {loss:.4f}  " + "#" * int(loss * 8))
