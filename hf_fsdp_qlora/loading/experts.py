@@ -110,6 +110,9 @@ class QuantizedExperts(nn.Module):
             )
         # Whole, as quantized: under FSDP each rank's parameters hold a part (engagement log, packed_expert_bytes).
         self.packed_bytes = sum(getattr(self, f"{n}_4bit").nbytes for n in layout.weights)
+        from .expert_lora import peft_adapts_4bit_experts
+
+        peft_adapts_4bit_experts()  # peft's own loaders (PeftModel.from_pretrained, load_adapter) must see these weights
 
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{n}={[self.num_experts, *self._meta[n][0]]}" for n in self.layout.weights)

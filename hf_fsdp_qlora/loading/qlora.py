@@ -53,7 +53,9 @@ class _Load:
     prequantized: Any = None  # _read_checkpoint_quantization: the checkpoint's own 4-bit quantization, or None
     quantization_config: Any = None  # _decide_quantization, _place_experts: what from_pretrained quantizes with
     experts_device: Any = None  # _place_experts: the accelerator the experts are packed onto, one at a time
-    model: Any = None  # _build_base; the PeftModel from _attach_adapter on
+    adapter: Any = None  # a saved adapter to continue from (_continue_adapter), or None: a new one (_attach_adapter)
+    is_trainable: bool = True  # _continue_adapter: the loaded adapter trains (False: inference)
+    model: Any = None  # _build_base; the PeftModel from _attach_adapter / _continue_adapter on
 
 
 def load_qlora_model(
@@ -68,6 +70,8 @@ def load_qlora_model(
     low_cpu_ram: bool = False,
     quantize_experts: bool = True,
     bits: int = 4,
+    adapter=None,
+    is_trainable: bool = True,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM in 4 bits (or 8) and add LoRA adapters, with one dtype driving everything.
@@ -101,6 +105,10 @@ def load_qlora_model(
         bits: 4 (default: NF4/FP4 QLoRA) or 8: bitsandbytes' row-wise int8 (``load_in_8bit``), each int8 layer held
             as :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` so FSDP shards it (``quant_type``/``double_quant`` are
             4-bit settings and are not used). A checkpoint saved after 8-bit loading loads with ``bits=8``.
+        adapter: a saved peft adapter (a folder written by ``save_pretrained`` or a Trainer checkpoint) to continue
+            from instead of a new one: loaded with ``PeftModel.from_pretrained`` onto the quantized base, its expert
+            LoRA onto the 4-bit experts (docs/moe.md). `lora_config` must then be None (the adapter's own applies).
+        is_trainable: with `adapter`: its weights train (default; a second stage), or False for inference.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -123,8 +131,10 @@ def load_qlora_model(
         quantize_experts=quantize_experts,
         trust_remote_code=trust_remote_code,
         from_pretrained_kwargs=dict(from_pretrained_kwargs),
+        adapter=adapter,
+        is_trainable=is_trainable,
     )
-    _check_arguments(load)
+    _check_arguments(load, lora_config)
     _read_config(load)
     _read_checkpoint_quantization(load)
     _refuse_8bit_experts(load)
@@ -136,6 +146,7 @@ def load_qlora_model(
     disable_cpu_repack_in_model(load.model)
     _freeze_for_kbit_training(load.model, gradient_checkpointing)
     _attach_adapter(load, lora_config)
+    _continue_adapter(load)
     _convert_int8(load)
     # The record of what was quantized (which layers, bits, quant type, storage), to travel with the adapter so
     # merge follows it, is a step here: every quantizing step has run and load.model is the PeftModel.
@@ -146,8 +157,14 @@ def load_qlora_model(
 # ---------------------------------------------------------------- the steps, in the order load_qlora_model runs them
 
 
-def _check_arguments(load: _Load) -> None:
+def _check_arguments(load: _Load, lora_config) -> None:
     """Refuse settings the loader does not take, before anything is read."""
+    if load.adapter is not None and lora_config is not None:
+        raise UnsupportedSetupError(
+            f"load_qlora_model got both adapter={load.adapter!r} and a lora_config: the saved adapter's own "
+            "adapter_config.json decides its LoRA. Pass lora_config=None to continue from the adapter, or adapter=None "
+            "to start a new one."
+        )
     if load.quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type={load.quant_type!r} is not supported: use 'nf4' (default) or 'fp4'.")
     if load.bits not in (4, 8):
@@ -285,6 +302,8 @@ def _freeze_for_kbit_training(model, gradient_checkpointing: bool) -> None:
 
 def _attach_adapter(load: _Load, lora_config) -> None:
     """peft's LoRA on the frozen base (and on 4-bit experts, through our wrappers: expert_lora.py)."""
+    if load.adapter is not None:
+        return  # _continue_adapter loads it
     lora_config = lora_config if lora_config is not None else default_lora_config()
     if load.quantize_experts:
         lora_config = lora_config_for_experts(load.model, lora_config)
@@ -307,6 +326,20 @@ def _apply_lora(model, lora_config):
             f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model. Set "
             f"LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
         ) from err
+
+
+def _continue_adapter(load: _Load) -> None:
+    """A saved adapter through peft's own loader, its expert LoRA onto the 4-bit experts (expert_lora.py)."""
+    if load.adapter is None:
+        return
+    from peft import PeftModel
+
+    with peft_sees_expert_weights(load.model):
+        # autocast_adapter_dtype=False: the adapters keep the run's one dtype (harmonize_dtypes casts the rest).
+        load.model = PeftModel.from_pretrained(
+            load.model, str(load.adapter), is_trainable=load.is_trainable, autocast_adapter_dtype=False
+        )
+    logger.info("hf_fsdp_qlora: continuing from the adapter %s (trainable: %s)", load.adapter, load.is_trainable)
 
 
 def _convert_int8(load: _Load) -> None:

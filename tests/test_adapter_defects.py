@@ -1,0 +1,136 @@
+"""Issue 35, defects 4-7: expert adapters loaded back, the experts' dtype casts, the int8 skip list, the target error.
+
+Single process, tiny models built locally (tests/tiny_models.py): a Qwen3-MoE (fused 3-D experts) and Llamas. Each
+test asserts first what failed before its fix (the failure is in the test's docstring).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig
+from tiny_models import build_tiny_model
+
+from hf_fsdp_qlora import load_qlora_model
+from hf_fsdp_qlora.errors import UnsupportedSetupError
+from hf_fsdp_qlora.loading.experts import QuantizedExperts
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+IDS = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _lora(**kw):
+    return LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj"], **kw})
+
+
+@pytest.fixture(scope="module")
+def moe(shared_models):
+    return build_tiny_model(shared_models / "qwen3_moe", "qwen3_moe")
+
+
+def _logits(model):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def _expert_lora(model):
+    return {n: p for n, p in model.named_parameters() if ".experts." in n and "lora_" in n}
+
+
+# ---------------------------------------------------------------- 4: an expert adapter loaded back onto 4-bit experts
+
+
+@pytest.fixture(scope="module")
+def trained_expert_adapter(moe, tmp_path_factory):
+    """An adapter on q_proj and the 4-bit experts, random (init_lora_weights=False) and one SGD step further; saved.
+    Returns (its folder, the trained model's logits, the logits without the adapter)."""
+    config = _lora(target_parameters=EXPERT_TARGETS, init_lora_weights=False)
+    torch.manual_seed(0)
+    model = load_qlora_model(str(moe), lora_config=config, dtype=torch.float32, gradient_checkpointing=False)
+    assert len(_expert_lora(model)) == 8  # 2 layers x 2 weights x (lora_A, lora_B)
+    model.train()
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    folder = tmp_path_factory.mktemp("expert_adapter")
+    model.save_pretrained(folder)
+    logits = _logits(model)
+    with model.disable_adapter():
+        plain = _logits(model)
+    assert (logits - plain).abs().max() > 1e-2  # the adapter (its expert part included) moves the logits
+    return folder, logits, plain
+
+
+def test_peft_load_adapter_onto_4bit_experts(moe, trained_expert_adapter):
+    """Before: peft warned "target_parameters ... no parameter was matched" and ran without the expert weights
+    (logits 0.25-0.36 away from the trained model's)."""
+    folder, logits, _ = trained_expert_adapter
+    model = load_qlora_model(str(moe), lora_config=_lora(), dtype=torch.float32, gradient_checkpointing=False)
+    model.load_adapter(str(folder), adapter_name="trained")
+    model.set_adapter("trained")
+    assert sum(".trained." in n for n in _expert_lora(model)) == 8
+    torch.testing.assert_close(_logits(model), logits, rtol=0, atol=1e-6)
+
+
+def test_peft_from_pretrained_after_quantize_experts(moe, trained_expert_adapter):
+    """Before: the same silent loss through ``PeftModel.from_pretrained`` on a model quantized by hand."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hf_fsdp_qlora.loading.experts import quantize_experts
+
+    folder, logits, _ = trained_expert_adapter
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=torch.float32,
+    )
+    base = AutoModelForCausalLM.from_pretrained(str(moe), quantization_config=quant, dtype=torch.float32)
+    assert quantize_experts(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, folder)
+    assert len(_expert_lora(model)) == 8
+    torch.testing.assert_close(_logits(model), logits, rtol=0, atol=1e-6)
+
+
+def test_load_qlora_model_continues_from_an_adapter(moe, trained_expert_adapter):
+    """Before: ``load_qlora_model`` took no adapter (``adapter=`` went to from_pretrained and failed)."""
+    from peft import PeftModel
+
+    folder, logits, _ = trained_expert_adapter
+    model = load_qlora_model(str(moe), adapter=folder, dtype=torch.float32, gradient_checkpointing=False)
+    assert isinstance(model, PeftModel)
+    assert all(
+        isinstance(m, QuantizedExperts) for n, m in model.named_modules() if n.endswith("base_layer.base_layer")
+    )
+    experts = _expert_lora(model)
+    assert len(experts) == 8 and all(p.requires_grad for p in experts.values())
+    torch.testing.assert_close(_logits(model), logits, rtol=0, atol=1e-6)
+    # A second stage trains it: every expert LoRA tensor gets a gradient.
+    model.train()
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in experts.values())
+    # Inference, and the bf16 run's one dtype.
+    frozen = load_qlora_model(str(moe), adapter=folder, is_trainable=False, gradient_checkpointing=False)
+    assert not any(p.requires_grad for p in frozen.parameters())
+    assert {p.dtype for p in _expert_lora(frozen).values()} == {torch.bfloat16}
+    with pytest.raises(UnsupportedSetupError, match="both adapter=.* and a lora_config"):
+        load_qlora_model(str(moe), adapter=folder, lora_config=_lora())
+
+
+def test_unmatched_expert_targets_of_a_saved_adapter_are_an_error(moe, trained_expert_adapter, tmp_path):
+    """An adapter whose target_parameters match no weight of the 4-bit model is refused, not dropped with a warning."""
+    import json
+    import shutil
+
+    folder = tmp_path / "renamed"
+    shutil.copytree(trained_expert_adapter[0], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["target_parameters"] = ["mlp.experts.w1"]
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedSetupError, match="'mlp.experts.w1' matches no parameter"):
+        load_qlora_model(str(moe), adapter=folder, gradient_checkpointing=False)
