@@ -134,3 +134,42 @@ def test_unmatched_expert_targets_of_a_saved_adapter_are_an_error(moe, trained_e
     (folder / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedSetupError, match="'mlp.experts.w1' matches no parameter"):
         load_qlora_model(str(moe), adapter=folder, gradient_checkpointing=False)
+
+
+# ---------------------------------------------------------------- 5: the launcher's experts hook, common bnb settings
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "compute", "experts_dtype"),
+    [(torch.bfloat16, None, torch.float32), (torch.float32, torch.bfloat16, torch.bfloat16)],
+    ids=["bf16-model-default-compute", "fp32-model-bf16-compute"],
+)
+def test_launcher_hook_casts_as_linear4bit(moe, model_dtype, compute, experts_dtype):
+    """Before: ``expected m1 and m2 to have the same dtype`` in the first forward (the experts never cast)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hf_fsdp_qlora.loading.expert_lora import _quantize_experts_of_4bit_model
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, **({"bnb_4bit_compute_dtype": compute} if compute else {}))
+    base = AutoModelForCausalLM.from_pretrained(str(moe), quantization_config=quant, dtype=model_dtype)
+    _quantize_experts_of_4bit_model(base, "HF_FSDP_QLORA_QUANTIZE_EXPERTS")
+    experts = [m for m in base.modules() if isinstance(m, QuantizedExperts)]
+    assert len(experts) == 2 and {e.dtype for e in experts} == {experts_dtype}
+    # One experts module: input and output in the model's dtype, computed in the experts' dtype (as Linear4bit).
+    hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(1)).to(model_dtype)
+    index = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [0, 7], [1, 6]])
+    weights = torch.full((6, 2), 0.5, dtype=model_dtype)
+    with torch.no_grad():
+        out = experts[0](hidden, index, weights)
+        computed = experts[0](hidden.to(experts_dtype), index, weights)
+    assert out.dtype == model_dtype and computed.dtype == experts_dtype
+    torch.testing.assert_close(out, computed.to(model_dtype), rtol=0, atol=0)
+    # The whole model, with LoRA on the experts: a forward and a backward.
+    model = get_peft_model(base, _lora(target_parameters=EXPERT_TARGETS, init_lora_weights=False))
+    model.train()
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in _expert_lora(model).values()]
+    assert len(grads) == 8 and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
