@@ -173,3 +173,27 @@ def test_launcher_hook_casts_as_linear4bit(moe, model_dtype, compute, experts_dt
     assert torch.isfinite(loss)
     grads = [p.grad for p in _expert_lora(model).values()]
     assert len(grads) == 8 and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+# ---------------------------------------------------------------- 7: the target error
+
+
+def test_experts_in_target_modules_names_target_parameters(moe):
+    """Before: "match no layer of this model", listing peft's ``base_layer`` and ``default`` as layers."""
+    with pytest.raises(UnsupportedSetupError) as err:
+        load_qlora_model(str(moe), lora_config=_lora(target_modules=["q_proj", "experts"]))
+    text = str(err.value)
+    assert "target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']" in text, text
+    assert "--lora_target_parameters mlp.experts.gate_up_proj mlp.experts.down_proj" in text
+    assert "'base_layer'" not in text and "'default'" not in text and "'q_proj'" in text
+
+
+def test_no_layer_error_lists_real_layers(shared_models):
+    """Before: a target peft cannot adapt beside one it can (q_proj wrapped first) listed ``base_layer``/``default``."""
+    llama = build_tiny_model(shared_models / "llama", "llama")
+    with pytest.raises(UnsupportedSetupError, match="match no layer") as err:
+        load_qlora_model(str(llama), lora_config=_lora(target_modules=["q_proj", "input_layernorm"]))
+    text = str(err.value)
+    assert "'base_layer'" not in text and "'default'" not in text, text
+    for name in ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"):
+        assert f"'{name}'" in text, (name, text)

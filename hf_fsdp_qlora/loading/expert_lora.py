@@ -26,11 +26,13 @@ from contextlib import contextmanager
 from torch import nn
 
 from ..errors import UnsupportedSetupError
-from .experts import QuantizedExperts, has_fused_experts, quantize_experts
+from .experts import QuantizedExperts, expert_layout, has_fused_experts, quantize_experts
 
 __all__ = [
     "attach_expert_lora",
+    "check_target_modules",
     "check_target_parameters",
+    "linear_layer_names",
     "peft_adapts_4bit_experts",
     "peft_sees_expert_weights",
     "quantize_experts_before_peft",
@@ -134,6 +136,39 @@ def check_target_parameters(model: nn.Module, lora_config) -> None:
             )
 
 
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """The last name part of every linear layer of `model` (peft's ``target_modules`` names), peft's own layers left out."""
+    names = set()
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if "base_layer" in parts or any(p.startswith("lora_") for p in parts):
+            continue  # inside a peft layer: its base layer and adapters are not the model's layers
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+            names.add(parts[-1])
+    return sorted(names)
+
+
+def check_target_modules(model: nn.Module, lora_config) -> None:
+    """Before ``get_peft_model``: a ``target_modules`` name that names a mixture-of-experts module is refused with the
+    way to adapt experts (peft adapts their fused weights by ``target_parameters``; as a module it refuses them)."""
+    targets = lora_config.target_modules
+    if not targets or isinstance(targets, str):  # "all-linear" or a regex: peft's own rules
+        return
+    for name, module in model.named_modules():
+        layout = module.layout if isinstance(module, QuantizedExperts) else expert_layout(module)
+        hit = sorted(t for t in targets if _matches(name, t)) if layout is not None else []
+        if hit:
+            owner = ".".join(name.split(".")[-2:])
+            params = [f"{owner}.{w}" for w in layout.weights]
+            raise UnsupportedSetupError(
+                f"LoRA target_modules {hit} names the mixture-of-experts module {name!r} ({type(module).__name__}), "
+                f"which peft adapts by its weights, not as a module. Target the experts with "
+                f"LoraConfig(target_parameters={params}, lora_dropout=0.0) (trl: --lora_target_parameters "
+                f"{' '.join(params)} --lora_dropout 0), and keep target_modules for linear layers: "
+                f"{linear_layer_names(model)}."
+            )
+
+
 def _quantize_experts_of_4bit_model(model: nn.Module, env_switch: str) -> None:
     from ..dtypes import quantization_kind, training_dtype
 
@@ -193,6 +228,7 @@ def quantize_experts_before_peft(env_switch: str | None, quantize: bool = True) 
         if launcher and settings["quantize"]:
             _quantize_experts_of_4bit_model(model, settings["env_switch"])
         if launcher or _holds_4bit_experts(model):
+            check_target_modules(model, self.peft_config[adapter_name])
             check_target_parameters(model, self.peft_config[adapter_name])
         with peft_sees_expert_weights(model):
             return original(self, model, adapter_name, *args, **kwargs)

@@ -15,7 +15,12 @@ from ..errors import UnsupportedSetupError
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
 from ._checkpoint import check_causal_lm, config_has_fused_experts, load_config, prequantized_check
 from ._experts_map import release_experts_dispatch
-from .expert_lora import check_target_parameters, peft_sees_expert_weights
+from .expert_lora import (
+    check_target_modules,
+    check_target_parameters,
+    linear_layer_names,
+    peft_sees_expert_weights,
+)
 from .experts import EXPERT_LAYOUTS, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
 from .int8 import convert_int8_layers, keep_int8_scales
@@ -315,16 +320,18 @@ def _attach_adapter(load: _Load, lora_config) -> None:
 def _apply_lora(model, lora_config):
     from peft import get_peft_model
 
+    check_target_modules(model, lora_config)
+    # Before peft: afterwards its own layers (base_layer, lora_A, ...) are modules of the model too.
+    linear = linear_layer_names(model)
     try:
         # autocast_adapter_dtype=False: peft would otherwise upcast the adapters to fp32.
         return get_peft_model(model, lora_config, autocast_adapter_dtype=False)
     except ValueError as err:
         if "not found in the base model" not in str(err) and "Target module" not in str(err):
             raise
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if "Linear" in type(m).__name__})
         raise UnsupportedSetupError(
-            f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model. Set "
-            f"LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
+            f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model that LoRA can adapt. "
+            f"Set LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
         ) from err
 
 
