@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, tiny_config
 
 from hf_fsdp_qlora import load_qlora_model
 from hf_fsdp_qlora.errors import UnsupportedSetupError
@@ -173,6 +173,71 @@ def test_launcher_hook_casts_as_linear4bit(moe, model_dtype, compute, experts_dt
     assert torch.isfinite(loss)
     grads = [p.grad for p in _expert_lora(model).values()]
     assert len(grads) == 8 and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+# ---------------------------------------------------------------- 6: the int8 skip list
+
+
+@pytest.fixture(scope="module")
+def odd_llama(tmp_path_factory):
+    """A tiny Llama whose down_proj has in_features=129: its int8 rows fit no 2-byte dtype."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("odd_llama")
+    config = tiny_config("llama")
+    config.intermediate_size = 129
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _modules(model, suffix):
+    return [m for n, m in model.named_modules() if n.endswith(suffix)]
+
+
+def test_int8_skip_modules_keep_transformers_defaults(odd_llama):
+    """Before: the error named ``BitsAndBytesConfig(llm_int8_skip_modules=...)``, which load_qlora_model refuses;
+    ``skip_modules=`` did not exist."""
+    from hf_fsdp_qlora.loading.int8 import Int8Linear
+
+    config = _lora(target_modules=["q_proj", "down_proj"])
+    with pytest.raises(UnsupportedSetupError, match=r"in_features=129.*load_qlora_model\(path, bits=8, skip_modules="):
+        load_qlora_model(odd_llama, bits=8, lora_config=config, gradient_checkpointing=False)
+    model = load_qlora_model(
+        odd_llama, bits=8, lora_config=config, skip_modules=["down_proj"], gradient_checkpointing=False
+    )
+    assert all(type(m) is torch.nn.Linear for m in _modules(model, "down_proj.base_layer"))
+    assert all(type(m) is Int8Linear for m in _modules(model, "q_proj.base_layer"))
+    assert type(model.get_output_embeddings()) is torch.nn.Linear  # transformers' own skip kept
+    assert torch.isfinite(model(input_ids=IDS).logits).all()
+
+
+def test_merge_int8_honours_skip_modules(odd_llama, tmp_path):
+    """Before: ``merge --dequantize int8`` round-tripped every linear layer (no ``--skip-modules``)."""
+    from safetensors.torch import load_file
+
+    from hf_fsdp_qlora.cli.main import main as cli_main
+    from hf_fsdp_qlora.merge import merge_adapters
+
+    config = _lora(target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+    model = load_qlora_model(
+        odd_llama, bits=8, lora_config=config, skip_modules=["down_proj"], gradient_checkpointing=False
+    )
+    model.save_pretrained(tmp_path / "adapter")
+    adapter = tmp_path / "adapter"
+    merge_adapters(odd_llama, adapter, tmp_path / "plain", progress=False)
+    merge_adapters(odd_llama, adapter, tmp_path / "int8", dequantize="int8", progress=False)
+    argv = ["merge", "--base", str(odd_llama), "--adapter", str(adapter), "--output", str(tmp_path / "skip")]
+    assert cli_main([*argv, "--dequantize", "int8", "--skip-modules", "down_proj", "--no-progress"]) == 0
+    plain, int8, skip = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("plain", "int8", "skip"))
+    base = load_file(str(odd_llama / "model.safetensors"))
+    down = [k for k in skip if k.endswith("down_proj.weight")]
+    assert len(down) == 2 and all(torch.equal(skip[k], plain[k]) and not torch.equal(skip[k], int8[k]) for k in down)
+    for key in [k for k in skip if k.endswith(("q_proj.weight", "k_proj.weight"))]:
+        assert torch.equal(skip[key], int8[key]) and not torch.equal(skip[key], plain[key]), key
+    assert torch.equal(skip["lm_head.weight"], base["lm_head.weight"])
+    with pytest.raises(Exception, match="only applies with `dequantize`"):
+        merge_adapters(odd_llama, adapter, tmp_path / "bad", skip_modules=["down_proj"], progress=False)
 
 
 # ---------------------------------------------------------------- 7: the target error

@@ -23,7 +23,7 @@ from .expert_lora import (
 )
 from .experts import EXPERT_LAYOUTS, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
-from .int8 import convert_int8_layers, keep_int8_scales
+from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
 
 __all__ = ["load_qlora_model", "default_lora_config"]
 
@@ -60,6 +60,7 @@ class _Load:
     experts_device: Any = None  # _place_experts: the accelerator the experts are packed onto, one at a time
     adapter: Any = None  # a saved adapter to continue from (_continue_adapter), or None: a new one (_attach_adapter)
     is_trainable: bool = True  # _continue_adapter: the loaded adapter trains (False: inference)
+    skip_modules: tuple = ()  # layers kept 16-bit besides transformers' own (output head ...); the quantization record's
     model: Any = None  # _build_base; the PeftModel from _attach_adapter / _continue_adapter on
 
 
@@ -77,6 +78,7 @@ def load_qlora_model(
     bits: int = 4,
     adapter=None,
     is_trainable: bool = True,
+    skip_modules=None,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM in 4 bits (or 8) and add LoRA adapters, with one dtype driving everything.
@@ -114,6 +116,9 @@ def load_qlora_model(
             from instead of a new one: loaded with ``PeftModel.from_pretrained`` onto the quantized base, its expert
             LoRA onto the 4-bit experts (docs/moe.md). `lora_config` must then be None (the adapter's own applies).
         is_trainable: with `adapter`: its weights train (default; a second stage), or False for inference.
+        skip_modules: names of linear layers to keep 16-bit (e.g. ``["down_proj"]``; transformers' rule: a suffix at a
+            dot, or a regex), added to the layers transformers keeps 16-bit itself (the output head, tied weights).
+            Not for a pre-quantized checkpoint (its own list applies). Merge with ``merge-adapters --skip-modules``.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -138,6 +143,7 @@ def load_qlora_model(
         from_pretrained_kwargs=dict(from_pretrained_kwargs),
         adapter=adapter,
         is_trainable=is_trainable,
+        skip_modules=tuple(skip_modules or ()),
     )
     _check_arguments(load, lora_config)
     _read_config(load)
@@ -210,6 +216,11 @@ def _decide_quantization(load: _Load) -> None:
     """bitsandbytes' config for from_pretrained: storage dtype = compute dtype = `dtype` (one dtype per FSDP unit)."""
     from transformers import BitsAndBytesConfig
 
+    if load.skip_modules and (load.prequantized is not None or quantized_bits(load.config) is not None):
+        raise UnsupportedSetupError(
+            f"skip_modules={list(load.skip_modules)} on a pre-quantized checkpoint: its layers were quantized when it "
+            "was saved (its own llm_int8_skip_modules apply). Remove skip_modules, or load the 16-bit base with it."
+        )
     if load.prequantized is not None:
         # transformers loads a pre-quantized checkpoint with its own quantization_config whatever is passed (and
         # warns; an explicit None would drop it): pass none, and make its storage dtype the run's dtype after loading.
@@ -223,15 +234,27 @@ def _decide_quantization(load: _Load) -> None:
         )  # fmt: skip
     elif load.bits == 8:
         # A checkpoint saved after 8-bit loading brings its own quantization_config (and int8 weights + SCB).
-        load.quantization_config = None if quantized_bits(load.config) == 8 else BitsAndBytesConfig(load_in_8bit=True)
+        load.quantization_config = (
+            None if quantized_bits(load.config) == 8 else BitsAndBytesConfig(load_in_8bit=True, **_skips(load))
+        )
     else:
         load.quantization_config = BitsAndBytesConfig(
+            **_skips(load),
             load_in_4bit=True,
             bnb_4bit_quant_type=load.quant_type,
             bnb_4bit_use_double_quant=load.double_quant,
             bnb_4bit_compute_dtype=load.dtype,
             bnb_4bit_quant_storage=load.dtype,
         )
+
+
+def _skips(load: _Load) -> dict:
+    """``llm_int8_skip_modules`` (used by 4-bit and 8-bit loading alike) for the caller's `skip_modules`, or nothing."""
+    if not load.skip_modules:
+        return {}
+    return {
+        "llm_int8_skip_modules": modules_kept_16bit(load.config, load.skip_modules, load.dtype, load.trust_remote_code)
+    }
 
 
 def _place_experts(load: _Load) -> None:
