@@ -282,7 +282,7 @@ def test_router_aux_loss_kept_by_the_chunked_loss(moe_models, tmp_path):
         torch.testing.assert_close(losses[True, by_mean], losses[False, by_mean], rtol=1e-5, atol=1e-6)
 
 
-def test_stock_peft_param_wrapper_contract(moe_models):
+def test_stock_peft_param_wrapper_contract(moe_models, monkeypatch):
     """Canary (hf_fsdp_qlora/_compat/peft.py `peft_expert_param_wrapper`): what expert_lora.py relies on in stock peft.
 
     peft matches `target_parameters` against registered parameters only (a 4-bit experts module without our
@@ -292,8 +292,11 @@ def test_stock_peft_param_wrapper_contract(moe_models):
 
     from peft import get_peft_model
     from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.tuners_utils import BaseTuner
 
     model = load_qlora_model(str(moe_models["qwen3_moe"]), lora_config=None, gradient_checkpointing=False).unload()
+    # Stock peft: without the injection hook that 4-bit experts install (expert_lora.peft_adapts_4bit_experts).
+    monkeypatch.setattr(BaseTuner, "inject_adapter", inspect.unwrap(BaseTuner.inject_adapter))
     with pytest.raises(ValueError, match="no `target_parameters` found|no parameter was matched"):
         get_peft_model(model, _lora(target_modules=[], target_parameters=EXPERT_TARGETS))
     assert "register_parametrization" in inspect.getsource(ParamWrapper._activate_lora)

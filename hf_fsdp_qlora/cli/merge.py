@@ -97,6 +97,14 @@ replaced, no CUDA for --device cuda).
             "(quantize_experts=False); default: the experts are round-tripped expert by expert as well",
         )
         parser.add_argument(
+            "--skip-modules",
+            nargs="+",
+            default=[],
+            metavar="NAME",
+            help="with --dequantize: layers training kept 16-bit beside transformers' own (load_qlora_model's "
+            "skip_modules, e.g. down_proj), merged onto the 16-bit base as is (default: none)",
+        )
+        parser.add_argument(
             "--untie-embeddings",
             action="store_true",
             help="if the adapter changes only one side of tied input/output embeddings, write both "
@@ -121,6 +129,7 @@ replaced, no CUDA for --device cuda).
             double_quant=args.double_quant,
             quant_blocksize=args.quant_blocksize,
             dequantize_experts=args.dequantize_experts,
+            skip_modules=args.skip_modules,
             untie_embeddings=args.untie_embeddings,
             adapter_config=args.adapter_config,
             allow_other_base=args.allow_other_base,

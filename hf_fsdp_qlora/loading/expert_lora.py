@@ -26,9 +26,17 @@ from contextlib import contextmanager
 from torch import nn
 
 from ..errors import UnsupportedSetupError
-from .experts import QuantizedExperts, has_fused_experts, quantize_experts
+from .experts import QuantizedExperts, expert_layout, has_fused_experts, quantize_experts
 
-__all__ = ["attach_expert_lora", "check_target_parameters", "peft_sees_expert_weights", "quantize_experts_before_peft"]
+__all__ = [
+    "attach_expert_lora",
+    "check_target_modules",
+    "check_target_parameters",
+    "linear_layer_names",
+    "peft_adapts_4bit_experts",
+    "peft_sees_expert_weights",
+    "quantize_experts_before_peft",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +136,39 @@ def check_target_parameters(model: nn.Module, lora_config) -> None:
             )
 
 
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """The last name part of every linear layer of `model` (peft's ``target_modules`` names), peft's own layers left out."""
+    names = set()
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if "base_layer" in parts or any(p.startswith("lora_") for p in parts):
+            continue  # inside a peft layer: its base layer and adapters are not the model's layers
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+            names.add(parts[-1])
+    return sorted(names)
+
+
+def check_target_modules(model: nn.Module, lora_config) -> None:
+    """Before ``get_peft_model``: a ``target_modules`` name that names a mixture-of-experts module is refused with the
+    way to adapt experts (peft adapts their fused weights by ``target_parameters``; as a module it refuses them)."""
+    targets = lora_config.target_modules
+    if not targets or isinstance(targets, str):  # "all-linear" or a regex: peft's own rules
+        return
+    for name, module in model.named_modules():
+        layout = module.layout if isinstance(module, QuantizedExperts) else expert_layout(module)
+        hit = sorted(t for t in targets if _matches(name, t)) if layout is not None else []
+        if hit:
+            owner = ".".join(name.split(".")[-2:])
+            params = [f"{owner}.{w}" for w in layout.weights]
+            raise UnsupportedSetupError(
+                f"LoRA target_modules {hit} names the mixture-of-experts module {name!r} ({type(module).__name__}), "
+                f"which peft adapts by its weights, not as a module. Target the experts with "
+                f"LoraConfig(target_parameters={params}, lora_dropout=0.0) (trl: --lora_target_parameters "
+                f"{' '.join(params)} --lora_dropout 0), and keep target_modules for linear layers: "
+                f"{linear_layer_names(model)}."
+            )
+
+
 def _quantize_experts_of_4bit_model(model: nn.Module, env_switch: str) -> None:
     from ..dtypes import quantization_kind, training_dtype
 
@@ -145,25 +186,50 @@ def _quantize_experts_of_4bit_model(model: nn.Module, env_switch: str) -> None:
         raise UnsupportedSetupError(f"{err} With `-m hf_fsdp_qlora.run`: set {env_switch}=0 instead.") from err
 
 
-def quantize_experts_before_peft(env_switch: str, quantize: bool = True) -> None:
-    """Wrap peft's ``BaseTuner.inject_adapter`` (once) for scripts that build their peft model themselves (trl's
-    ``sft.py --load_in_4bit --use_peft``): a model loaded in 4 bits whose experts are still 16-bit gets them
-    quantized first (with its linear layers' quant type and double quant), unless `quantize` is False; every
-    ``target_parameters`` name must match a weight; LoRA on 4-bit experts works as with ``load_qlora_model``.
-    All of it happens before the Trainer wraps the model in FSDP. `env_switch` names the switch in messages."""
+def _holds_4bit_experts(model: nn.Module) -> bool:
+    return any(isinstance(m, QuantizedExperts) for m in model.modules())
+
+
+def peft_adapts_4bit_experts() -> None:
+    """Make every peft loader in this process (``get_peft_model``, ``PeftModel.from_pretrained``,
+    ``PeftModel.load_adapter``, transformers' ``load_adapter``) build expert LoRA on 4-bit experts as
+    ``load_qlora_model`` does: without it peft finds no weight to wrap there, warns, and drops the adapter's expert
+    tensors (a loaded-back adapter would run without them). Called when the first 4-bit experts module is built; a
+    model without 4-bit experts is left to peft as is. Idempotent."""
+    quantize_experts_before_peft(None)
+
+
+def quantize_experts_before_peft(env_switch: str | None, quantize: bool = True) -> None:
+    """Wrap peft's ``BaseTuner.inject_adapter`` (once per mode) so that peft adapts 4-bit experts.
+
+    With `env_switch` (``-m hf_fsdp_qlora.run``, for scripts that build their peft model themselves, e.g. trl's
+    ``sft.py --load_in_4bit --use_peft``): a model loaded in 4 bits whose experts are still 16-bit gets them quantized
+    first (with its linear layers' quant type and double quant), unless `quantize` is False; every
+    ``target_parameters`` name must match a weight; LoRA on 4-bit experts works as with ``load_qlora_model``. All of
+    it happens before the Trainer wraps the model in FSDP. `env_switch` names the switch in messages.
+
+    Without (:func:`peft_adapts_4bit_experts`): only models that hold 4-bit experts are touched - their
+    ``target_parameters`` must match, and peft sees their weights while it injects.
+    """
     from peft.tuners.tuners_utils import BaseTuner
 
     original = BaseTuner.inject_adapter
-    if getattr(original, "hf_fsdp_qlora_experts", None) is not None:
-        original.hf_fsdp_qlora_experts["quantize"] = quantize
+    settings = getattr(original, "hf_fsdp_qlora_experts", None)
+    if settings is not None and (env_switch is None or settings["env_switch"] is not None):
+        if env_switch is not None:
+            settings["quantize"] = quantize
         return
-    settings = {"quantize": quantize}
+    # None installed yet, or only the loaders' mode and the launcher asks for more: wrap what is there.
+    settings = {"quantize": quantize and env_switch is not None, "env_switch": env_switch}
 
     @functools.wraps(original)
     def inject_adapter(self, model, adapter_name, *args, **kwargs):
-        if settings["quantize"]:
-            _quantize_experts_of_4bit_model(model, env_switch)
-        check_target_parameters(model, self.peft_config[adapter_name])
+        launcher = settings["env_switch"] is not None
+        if launcher and settings["quantize"]:
+            _quantize_experts_of_4bit_model(model, settings["env_switch"])
+        if launcher or _holds_4bit_experts(model):
+            check_target_modules(model, self.peft_config[adapter_name])
+            check_target_parameters(model, self.peft_config[adapter_name])
         with peft_sees_expert_weights(model):
             return original(self, model, adapter_name, *args, **kwargs)
 

@@ -110,6 +110,9 @@ class QuantizedExperts(nn.Module):
             )
         # Whole, as quantized: under FSDP each rank's parameters hold a part (engagement log, packed_expert_bytes).
         self.packed_bytes = sum(getattr(self, f"{n}_4bit").nbytes for n in layout.weights)
+        from .expert_lora import peft_adapts_4bit_experts
+
+        peft_adapts_4bit_experts()  # peft's own loaders (PeftModel.from_pretrained, load_adapter) must see these weights
 
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{n}={[self.num_experts, *self._meta[n][0]]}" for n in self.layout.weights)
@@ -189,6 +192,13 @@ class QuantizedExperts(nn.Module):
         return out
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        # As bitsandbytes' Linear4bit: compute in the dtype the experts were quantized for, return the input's dtype
+        # (a bf16 model with float32 compute, or a float32 model with bf16 compute, mixes the two otherwise).
+        # The routing weights stay as the router made them: the family's own experts multiply by them uncast.
+        input_dtype = hidden_states.dtype
+        return self._forward(hidden_states.to(self.dtype), top_k_index, top_k_weights).to(input_dtype)
+
+    def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # num_experts + 1 classes: some routers mark dropped slots with index num_experts.

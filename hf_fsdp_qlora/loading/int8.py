@@ -32,7 +32,7 @@ from ..dtypes import INT8_BYTES_ATTR
 from ..errors import UnsupportedSetupError
 from ._transfer import _ROWS_ATTR
 
-__all__ = ["Int8Linear", "convert_int8_layers", "int8_layer_count", "keep_int8_scales"]
+__all__ = ["Int8Linear", "convert_int8_layers", "int8_layer_count", "keep_int8_scales", "modules_kept_16bit"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,17 +128,37 @@ def _viewed_width(in_features: int, dtype: torch.dtype, name: str) -> int:
     """How many `dtype` elements hold one row of `in_features` int8 codes."""
     width = torch.empty((), dtype=dtype).element_size()
     if in_features % width:
+        short = (name or "its name").rsplit(".", 1)[-1]
         raise UnsupportedSetupError(
             f"{name or 'An 8-bit layer'} has in_features={in_features}, not a multiple of {width}: its int8 rows "
             f"cannot be viewed as {dtype} for FSDP. "
             + (
                 "Train this model with dtype=torch.bfloat16 (2 bytes per element)."
                 if in_features % 2 == 0
-                else f"Keep this layer 16-bit (BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules="
-                f"[{(name or 'its name').rsplit('.', 1)[-1]!r}])) or load the model in 4 bits (bits=4)."
+                else f"Keep this layer 16-bit: load_qlora_model(path, bits=8, skip_modules=[{short!r}]) (transformers' "
+                f"own skips, such as the output head, are kept), and merge with merge-adapters --dequantize int8 "
+                f"--skip-modules {short}. A model loaded by hand: BitsAndBytesConfig(load_in_8bit=True, "
+                f"llm_int8_skip_modules=['lm_head', {short!r}]) (that list replaces transformers' own: name the output "
+                "head too). Or load the model in 4 bits (bits=4; trl: --load_in_4bit, as --load_in_8bit has no skip "
+                "option)."
             )
         )
     return in_features // width
+
+
+def modules_kept_16bit(config, skip_modules, dtype, trust_remote_code: bool = False) -> list[str]:
+    """bitsandbytes' ``llm_int8_skip_modules`` for `skip_modules` added to transformers' own list.
+
+    A ``llm_int8_skip_modules`` given to transformers REPLACES the list it builds itself (the output head, tied
+    weights), which would then be quantized: so that list is read from the model built on the meta device (nothing
+    allocated) and `skip_modules` is appended to it.
+    """
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from ._experts_map import _meta_model
+
+    defaults = get_keys_to_not_convert(_meta_model(config, dtype, trust_remote_code))
+    return sorted(set(defaults)) + [name for name in skip_modules if name not in defaults]
 
 
 def keep_int8_scales(model) -> int:

@@ -15,10 +15,15 @@ from ..errors import UnsupportedSetupError
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
 from ._checkpoint import check_causal_lm, config_has_fused_experts, load_config, prequantized_check
 from ._experts_map import release_experts_dispatch
-from .expert_lora import check_target_parameters, peft_sees_expert_weights
+from .expert_lora import (
+    check_target_modules,
+    check_target_parameters,
+    linear_layer_names,
+    peft_sees_expert_weights,
+)
 from .experts import EXPERT_LAYOUTS, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
-from .int8 import convert_int8_layers, keep_int8_scales
+from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
 
 __all__ = ["load_qlora_model", "default_lora_config"]
 
@@ -53,7 +58,10 @@ class _Load:
     prequantized: Any = None  # _read_checkpoint_quantization: the checkpoint's own 4-bit quantization, or None
     quantization_config: Any = None  # _decide_quantization, _place_experts: what from_pretrained quantizes with
     experts_device: Any = None  # _place_experts: the accelerator the experts are packed onto, one at a time
-    model: Any = None  # _build_base; the PeftModel from _attach_adapter on
+    adapter: Any = None  # a saved adapter to continue from (_continue_adapter), or None: a new one (_attach_adapter)
+    is_trainable: bool = True  # _continue_adapter: the loaded adapter trains (False: inference)
+    skip_modules: tuple = ()  # layers kept 16-bit besides transformers' own (output head ...); the quantization record's
+    model: Any = None  # _build_base; the PeftModel from _attach_adapter / _continue_adapter on
 
 
 def load_qlora_model(
@@ -68,6 +76,9 @@ def load_qlora_model(
     low_cpu_ram: bool = False,
     quantize_experts: bool = True,
     bits: int = 4,
+    adapter=None,
+    is_trainable: bool = True,
+    skip_modules=None,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM in 4 bits (or 8) and add LoRA adapters, with one dtype driving everything.
@@ -101,6 +112,13 @@ def load_qlora_model(
         bits: 4 (default: NF4/FP4 QLoRA) or 8: bitsandbytes' row-wise int8 (``load_in_8bit``), each int8 layer held
             as :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` so FSDP shards it (``quant_type``/``double_quant`` are
             4-bit settings and are not used). A checkpoint saved after 8-bit loading loads with ``bits=8``.
+        adapter: a saved peft adapter (a folder written by ``save_pretrained`` or a Trainer checkpoint) to continue
+            from instead of a new one: loaded with ``PeftModel.from_pretrained`` onto the quantized base, its expert
+            LoRA onto the 4-bit experts (docs/moe.md). `lora_config` must then be None (the adapter's own applies).
+        is_trainable: with `adapter`: its weights train (default; a second stage), or False for inference.
+        skip_modules: names of linear layers to keep 16-bit (e.g. ``["down_proj"]``; transformers' rule: a suffix at a
+            dot, or a regex), added to the layers transformers keeps 16-bit itself (the output head, tied weights).
+            Not for a pre-quantized checkpoint (its own list applies). Merge with ``merge-adapters --skip-modules``.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -123,8 +141,11 @@ def load_qlora_model(
         quantize_experts=quantize_experts,
         trust_remote_code=trust_remote_code,
         from_pretrained_kwargs=dict(from_pretrained_kwargs),
+        adapter=adapter,
+        is_trainable=is_trainable,
+        skip_modules=tuple(skip_modules or ()),
     )
-    _check_arguments(load)
+    _check_arguments(load, lora_config)
     _read_config(load)
     _read_checkpoint_quantization(load)
     _refuse_8bit_experts(load)
@@ -136,6 +157,7 @@ def load_qlora_model(
     disable_cpu_repack_in_model(load.model)
     _freeze_for_kbit_training(load.model, gradient_checkpointing)
     _attach_adapter(load, lora_config)
+    _continue_adapter(load)
     _convert_int8(load)
     # The record of what was quantized (which layers, bits, quant type, storage), to travel with the adapter so
     # merge follows it, is a step here: every quantizing step has run and load.model is the PeftModel.
@@ -146,8 +168,14 @@ def load_qlora_model(
 # ---------------------------------------------------------------- the steps, in the order load_qlora_model runs them
 
 
-def _check_arguments(load: _Load) -> None:
+def _check_arguments(load: _Load, lora_config) -> None:
     """Refuse settings the loader does not take, before anything is read."""
+    if load.adapter is not None and lora_config is not None:
+        raise UnsupportedSetupError(
+            f"load_qlora_model got both adapter={load.adapter!r} and a lora_config: the saved adapter's own "
+            "adapter_config.json decides its LoRA. Pass lora_config=None to continue from the adapter, or adapter=None "
+            "to start a new one."
+        )
     if load.quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type={load.quant_type!r} is not supported: use 'nf4' (default) or 'fp4'.")
     if load.bits not in (4, 8):
@@ -188,6 +216,11 @@ def _decide_quantization(load: _Load) -> None:
     """bitsandbytes' config for from_pretrained: storage dtype = compute dtype = `dtype` (one dtype per FSDP unit)."""
     from transformers import BitsAndBytesConfig
 
+    if load.skip_modules and (load.prequantized is not None or quantized_bits(load.config) is not None):
+        raise UnsupportedSetupError(
+            f"skip_modules={list(load.skip_modules)} on a pre-quantized checkpoint: its layers were quantized when it "
+            "was saved (its own llm_int8_skip_modules apply). Remove skip_modules, or load the 16-bit base with it."
+        )
     if load.prequantized is not None:
         # transformers loads a pre-quantized checkpoint with its own quantization_config whatever is passed (and
         # warns; an explicit None would drop it): pass none, and make its storage dtype the run's dtype after loading.
@@ -201,15 +234,27 @@ def _decide_quantization(load: _Load) -> None:
         )  # fmt: skip
     elif load.bits == 8:
         # A checkpoint saved after 8-bit loading brings its own quantization_config (and int8 weights + SCB).
-        load.quantization_config = None if quantized_bits(load.config) == 8 else BitsAndBytesConfig(load_in_8bit=True)
+        load.quantization_config = (
+            None if quantized_bits(load.config) == 8 else BitsAndBytesConfig(load_in_8bit=True, **_skips(load))
+        )
     else:
         load.quantization_config = BitsAndBytesConfig(
+            **_skips(load),
             load_in_4bit=True,
             bnb_4bit_quant_type=load.quant_type,
             bnb_4bit_use_double_quant=load.double_quant,
             bnb_4bit_compute_dtype=load.dtype,
             bnb_4bit_quant_storage=load.dtype,
         )
+
+
+def _skips(load: _Load) -> dict:
+    """``llm_int8_skip_modules`` (used by 4-bit and 8-bit loading alike) for the caller's `skip_modules`, or nothing."""
+    if not load.skip_modules:
+        return {}
+    return {
+        "llm_int8_skip_modules": modules_kept_16bit(load.config, load.skip_modules, load.dtype, load.trust_remote_code)
+    }
 
 
 def _place_experts(load: _Load) -> None:
@@ -285,6 +330,8 @@ def _freeze_for_kbit_training(model, gradient_checkpointing: bool) -> None:
 
 def _attach_adapter(load: _Load, lora_config) -> None:
     """peft's LoRA on the frozen base (and on 4-bit experts, through our wrappers: expert_lora.py)."""
+    if load.adapter is not None:
+        return  # _continue_adapter loads it
     lora_config = lora_config if lora_config is not None else default_lora_config()
     if load.quantize_experts:
         lora_config = lora_config_for_experts(load.model, lora_config)
@@ -296,17 +343,33 @@ def _attach_adapter(load: _Load, lora_config) -> None:
 def _apply_lora(model, lora_config):
     from peft import get_peft_model
 
+    check_target_modules(model, lora_config)
+    # Before peft: afterwards its own layers (base_layer, lora_A, ...) are modules of the model too.
+    linear = linear_layer_names(model)
     try:
         # autocast_adapter_dtype=False: peft would otherwise upcast the adapters to fp32.
         return get_peft_model(model, lora_config, autocast_adapter_dtype=False)
     except ValueError as err:
         if "not found in the base model" not in str(err) and "Target module" not in str(err):
             raise
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if "Linear" in type(m).__name__})
         raise UnsupportedSetupError(
-            f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model. Set "
-            f"LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
+            f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model that LoRA can adapt. "
+            f"Set LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
         ) from err
+
+
+def _continue_adapter(load: _Load) -> None:
+    """A saved adapter through peft's own loader, its expert LoRA onto the 4-bit experts (expert_lora.py)."""
+    if load.adapter is None:
+        return
+    from peft import PeftModel
+
+    with peft_sees_expert_weights(load.model):
+        # autocast_adapter_dtype=False: the adapters keep the run's one dtype (harmonize_dtypes casts the rest).
+        load.model = PeftModel.from_pretrained(
+            load.model, str(load.adapter), is_trainable=load.is_trainable, autocast_adapter_dtype=False
+        )
+    logger.info("hf_fsdp_qlora: continuing from the adapter %s (trainable: %s)", load.adapter, load.is_trainable)
 
 
 def _convert_int8(load: _Load) -> None:

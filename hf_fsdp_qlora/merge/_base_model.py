@@ -113,11 +113,12 @@ def _meta_model(base: str, config_text: str):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
 
 
-def quantized_keys(base: Path, experts: bool = True) -> set[str]:
+def quantized_keys(base: Path, experts: bool = True, skip_modules=()) -> set[str]:
     """Weights bitsandbytes quantizes when transformers loads this base in 4 or 8 bits: every nn.Linear (and
     GPT-2's Conv1D) except the modules transformers keeps in 16 bit (output head, tied weights, fp32 modules);
     with `experts`, also the fused 3-D expert weights of MoE models (load_qlora_model quantizes them, expert by
-    expert), under the model's names (they may be stored per expert: see :mod:`._experts`)."""
+    expert), under the model's names (they may be stored per expert: see :mod:`._experts`). `skip_modules`: more
+    modules training kept 16-bit (``load_qlora_model(skip_modules=...)``), matched as transformers matches them."""
     model = meta_model(base)
     try:
         from transformers.quantizers.base import get_keys_to_not_convert
@@ -126,6 +127,7 @@ def quantized_keys(base: Path, experts: bool = True) -> set[str]:
         skip = list(get_keys_to_not_convert(model)) + list(getattr(model, "_keep_in_fp32_modules", None) or [])
     except ImportError:  # older transformers: at least keep the output head unquantized, as they all did
         skip, should_convert_module = ["lm_head"], lambda name, pats: not any(name.endswith(p) for p in pats)
+    skip = skip + list(skip_modules)
     found = {
         f"{name}.weight"
         for name, module in model.named_modules()

@@ -261,6 +261,7 @@ def merge_adapters(
     double_quant: bool = True,
     quant_blocksize: int = 64,
     dequantize_experts: bool = True,
+    skip_modules: list[str] | tuple[str, ...] = (),
     untie_embeddings: bool = False,
     adapter_config: str | Path | None = None,
     allow_other_base: bool = False,
@@ -287,6 +288,8 @@ def merge_adapters(
         dequantize_experts: with `dequantize` nf4 / fp4, also round-trip the fused experts of an MoE base, expert by
             expert, as load_qlora_model quantizes them (quantize_experts=True, its default); False for a run that
             kept them in 16 bits.
+        skip_modules: with `dequantize`, the layers training kept 16-bit beside transformers' own (the
+            ``skip_modules`` of ``load_qlora_model``): merged onto the 16-bit base as is, not round-tripped.
         untie_embeddings: when the adapter changes only one side of tied embeddings, write both sides
             (tie_word_embeddings=false) instead of failing.
         adapter_config: the run's adapter_config.json, for an FSDP sharded checkpoint saved without one.
@@ -306,6 +309,11 @@ def merge_adapters(
     output, device, max_bytes = _check_usage(
         base, adapter, output, force, dtype, device, dequantize, max_shard_size, quant_blocksize, adapter_config
     )
+    if skip_modules and not dequantize:
+        raise MergeUsageError(
+            f"`skip_modules` {list(skip_modules)} only applies with `dequantize` (the layers training kept 16-bit): "
+            "pass dequantize='int8' (or nf4/fp4) too, or leave skip_modules out"
+        )
     out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     try:
         config = json.loads((base / "config.json").read_text())
@@ -323,7 +331,9 @@ def merge_adapters(
         groups = {}
         if dequantize:  # experts: 4-bit only; bitsandbytes' 8-bit loading leaves them in 16 bits
             quantized, groups = quantized_files(
-                base, quantized_keys(base, experts=dequantize_experts and dequantize != "int8"), entries
+                base,
+                quantized_keys(base, experts=dequantize_experts and dequantize != "int8", skip_modules=skip_modules),
+                entries,
             )
         else:
             quantized = set()
