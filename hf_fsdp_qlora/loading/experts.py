@@ -22,7 +22,7 @@ from torch import nn
 
 from ..dtypes import PACKED_EXPERTS_ATTR
 from ..errors import UnsupportedSetupError
-from ..expert_layouts import EXPERT_LAYOUTS, ExpertLayout, expert_layout, has_fused_experts
+from ..expert_layouts import EXPERT_LAYOUTS, ExpertLayout, expert_layout, has_fused_experts, is_experts_module
 
 __all__ = [
     "EXPERT_LAYOUTS",
@@ -39,10 +39,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _holds_3d_weights(module: nn.Module) -> list[str]:
-    return [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
-
-
 class QuantizedExperts(nn.Module):
     """A family's experts module with every expert's weights in 4 bits, dequantized one routed expert at a time.
 
@@ -56,6 +52,8 @@ class QuantizedExperts(nn.Module):
     (:meth:`lora_active`) each routed expert's output gets ``scale * (x A_e^T) B_e^T``, with ``A_e``/``B_e`` that
     expert's slices of ``lora_A``/``lora_B`` - the update peft would add to that expert's weight, never formed.
     """
+
+    packed_experts = True  # expert_layouts.is_experts_module: already ours, never swapped or counted again
 
     def __init__(
         self, experts: nn.Module, layout: ExpertLayout, *, quant_type: str, double_quant: bool, dtype, device=None
@@ -271,8 +269,8 @@ def quantize_experts(
         The names of the replaced modules (empty for a dense model).
 
     Raises:
-        UnsupportedSetupError: a module holds 3-D expert weights in a layout we do not know; it names the module
-            and the way to load it knowingly in 16 bits, instead of leaving the experts unquantized silently.
+        UnsupportedSetupError: an experts module (by class: :func:`~hf_fsdp_qlora.expert_layouts.is_experts_module`)
+            of a family we do not know; it names the class and the way to load it knowingly in 16 bits, instead of leaving the experts unquantized silently.
     """
     found = []
     for name, module in model.named_modules():
@@ -281,10 +279,10 @@ def quantize_experts(
         layout = expert_layout(module)
         if layout is not None:
             found.append((name, module, layout))
-        elif _holds_3d_weights(module):
+        elif is_experts_module(module):
             raise UnsupportedSetupError(
-                f"{type(module).__name__} at {name!r} holds mixture-of-experts weights as 3-D parameters "
-                f"{_holds_3d_weights(module)} in a layout hf_fsdp_qlora cannot quantize to 4 bits yet (supported: "
+                f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer in a layout "
+                f"hf_fsdp_qlora cannot quantize to 4 bits yet (supported: "
                 f"{', '.join(sorted(EXPERT_LAYOUTS))}). Pass quantize_experts=False to load_qlora_model to keep "
                 "these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit experts)."
             )

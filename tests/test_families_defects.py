@@ -1,0 +1,145 @@
+"""Issue 35, defects 1-3, each reproduced with a tiny model of the family built from its transformers 5.23 config:
+
+1. a Conv1d (any 3-D weight) was taken for mixture-of-experts weights (LFM2, Falcon-H1, Qwen3-Next refused);
+2. ``merge-adapters --dequantize nf4`` round-tripped every 3-D tensor (LFM2's conv weight) instead of what training
+   quantized;
+3. ``target_modules="all-linear"`` put LoRA on the routed experts of MoE families with dense MLPs or shared experts.
+
+Single-process, real bitsandbytes 4-bit and real peft; no hub.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from dist_utils import CONFIGS
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+_LINEAR_ATTENTION = dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES = {
+    # dense, with a short convolution / a Mamba mixer (a Conv1d: a 3-D weight that is no experts). Falcon-H1
+    # also stands for Bamba, Mamba2, Jamba's mixer, GraniteMoeHybrid's: the same Mamba2 mixer with its Conv1d.
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "falcon_h1": dict(
+        mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16
+    ),  # fmt: skip
+    # MoE with a linear-attention Conv1d and shared experts
+    "qwen3_next": dict(**_LINEAR_ATTENTION, **_MOE, shared_expert_intermediate_size=32),
+    "qwen3_5_moe_text": dict(**_LINEAR_ATTENTION, **_MOE, shared_expert_intermediate_size=32),
+    # MoE with dense layers / shared experts
+    "deepseek_v3": dict(
+        **_MOE,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),  # fmt: skip
+    "qwen3_moe_dense": dict(**_MOE, mlp_only_layers=[0]),
+    # an MoE whose experts class is not in the table: refused by name
+    "jamba": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+    ),  # fmt: skip
+}
+
+
+def tiny_family_config(family: str):
+    """The family's config class, shrunk (only keys the class knows are set)."""
+    from transformers import AutoConfig
+
+    model_type = {"qwen3_moe_dense": "qwen3_moe"}.get(family, family)
+    extra = FAMILIES[family]
+    known = AutoConfig.for_model(model_type).to_dict()
+    kwargs = {k: v for k, v in SMALL.items() if k in known}
+    return AutoConfig.for_model(model_type, **kwargs, **extra)
+
+
+def build_family(root: Path, family: str, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    path = root / family
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_family_config(family), dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return lambda family: build_family(root, family)
+
+
+def _lora(**kw):
+    from peft import LoraConfig
+
+    return LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "task_type": "CAUSAL_LM", **kw})
+
+
+def _conv_weights(model) -> dict[str, torch.Tensor]:
+    return {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Conv1d)}
+
+
+# ------------------------------------------------------------------------------------------------ defect 1
+
+
+@pytest.mark.parametrize("family", ["lfm2", "falcon_h1", "qwen3_next", "qwen3_5_moe_text"])
+def test_a_conv1d_is_no_experts(families, family):
+    """Before: UnsupportedSetupError "... holds mixture-of-experts weights as 3-D parameters ['weight']" at the
+    Conv1d. Now the dense families load with no experts swapped, the MoE ones with their experts in 4 bits, and
+    every Conv1d is still a 16-bit Conv1d."""
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+
+    # q/v only: peft itself refuses LoRA on a Mamba mixer's out_proj ("incompatible with Mamba-based models").
+    lora = _lora(target_modules=["q_proj", "v_proj"])
+    model = load_qlora_model(str(families(family)), lora_config=lora, gradient_checkpointing=False)
+    swapped = [n for n, m in model.named_modules() if isinstance(m, QuantizedExperts)]
+    moe = family in ("qwen3_next", "qwen3_5_moe_text")
+    assert (len(swapped) == 2) if moe else (swapped == []), swapped
+    convs = _conv_weights(model)
+    assert convs and all(w.dtype == torch.bfloat16 and w.dim() == 3 for w in convs.values())
+
+
+@pytest.mark.parametrize("family", ["lfm2", "falcon_h1", "qwen3_next"])
+def test_doctor_plans_conv_families(families, family):
+    """Before: LFM2 and Falcon-H1 gave `experts-not-quantizable` (their Conv1d read as experts). Now a plan, and the
+    experts counted are the real ones only (Qwen3-Next: its 2 experts modules, quantizable)."""
+    from hf_fsdp_qlora.doctor import diagnose
+    from hf_fsdp_qlora.model_shapes import model_shape
+
+    config = yaml.safe_load((CONFIGS / "fsdp2_qlora.yaml").read_text())
+    d = diagnose(str(families(family)), accelerate_config=config, quantization="4bit", lora_r=4)
+    assert "experts-not-quantizable" not in {f.id for f in d.findings}, [f.problem for f in d.errors]
+    assert d.plan is not None
+    shape = model_shape(families(family) / "config.json")
+    assert [(e.family, e.quantizable) for e in shape.experts] == ([("Qwen3NextExperts", True)] * 2 if family ==
+                                                                  "qwen3_next" else [])  # fmt: skip
+
+
+def test_unknown_experts_class_is_refused_by_name(families):
+    """Jamba's experts (JambaExperts, not in the table) are refused by their class name, not at its Mamba Conv1d."""
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.errors import UnsupportedSetupError
+
+    with pytest.raises(UnsupportedSetupError, match=r"JambaExperts at 'model\.layers\.1\.feed_forward\.experts'"):
+        load_qlora_model(str(families("jamba")), lora_config=_lora())
