@@ -143,3 +143,58 @@ def test_unknown_experts_class_is_refused_by_name(families):
 
     with pytest.raises(UnsupportedSetupError, match=r"JambaExperts at 'model\.layers\.1\.feed_forward\.experts'"):
         load_qlora_model(str(families("jamba")), lora_config=_lora())
+
+
+# ------------------------------------------------------------------------------------------------ defect 3
+
+
+def _lora_homes(model) -> tuple[set[str], list[str]]:
+    """(modules holding a LoRA on a linear layer, peft ParamWrappers), by base-model name."""
+    linear, wrappers = set(), []
+    for name, module in model.get_base_model().named_modules():
+        if type(module).__name__ == "ParamWrapper":
+            wrappers.append(name)
+        elif hasattr(module, "lora_A") and isinstance(getattr(module, "base_layer", None), torch.nn.Linear):
+            linear.add(name)
+    return linear, wrappers
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe_dense", "qwen3_next"])
+@pytest.mark.parametrize("quantize_experts", [True, False])
+def test_all_linear_means_the_linear_layers(families, family, quantize_experts):
+    """Before: peft's v4->v5 conversion mapped the dense MLP's / shared experts' gate_proj, up_proj, down_proj onto
+    the routed experts' fused parameters, and the default LoraConfig (dropout 0.05) failed with "lora.ParamWrapper
+    does not work with lora_dropout != 0". Now LoRA sits on exactly the nn.Linear layers (the output head aside),
+    peft's own all-linear rule on the 16-bit model, and on no expert parameter."""
+    from peft.tuners.tuners_utils import BaseTuner
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp_qlora import load_qlora_model
+
+    path = families(family)
+    model = load_qlora_model(str(path), lora_config=_lora(lora_dropout=0.05), quantize_experts=quantize_experts,
+                             gradient_checkpointing=False)  # fmt: skip
+    linear, wrappers = _lora_homes(model)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    head = base.get_output_embeddings()
+    expected = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    assert wrappers == []
+    assert linear == expected, (sorted(linear - expected), sorted(expected - linear))
+    assert any(".shared_expert" in n or ".mlp.gate_proj" in n for n in expected)  # the case that went wrong
+    assert isinstance(model.base_model, BaseTuner)
+
+
+def test_stock_peft_moves_linear_targets_onto_experts(families):
+    """Canary (hf_fsdp_qlora._compat: peft_v5_moe_target_remap): stock peft, given the dense layers' linear names,
+    moves them onto the routed experts' fused parameters. When this fails, peft stopped doing so: drop
+    keep_linear_targets."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(families("deepseek_v3"), dtype=torch.bfloat16)
+    config = LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_a_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model = get_peft_model(model, config)
+    assert {"gate_up_proj", "down_proj"} <= set(config.target_parameters)
+    wrapped = [n for n, m in peft_model.named_modules() if type(m).__name__ == "ParamWrapper"]
+    dense = [n for n, m in peft_model.named_modules() if n.endswith("layers.0.mlp.gate_proj") and hasattr(m, "lora_A")]
+    assert wrapped and not dense  # the routed experts got the LoRA, the dense layer-0 MLP none

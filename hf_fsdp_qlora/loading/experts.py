@@ -30,6 +30,7 @@ __all__ = [
     "QuantizedExperts",
     "expert_layout",
     "has_fused_experts",
+    "keep_linear_targets",
     "lora_config_for_experts",
     "packed_expert_bytes",
     "quantize_experts",
@@ -281,8 +282,9 @@ def quantize_experts(
             found.append((name, module, layout))
         elif is_experts_module(module):
             raise UnsupportedSetupError(
-                f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer in a layout "
-                f"hf_fsdp_qlora cannot quantize to 4 bits yet (supported: "
+                f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer "
+                f"({[n for n, _ in module.named_parameters()]}) in a layout hf_fsdp_qlora cannot quantize to 4 bits "
+                f"yet (supported: "
                 f"{', '.join(sorted(EXPERT_LAYOUTS))}). Pass quantize_experts=False to load_qlora_model to keep "
                 "these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit experts)."
             )
@@ -305,25 +307,58 @@ def quantize_experts(
 
 
 def lora_config_for_experts(model: nn.Module, lora_config):
-    """`lora_config` made to fit a model with 4-bit experts, before ``get_peft_model``.
+    """`lora_config` made to fit a mixture-of-experts model (4-bit or 16-bit experts), before ``get_peft_model``.
 
-    peft (0.21) rewrites ``target_modules="all-linear"`` on MoE families into parameter targets on the router and
-    the experts (``target_parameters``). "all-linear" stays what it says here - the model's linear layers by name
-    (attention, shared experts) - and LoRA on the experts is asked for by name (``target_parameters``).
+    "all-linear" means the model's linear layers (attention, dense MLPs, shared experts, routers that are
+    ``nn.Linear``), named here. peft 0.21's transformers-v5 conversion would otherwise turn it, and any target named
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` (full names too), into parameter targets on the routed experts: the
+    dense layers lose their LoRA and the default dropout fails in ``ParamWrapper``. The returned config is marked so
+    that :func:`keep_linear_targets` switches that conversion off while peft builds the adapter. LoRA on the experts
+    is asked for by name (``target_parameters``).
     """
-    if not any(isinstance(m, QuantizedExperts) for m in model.modules()) or lora_config.target_modules != "all-linear":
+    if lora_config.target_modules != "all-linear" or not any(is_experts_module(m) or isinstance(m, QuantizedExperts)
+                                                              for m in model.modules()):  # fmt: skip
         return lora_config
     import copy
 
-    out = model.get_output_embeddings()
-    names = sorted(
-        {
-            name.rsplit(".", 1)[-1]
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m is not out and "." in name
-        }
-    )
+    names = _linear_targets(model)
     lora_config = copy.deepcopy(lora_config)
     lora_config.target_modules = names
-    logger.info("hf_fsdp_qlora: LoRA targets on this MoE model (4-bit experts): %s", names)
+    lora_config.hf_fsdp_qlora_linear_targets = True  # not a dataclass field: never saved
+    logger.info("hf_fsdp_qlora: LoRA targets on this MoE model (its linear layers): %s", names)
     return lora_config
+
+
+def _linear_targets(model: nn.Module) -> list[str]:
+    """The linear layers but the output head, as peft targets: a leaf name where it names linear layers only, else
+    the full names of the linear layers it names."""
+    out = model.get_output_embeddings()
+    linear, other = {}, set()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and module is not out and "." in name:
+            linear.setdefault(leaf, []).append(name)
+        elif name:
+            other.add(leaf)
+    names = []
+    for leaf, full in sorted(linear.items()):
+        names.extend([leaf] if leaf not in other else full)
+    return names
+
+
+@contextmanager
+def keep_linear_targets(lora_config):
+    """Within: peft does not convert a config from :func:`lora_config_for_experts` as if written for transformers 4
+    (its ``convert_peft_config_for_transformers`` remaps ``gate_proj``/``up_proj``/``down_proj`` targets onto the
+    routed experts); other configs are converted as peft does."""
+    if not getattr(lora_config, "hf_fsdp_qlora_linear_targets", False):
+        yield
+        return
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original

@@ -16,7 +16,7 @@ from ..prequantized import quantized_bits, refuse_saved_quantized_experts
 from ._checkpoint import check_causal_lm, config_has_fused_experts, load_config, prequantized_check
 from ._experts_map import release_experts_dispatch
 from .expert_lora import check_target_parameters, peft_sees_expert_weights
-from .experts import EXPERT_LAYOUTS, lora_config_for_experts
+from .experts import EXPERT_LAYOUTS, keep_linear_targets, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
 from .int8 import convert_int8_layers, keep_int8_scales
 
@@ -286,10 +286,9 @@ def _freeze_for_kbit_training(model, gradient_checkpointing: bool) -> None:
 def _attach_adapter(load: _Load, lora_config) -> None:
     """peft's LoRA on the frozen base (and on 4-bit experts, through our wrappers: expert_lora.py)."""
     lora_config = lora_config if lora_config is not None else default_lora_config()
-    if load.quantize_experts:
-        lora_config = lora_config_for_experts(load.model, lora_config)
+    lora_config = lora_config_for_experts(load.model, lora_config)  # "all-linear": the linear layers, in MoE too
     check_target_parameters(load.model, lora_config)
-    with peft_sees_expert_weights(load.model):
+    with peft_sees_expert_weights(load.model), keep_linear_targets(lora_config):
         load.model = _apply_lora(load.model, lora_config)
 
 
