@@ -198,3 +198,91 @@ def test_stock_peft_moves_linear_targets_onto_experts(families):
     wrapped = [n for n, m in peft_model.named_modules() if type(m).__name__ == "ParamWrapper"]
     dense = [n for n, m in peft_model.named_modules() if n.endswith("layers.0.mlp.gate_proj") and hasattr(m, "lora_A")]
     assert wrapped and not dense  # the routed experts got the LoRA, the dense layer-0 MLP none
+
+
+# ------------------------------------------------------------------------------------------------ defect 2
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("family", ["lfm2", "falcon_h1"])
+def test_merge_round_trips_what_training_quantized(families, family, tmp_path):
+    """Before: `merge-adapters --dequantize nf4` wrote every 3-D float tensor as its NF4 round trip (LFM2's
+    conv.conv.weight changed in 126 of 192 elements). Now the adapter carries the loader's record (peft's
+    save_pretrained and our FSDP save path both write it), the merge round-trips exactly the recorded tensors, and
+    without a record (stock peft) it falls back to transformers' rule: the Conv1d weights stay byte-identical."""
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.merge import merge_adapters
+    from hf_fsdp_qlora.quant_record import RECORD_NAME, read_record
+    from hf_fsdp_qlora.train.checkpoint import save_adapter
+
+    base = families(family)
+    model = load_qlora_model(str(base), lora_config=_lora(target_modules=["q_proj", "v_proj"]),
+                             gradient_checkpointing=False)  # fmt: skip
+    with torch.no_grad():  # a non-zero update, so the merge changes the targeted weights
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    model.save_pretrained(tmp_path / "peft")
+    save_adapter(model, tmp_path / "ours", is_main_process=True)
+    record = read_record(tmp_path / "peft")
+    assert record == read_record(tmp_path / "ours") is not None
+    # Oracle for the record: bitsandbytes quantized every nn.Linear but the output head (transformers' rule).
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    head = dense.get_output_embeddings()
+    linear = {f"{n}.weight" for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    assert (record.bits, record.quant_type, record.double_quant, record.blocksize) == (4, "nf4", True, 64)
+    assert set(record.linear) == linear and record.experts == []
+
+    source = _tensors(base)
+    convs = [k for k in source if k in {f"{n}.weight" for n in _conv_weights(dense)}]
+    assert convs
+    for adapter in ("peft", "ours", "stock"):
+        if adapter == "stock":  # the same adapter as stock peft writes it: no record
+            (tmp_path / "peft" / RECORD_NAME).unlink()
+            adapter = "peft"
+        out = merge_adapters(base, tmp_path / adapter, tmp_path / f"merged_{adapter}", dequantize="nf4",
+                             progress=False, force=True)  # fmt: skip
+        merged = _tensors(out)
+        for key in convs:  # never quantized in training: byte for byte
+            assert torch.equal(merged[key].view(torch.uint8), source[key].view(torch.uint8)), key
+        changed = {k for k in source if not torch.equal(merged[k], source[k])}
+        assert changed == linear, (sorted(changed - linear), sorted(linear - changed))
+
+
+def test_merge_follows_the_record_of_an_moe(families, tmp_path):
+    """Qwen3-Next (experts in 4 bits, a linear-attention Conv1d): the record names the experts' fused weights, the
+    merge with it equals the merge by transformers' rule and the experts table (same bytes), and a `dequantize`
+    other than the recorded quant type is refused by name."""
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.errors import MergeUsageError
+    from hf_fsdp_qlora.merge import merge_adapters
+    from hf_fsdp_qlora.quant_record import RECORD_NAME, read_record
+
+    base = families("qwen3_next")
+    model = load_qlora_model(str(base), lora_config=_lora(target_modules=["q_proj"]), gradient_checkpointing=False)
+    model.save_pretrained(tmp_path / "adapter")
+    record = read_record(tmp_path / "adapter")
+    assert record.experts == [
+        f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")
+    ]
+    with pytest.raises(MergeUsageError, match=r"records a nf4 base .*dequantize='nf4'"):
+        merge_adapters(base, tmp_path / "adapter", tmp_path / "fp4", dequantize="fp4", progress=False)
+    recorded = _tensors(merge_adapters(base, tmp_path / "adapter", tmp_path / "a", dequantize="nf4", progress=False))
+    (tmp_path / "adapter" / RECORD_NAME).unlink()
+    by_rule = _tensors(merge_adapters(base, tmp_path / "adapter", tmp_path / "b", dequantize="nf4", progress=False))
+    source = _tensors(base)
+    assert recorded.keys() == by_rule.keys() == source.keys()
+    assert all(torch.equal(recorded[k], by_rule[k]) for k in source)
+    conv = [k for k in source if k.endswith("conv1d.weight")]
+    assert conv and all(torch.equal(recorded[k], source[k]) for k in conv)
+    assert any("experts" in k and not torch.equal(recorded[k], source[k]) for k in source)

@@ -137,8 +137,7 @@ def load_qlora_model(
     _freeze_for_kbit_training(load.model, gradient_checkpointing)
     _attach_adapter(load, lora_config)
     _convert_int8(load)
-    # The record of what was quantized (which layers, bits, quant type, storage), to travel with the adapter so
-    # merge follows it, is a step here: every quantizing step has run and load.model is the PeftModel.
+    _record_quantization(load)  # after every quantizing step; load.model is the PeftModel
     harmonize_dtypes(load.model, load.dtype)  # one floating dtype in every FSDP unit: adapters, norms, heads
     return load.model
 
@@ -311,3 +310,14 @@ def _apply_lora(model, lora_config):
 def _convert_int8(load: _Load) -> None:
     if load.bits == 8:  # after peft, which wraps bitsandbytes' Linear8bitLt: its LoRA layers keep their own forward
         convert_int8_layers(load.model, load.dtype)
+
+
+def _record_quantization(load: _Load) -> None:
+    """What was quantized, kept on the model and written beside every adapter saved from it, for the merge."""
+    from ..quant_record import attach_record, collect_record
+
+    skip = getattr(load.quantization_config, "llm_int8_skip_modules", None)
+    record = collect_record(
+        load.model, bits=load.bits, quant_type=load.quant_type, double_quant=load.double_quant, skip_modules=skip
+    )
+    attach_record(load.model, record)
