@@ -286,3 +286,22 @@ def test_merge_follows_the_record_of_an_moe(families, tmp_path):
     conv = [k for k in source if k.endswith("conv1d.weight")]
     assert conv and all(torch.equal(recorded[k], source[k]) for k in conv)
     assert any("experts" in k and not torch.equal(recorded[k], source[k]) for k in source)
+
+
+def test_trainer_checkpoint_and_final_save_carry_the_record(families, tmp_path):
+    """One training step without FSDP (Trainer saves through peft's save_pretrained): its checkpoint and its final
+    save both hold the record, equal to the model's. (Under FSDP our save_adapter writes it: the merge test above.)"""
+    from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
+    from hf_fsdp_qlora.quant_record import RECORD_ATTR, read_record
+
+    model = load_qlora_model(str(families("lfm2")), lora_config=_lora(target_modules=["q_proj"]),
+                             gradient_checkpointing=False)  # fmt: skip
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    args = FSDPQLoRATrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, save_strategy="steps",
+                                      save_steps=1, per_device_train_batch_size=2, report_to=[], use_cpu=True)  # fmt: skip
+    trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    expected = getattr(model, RECORD_ATTR)
+    assert expected.linear
+    assert read_record(tmp_path / "out" / "checkpoint-1") == read_record(tmp_path / "final") == expected
