@@ -305,3 +305,16 @@ def test_trainer_checkpoint_and_final_save_carry_the_record(families, tmp_path):
     expected = getattr(model, RECORD_ATTR)
     assert expected.linear
     assert read_record(tmp_path / "out" / "checkpoint-1") == read_record(tmp_path / "final") == expected
+
+
+def test_convert_keeps_the_record(families, tmp_path):
+    """`hf-fsdp-qlora convert` writes adapters with write_adapter_files: the record goes along, unchanged."""
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.merge.adapter_io import load_adapter, write_adapter_files
+    from hf_fsdp_qlora.quant_record import read_record
+
+    model = load_qlora_model(str(families("lfm2")), lora_config=_lora(target_modules=["q_proj"]),
+                             gradient_checkpointing=False)  # fmt: skip
+    model.save_pretrained(tmp_path / "adapter")
+    write_adapter_files(load_adapter(tmp_path / "adapter"), tmp_path / "converted")
+    assert read_record(tmp_path / "converted") == read_record(tmp_path / "adapter") is not None
