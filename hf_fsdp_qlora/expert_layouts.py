@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["EXPERT_LAYOUTS", "ExpertLayout", "expert_layout", "has_fused_experts"]
+__all__ = ["EXPERT_LAYOUTS", "ExpertLayout", "expert_layout", "has_fused_experts", "is_experts_module"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,26 @@ def expert_layout(module: nn.Module) -> ExpertLayout | None:
     if not all(isinstance(getattr(module, n, None), nn.Parameter) for n in names):
         return None
     return layout
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether `module` is a mixture-of-experts experts module (known to the table or not), by what it is: a class in
+    :data:`EXPERT_LAYOUTS`, a class transformers' ``use_experts_implementation`` decorated (it sets ``has_gate`` and
+    ``is_concatenated`` on each instance), or a class named ``...Experts`` with no linear layer in it (routed experts
+    kept as their own tensors). Never by a tensor's number of dimensions: a Conv1d (LFM2, Falcon-H1, Mamba mixers)
+    holds a 3-D weight too. Our own 4-bit experts (``packed_experts`` class marker) are not counted again."""
+    cls = type(module)
+    if getattr(cls, "packed_experts", False):
+        return False
+    if cls.__name__ in EXPERT_LAYOUTS:
+        return True
+    if hasattr(module, "has_gate") and hasattr(module, "is_concatenated"):
+        return True
+    name = cls.__name__
+    if not name.endswith("Experts") or name.endswith("SharedExperts"):
+        return False  # shared experts are dense MLPs of linear layers, which bitsandbytes quantizes itself
+    has_params = any(True for _ in module.parameters())
+    return has_params and not any(isinstance(m, nn.Linear) for m in module.modules())
 
 
 def has_fused_experts(model: nn.Module) -> bool:

@@ -184,7 +184,7 @@ def load_model_config(model, trust_remote_code: bool = False):
             f"Model path {os.fspath(model)!r} does not exist. Pass a model directory or a config.json."
         )
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"), object_hook=_special_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise SetupInputError(f"{path} is not a JSON model config ({err}). Pass the model's config.json.") from err
     if not isinstance(data, dict) or "model_type" not in data:
@@ -196,6 +196,13 @@ def load_model_config(model, trust_remote_code: bool = False):
         raise SetupInputError(f"transformers cannot read {path}: {reason}.") from err
     _check_causal_lm(config, path)
     return config
+
+
+def _special_float(obj: dict):
+    # transformers writes Infinity / NaN as {"__float__": "Infinity"} (Falcon-H1's time_step_limit): read them back.
+    if len(obj) == 1 and isinstance(obj.get("__float__"), str):
+        return float(obj["__float__"])
+    return obj
 
 
 def apply_checkpoint_quantization(setup, model) -> None:
@@ -368,15 +375,19 @@ def _count_other_parameters(shape: ModelShape, module, layer_prefixes: list[str]
 
 
 def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], counted: set) -> None:
-    """The fused 3-D expert modules of `module` into `shape` (their parameters' ids into `counted`)."""
-    from .expert_layouts import expert_layout
+    """The experts modules of `module` (by class: ``is_experts_module``, never a Conv1d's 3-D weight) into `shape`
+    (their parameters' ids into `counted`)."""
+    from .expert_layouts import expert_layout, is_experts_module
 
     for name, sub in module.named_modules():
-        direct = dict(sub.named_parameters(recurse=False))
-        if not any(p.dim() == 3 for p in direct.values()):
+        if not is_experts_module(sub):
             continue
         layout = expert_layout(sub)
-        weight_names = layout.weights if layout else tuple(n for n, p in direct.items() if p.dim() == 3)
+        # An experts class we do not know: its weights, wherever inside it they are (Dbrx nests them one deeper).
+        direct = dict(sub.named_parameters(recurse=layout is None))
+        weight_names = layout.weights if layout else tuple(n for n, p in direct.items() if p.dim() >= 2)
+        if not weight_names:
+            continue
         bias_names = layout.biases if layout else ()
         weights = {n: tuple(int(d) for d in direct[n].shape[1:]) for n in weight_names}
         shape.experts.append(

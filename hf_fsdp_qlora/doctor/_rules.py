@@ -150,7 +150,7 @@ def experts_rule(ctx: Context):
     if unknown:
         yield _finding(
             "experts-not-quantizable", "error",
-            f"{', '.join(unknown)} holds mixture-of-experts weights as 3-D parameters in a layout hf_fsdp_qlora "
+            f"{', '.join(unknown)} holds the experts of a mixture-of-experts model in a layout hf_fsdp_qlora "
             "cannot quantize to 4 bits yet: load_qlora_model raises UnsupportedSetupError for it rather than leave "
             "the experts 16-bit silently. The plan counts them 16-bit.",
             "load_qlora_model", "quantize_experts=False (doctor: --no-quantize-experts), the experts 16-bit knowingly",

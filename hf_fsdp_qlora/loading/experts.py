@@ -22,7 +22,7 @@ from torch import nn
 
 from ..dtypes import PACKED_EXPERTS_ATTR
 from ..errors import UnsupportedSetupError
-from ..expert_layouts import EXPERT_LAYOUTS, ExpertLayout, expert_layout, has_fused_experts
+from ..expert_layouts import EXPERT_LAYOUTS, ExpertLayout, expert_layout, has_fused_experts, is_experts_module
 
 __all__ = [
     "EXPERT_LAYOUTS",
@@ -30,6 +30,7 @@ __all__ = [
     "QuantizedExperts",
     "expert_layout",
     "has_fused_experts",
+    "keep_linear_targets",
     "lora_config_for_experts",
     "packed_expert_bytes",
     "quantize_experts",
@@ -37,10 +38,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def _holds_3d_weights(module: nn.Module) -> list[str]:
-    return [n for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
 
 
 class QuantizedExperts(nn.Module):
@@ -56,6 +53,8 @@ class QuantizedExperts(nn.Module):
     (:meth:`lora_active`) each routed expert's output gets ``scale * (x A_e^T) B_e^T``, with ``A_e``/``B_e`` that
     expert's slices of ``lora_A``/``lora_B`` - the update peft would add to that expert's weight, never formed.
     """
+
+    packed_experts = True  # expert_layouts.is_experts_module: already ours, never swapped or counted again
 
     def __init__(
         self, experts: nn.Module, layout: ExpertLayout, *, quant_type: str, double_quant: bool, dtype, device=None
@@ -281,8 +280,8 @@ def quantize_experts(
         The names of the replaced modules (empty for a dense model).
 
     Raises:
-        UnsupportedSetupError: a module holds 3-D expert weights in a layout we do not know; it names the module
-            and the way to load it knowingly in 16 bits, instead of leaving the experts unquantized silently.
+        UnsupportedSetupError: an experts module (by class: :func:`~hf_fsdp_qlora.expert_layouts.is_experts_module`)
+            of a family we do not know; it names the class and the way to load it knowingly in 16 bits, instead of leaving the experts unquantized silently.
     """
     found = []
     for name, module in model.named_modules():
@@ -291,10 +290,11 @@ def quantize_experts(
         layout = expert_layout(module)
         if layout is not None:
             found.append((name, module, layout))
-        elif _holds_3d_weights(module):
+        elif is_experts_module(module):
             raise UnsupportedSetupError(
-                f"{type(module).__name__} at {name!r} holds mixture-of-experts weights as 3-D parameters "
-                f"{_holds_3d_weights(module)} in a layout hf_fsdp_qlora cannot quantize to 4 bits yet (supported: "
+                f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer "
+                f"({[n for n, _ in module.named_parameters()]}) in a layout hf_fsdp_qlora cannot quantize to 4 bits "
+                f"yet (supported: "
                 f"{', '.join(sorted(EXPERT_LAYOUTS))}). Pass quantize_experts=False to load_qlora_model to keep "
                 "these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit experts)."
             )
@@ -317,25 +317,58 @@ def quantize_experts(
 
 
 def lora_config_for_experts(model: nn.Module, lora_config):
-    """`lora_config` made to fit a model with 4-bit experts, before ``get_peft_model``.
+    """`lora_config` made to fit a mixture-of-experts model (4-bit or 16-bit experts), before ``get_peft_model``.
 
-    peft (0.21) rewrites ``target_modules="all-linear"`` on MoE families into parameter targets on the router and
-    the experts (``target_parameters``). "all-linear" stays what it says here - the model's linear layers by name
-    (attention, shared experts) - and LoRA on the experts is asked for by name (``target_parameters``).
+    "all-linear" means the model's linear layers (attention, dense MLPs, shared experts, routers that are
+    ``nn.Linear``), named here. peft 0.21's transformers-v5 conversion would otherwise turn it, and any target named
+    ``gate_proj`` / ``up_proj`` / ``down_proj`` (full names too), into parameter targets on the routed experts: the
+    dense layers lose their LoRA and the default dropout fails in ``ParamWrapper``. The returned config is marked so
+    that :func:`keep_linear_targets` switches that conversion off while peft builds the adapter. LoRA on the experts
+    is asked for by name (``target_parameters``).
     """
-    if not any(isinstance(m, QuantizedExperts) for m in model.modules()) or lora_config.target_modules != "all-linear":
+    if lora_config.target_modules != "all-linear" or not any(is_experts_module(m) or isinstance(m, QuantizedExperts)
+                                                              for m in model.modules()):  # fmt: skip
         return lora_config
     import copy
 
-    out = model.get_output_embeddings()
-    names = sorted(
-        {
-            name.rsplit(".", 1)[-1]
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m is not out and "." in name
-        }
-    )
+    names = _linear_targets(model)
     lora_config = copy.deepcopy(lora_config)
     lora_config.target_modules = names
-    logger.info("hf_fsdp_qlora: LoRA targets on this MoE model (4-bit experts): %s", names)
+    lora_config.hf_fsdp_qlora_linear_targets = True  # not a dataclass field: never saved
+    logger.info("hf_fsdp_qlora: LoRA targets on this MoE model (its linear layers): %s", names)
     return lora_config
+
+
+def _linear_targets(model: nn.Module) -> list[str]:
+    """The linear layers but the output head, as peft targets: a leaf name where it names linear layers only, else
+    the full names of the linear layers it names."""
+    out = model.get_output_embeddings()
+    linear, other = {}, set()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and module is not out and "." in name:
+            linear.setdefault(leaf, []).append(name)
+        elif name:
+            other.add(leaf)
+    names = []
+    for leaf, full in sorted(linear.items()):
+        names.extend([leaf] if leaf not in other else full)
+    return names
+
+
+@contextmanager
+def keep_linear_targets(lora_config):
+    """Within: peft does not convert a config from :func:`lora_config_for_experts` as if written for transformers 4
+    (its ``convert_peft_config_for_transformers`` remaps ``gate_proj``/``up_proj``/``down_proj`` targets onto the
+    routed experts); other configs are converted as peft does."""
+    if not getattr(lora_config, "hf_fsdp_qlora_linear_targets", False):
+        yield
+        return
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original

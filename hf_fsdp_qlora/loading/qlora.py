@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from .expert_lora import (
     linear_layer_names,
     peft_sees_expert_weights,
 )
-from .experts import EXPERT_LAYOUTS, lora_config_for_experts
+from .experts import EXPERT_LAYOUTS, keep_linear_targets, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
 from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
 
@@ -159,8 +160,7 @@ def load_qlora_model(
     _attach_adapter(load, lora_config)
     _continue_adapter(load)
     _convert_int8(load)
-    # The record of what was quantized (which layers, bits, quant type, storage), to travel with the adapter so
-    # merge follows it, is a step here: every quantizing step has run and load.model is the PeftModel.
+    _record_quantization(load)  # after every quantizing step; load.model is the PeftModel
     harmonize_dtypes(load.model, load.dtype)  # one floating dtype in every FSDP unit: adapters, norms, heads
     return load.model
 
@@ -333,10 +333,9 @@ def _attach_adapter(load: _Load, lora_config) -> None:
     if load.adapter is not None:
         return  # _continue_adapter loads it
     lora_config = lora_config if lora_config is not None else default_lora_config()
-    if load.quantize_experts:
-        lora_config = lora_config_for_experts(load.model, lora_config)
+    lora_config = lora_config_for_experts(load.model, lora_config)  # "all-linear": the linear layers, in MoE too
     check_target_parameters(load.model, lora_config)
-    with peft_sees_expert_weights(load.model):
+    with peft_sees_expert_weights(load.model), keep_linear_targets(lora_config):
         load.model = _apply_lora(load.model, lora_config)
 
 
@@ -362,9 +361,16 @@ def _continue_adapter(load: _Load) -> None:
     """A saved adapter through peft's own loader, its expert LoRA onto the 4-bit experts (expert_lora.py)."""
     if load.adapter is None:
         return
+    from types import SimpleNamespace
+
     from peft import PeftModel
 
-    with peft_sees_expert_weights(load.model):
+    from ..quant_record import RECORD_NAME
+
+    # An adapter we saved names the linear layers as our loader chose them: peft must not remap them onto the
+    # routed experts as if they were written for transformers 4 (keep_linear_targets, as when they were attached).
+    ours = SimpleNamespace(hf_fsdp_qlora_linear_targets=(Path(load.adapter) / RECORD_NAME).is_file())
+    with peft_sees_expert_weights(load.model), keep_linear_targets(ours):
         # autocast_adapter_dtype=False: the adapters keep the run's one dtype (harmonize_dtypes casts the rest).
         load.model = PeftModel.from_pretrained(
             load.model, str(load.adapter), is_trainable=load.is_trainable, autocast_adapter_dtype=False
@@ -375,3 +381,14 @@ def _continue_adapter(load: _Load) -> None:
 def _convert_int8(load: _Load) -> None:
     if load.bits == 8:  # after peft, which wraps bitsandbytes' Linear8bitLt: its LoRA layers keep their own forward
         convert_int8_layers(load.model, load.dtype)
+
+
+def _record_quantization(load: _Load) -> None:
+    """What was quantized, kept on the model and written beside every adapter saved from it, for the merge."""
+    from ..quant_record import attach_record, collect_record
+
+    skip = getattr(load.quantization_config, "llm_int8_skip_modules", None)
+    record = collect_record(
+        load.model, bits=load.bits, quant_type=load.quant_type, double_quant=load.double_quant, skip_modules=skip
+    )
+    attach_record(load.model, record)

@@ -116,9 +116,10 @@ def _meta_model(base: str, config_text: str):
 def quantized_keys(base: Path, experts: bool = True, skip_modules=()) -> set[str]:
     """Weights bitsandbytes quantizes when transformers loads this base in 4 or 8 bits: every nn.Linear (and
     GPT-2's Conv1D) except the modules transformers keeps in 16 bit (output head, tied weights, fp32 modules);
-    with `experts`, also the fused 3-D expert weights of MoE models (load_qlora_model quantizes them, expert by
-    expert), under the model's names (they may be stored per expert: see :mod:`._experts`). `skip_modules`: more
-    modules training kept 16-bit (``load_qlora_model(skip_modules=...)``), matched as transformers matches them."""
+    with `experts`, also the fused expert weights of the MoE families in the experts table (load_qlora_model quantizes
+    those, expert by expert), under the model's names (they may be stored per expert: see :mod:`._experts`).
+    `skip_modules`: more modules training kept 16-bit (``load_qlora_model(skip_modules=...)``), matched as
+    transformers matches them."""
     model = meta_model(base)
     try:
         from transformers.quantizers.base import get_keys_to_not_convert
@@ -133,8 +134,13 @@ def quantized_keys(base: Path, experts: bool = True, skip_modules=()) -> set[str
         for name, module in model.named_modules()
         if (type(module) is torch.nn.Linear or type(module).__name__ == "Conv1D") and should_convert_module(name, skip)
     }
-    if experts:
-        found |= {n for n, p in model.named_parameters() if p.dim() == 3 and p.is_floating_point()}
+    if experts:  # by the experts table, never by a tensor's rank (a Conv1d's weight is 3-D too)
+        from hf_fsdp_qlora.expert_layouts import expert_layout
+
+        for name, module in model.named_modules():
+            layout = expert_layout(module)
+            if layout is not None:
+                found |= {f"{name}.{w}" for w in layout.weights}
     return found
 
 

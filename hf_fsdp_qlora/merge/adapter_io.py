@@ -264,10 +264,17 @@ def load_adapter(path: str | Path, config_path: str | Path | None = None, *, fsd
 
 
 def write_adapter_files(adapter: LoadedAdapter, output: Path) -> None:
-    """Write `adapter` as a plain peft adapter folder (`adapter_model.safetensors` + `adapter_config.json`)."""
+    """Write `adapter` as a plain peft adapter folder (`adapter_model.safetensors` + `adapter_config.json`, and the
+    quantization record where the source had one: what `merge-adapters --dequantize` follows)."""
     from safetensors.torch import save_file
+
+    from hf_fsdp_qlora.quant_record import read_record, write_record
 
     output.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.tensors.items()}
     save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
     (output / CONFIG_NAME).write_text(json.dumps(adapter.config, indent=2, sort_keys=True) + "\n")
+    try:
+        write_record(output, read_record(adapter.folder))
+    except ValueError as err:
+        raise MergeError(f"{err} Delete it to convert without it (a merge then follows transformers' rule).") from None

@@ -39,6 +39,7 @@ from hf_fsdp_qlora.merge._lora_math import (
 from hf_fsdp_qlora.merge._plan import Item, plan, torch_dtype
 from hf_fsdp_qlora.merge.adapter_io import load_adapter
 from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir, check_output
+from hf_fsdp_qlora.quant_record import RECORD_NAME, read_record
 from hf_fsdp_qlora.safetensors_io import (
     OrderedWorker,
     ShardWriter,
@@ -282,13 +283,19 @@ def merge_adapters(
             an output that is, contains or lies inside an input (after resolving symlinks and `..`), `""`,
             the current or home folder, or a folder with other content is refused.
         dequantize: "nf4" or "fp4" to merge onto the 4-bit round trip of the base that QLoRA trained against;
-            "int8" onto the 8-bit round trip (LLM.int8 row scales) of a base trained with load_in_8bit.
-        double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize` nf4 / fp4).
-        quant_blocksize: the 4-bit block size of training (bitsandbytes' default 64; only with nf4 / fp4).
-        dequantize_experts: with `dequantize` nf4 / fp4, also round-trip the fused experts of an MoE base, expert by
-            expert, as load_qlora_model quantizes them (quantize_experts=True, its default); False for a run that
-            kept them in 16 bits.
-        skip_modules: with `dequantize`, the layers training kept 16-bit beside transformers' own (the
+            "int8" onto the 8-bit round trip (LLM.int8 row scales) of a base trained with load_in_8bit. An adapter
+            saved from a ``load_qlora_model`` model carries the record of what training quantized
+            (:mod:`hf_fsdp_qlora.quant_record`): exactly those tensors are round-tripped, with its double quant and
+            block size; without one, every linear layer transformers quantizes and the experts of the families
+            in the experts table.
+        double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize` nf4 / fp4; a record
+            decides instead).
+        quant_blocksize: the 4-bit block size of training (bitsandbytes' default 64; only with nf4 / fp4; a
+            record decides instead).
+        dequantize_experts: with `dequantize` nf4 / fp4 and no record, also round-trip the fused experts of an MoE
+            base, expert by expert, as load_qlora_model quantizes them (quantize_experts=True, its default); False
+            for a run that kept them in 16 bits.
+        skip_modules: with `dequantize` and no record, the layers training kept 16-bit beside transformers' own (the
             ``skip_modules`` of ``load_qlora_model``): merged onto the 16-bit base as is, not round-tripped.
         untie_embeddings: when the adapter changes only one side of tied embeddings, write both sides
             (tie_word_embeddings=false) instead of failing.
@@ -328,15 +335,17 @@ def merge_adapters(
         params = read_param_targets(base, loaded.config, entries) if loaded.config.get("target_parameters") else None
         updates = collect_updates(loaded.config, loaded.tensors, params)
         tied = tied_map(base, config, entries)
-        groups = {}
-        if dequantize:  # experts: 4-bit only; bitsandbytes' 8-bit loading leaves them in 16 bits
+        record = _read_record(loaded.folder, dequantize)
+        quantized, groups = set(), {}
+        if record is not None:  # what training quantized, recorded by load_qlora_model: exactly those
+            quantized, groups = quantized_files(base, record.names, entries)
+            double_quant, quant_blocksize = record.double_quant, record.blocksize or quant_blocksize
+        elif dequantize:  # stock peft: transformers' rule; experts (4-bit only) by the experts table
             quantized, groups = quantized_files(
                 base,
                 quantized_keys(base, experts=dequantize_experts and dequantize != "int8", skip_modules=skip_modules),
                 entries,
             )
-        else:
-            quantized = set()
         heads = {
             k: tuple(u.replacement.shape)
             for k, u in updates.items()
@@ -384,6 +393,28 @@ def merge_adapters(
             f"{err.strerror or err}: {err.filename or output}. Check the path and its permissions."
         ) from None
     return output
+
+
+def _read_record(folder: Path, dequantize: str | None):
+    """The adapter's quantization record (:mod:`hf_fsdp_qlora.quant_record`) when `dequantize` asks for a round
+    trip, refused where it says training quantized otherwise."""
+    if not dequantize:
+        return None
+    try:
+        record = read_record(folder)
+    except ValueError as err:
+        raise MergeError(
+            f"{err} Delete it to merge by transformers' rule, or pass the adapter it came with."
+        ) from None
+    if record is None:
+        return None
+    trained = "int8" if record.bits == 8 else record.quant_type
+    if trained != dequantize:
+        raise MergeUsageError(
+            f"`dequantize` {dequantize} does not match training: {folder / RECORD_NAME} records a {trained} base "
+            f"({record.bits}-bit). Pass dequantize={trained!r}."
+        )
+    return record
 
 
 def _no_space(output: Path, needed: int | None, free: int | None) -> MergeError:

@@ -21,6 +21,7 @@ import torch
 from ..distributed import is_main_process as main_process
 from ..errors import AdapterMismatchError
 from ..param_names import clean_name
+from ..quant_record import RECORD_ATTR, write_record
 from ..rank_sync import agree_on_failure
 from ._adapter_select import (
     adapter_name_of,
@@ -166,6 +167,7 @@ def _write_adapter(peft_model, tensors: dict, output_dir: Path) -> None:
     if getattr(config, "base_model_name_or_path", None) is None:
         config.base_model_name_or_path = getattr(peft_model.base_model.model, "name_or_path", None)
     config.save_pretrained(str(output_dir))
+    write_record(output_dir, getattr(peft_model, RECORD_ATTR, None))  # what training quantized, for the merge
     os.replace(tmp, output_dir / ADAPTER_WEIGHTS)
 
 
