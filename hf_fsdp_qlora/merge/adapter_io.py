@@ -20,8 +20,16 @@ import torch
 
 from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 from hf_fsdp_qlora.param_names import clean_name
+from hf_fsdp_qlora.quant_record import RECORD_NAME, read_record
 
-__all__ = ["LoadedAdapter", "find_distcp_dir", "load_adapter", "read_distcp", "write_adapter_files"]
+__all__ = [
+    "LoadedAdapter",
+    "find_distcp_dir",
+    "load_adapter",
+    "read_distcp",
+    "read_quant_record",
+    "write_adapter_files",
+]
 
 CONFIG_NAME = "adapter_config.json"
 _WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -278,3 +286,25 @@ def write_adapter_files(adapter: LoadedAdapter, output: Path) -> None:
         write_record(output, read_record(adapter.folder))
     except ValueError as err:
         raise MergeError(f"{err} Delete it to convert without it (a merge then follows transformers' rule).") from None
+
+
+def read_quant_record(folder: Path, dequantize: str | None):
+    """The adapter's quantization record (:mod:`hf_fsdp_qlora.quant_record`) when `dequantize` asks for a round
+    trip, refused where it says training quantized otherwise."""
+    if not dequantize:
+        return None
+    try:
+        record = read_record(folder)
+    except ValueError as err:
+        raise MergeError(
+            f"{err} Delete it to merge by transformers' rule, or pass the adapter it came with."
+        ) from None
+    if record is None:
+        return None
+    trained = "int8" if record.bits == 8 else record.quant_type
+    if trained != dequantize:
+        raise MergeUsageError(
+            f"`dequantize` {dequantize} does not match training: {folder / RECORD_NAME} records a {trained} base "
+            f"({record.bits}-bit). Pass dequantize={trained!r}."
+        )
+    return record

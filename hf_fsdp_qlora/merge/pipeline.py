@@ -37,9 +37,8 @@ from hf_fsdp_qlora.merge._lora_math import (
     quantize_roundtrip,
 )
 from hf_fsdp_qlora.merge._plan import Item, plan, torch_dtype
-from hf_fsdp_qlora.merge.adapter_io import load_adapter
+from hf_fsdp_qlora.merge.adapter_io import load_adapter, read_quant_record
 from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir, check_output
-from hf_fsdp_qlora.quant_record import RECORD_NAME, read_record
 from hf_fsdp_qlora.safetensors_io import (
     OrderedWorker,
     ShardWriter,
@@ -335,7 +334,7 @@ def merge_adapters(
         params = read_param_targets(base, loaded.config, entries) if loaded.config.get("target_parameters") else None
         updates = collect_updates(loaded.config, loaded.tensors, params)
         tied = tied_map(base, config, entries)
-        record = _read_record(loaded.folder, dequantize)
+        record = read_quant_record(loaded.folder, dequantize)
         quantized, groups = set(), {}
         if record is not None:  # what training quantized, recorded by load_qlora_model: exactly those
             quantized, groups = quantized_files(base, record.names, entries)
@@ -393,28 +392,6 @@ def merge_adapters(
             f"{err.strerror or err}: {err.filename or output}. Check the path and its permissions."
         ) from None
     return output
-
-
-def _read_record(folder: Path, dequantize: str | None):
-    """The adapter's quantization record (:mod:`hf_fsdp_qlora.quant_record`) when `dequantize` asks for a round
-    trip, refused where it says training quantized otherwise."""
-    if not dequantize:
-        return None
-    try:
-        record = read_record(folder)
-    except ValueError as err:
-        raise MergeError(
-            f"{err} Delete it to merge by transformers' rule, or pass the adapter it came with."
-        ) from None
-    if record is None:
-        return None
-    trained = "int8" if record.bits == 8 else record.quant_type
-    if trained != dequantize:
-        raise MergeUsageError(
-            f"`dequantize` {dequantize} does not match training: {folder / RECORD_NAME} records a {trained} base "
-            f"({record.bits}-bit). Pass dequantize={trained!r}."
-        )
-    return record
 
 
 def _no_space(output: Path, needed: int | None, free: int | None) -> MergeError:
