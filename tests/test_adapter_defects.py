@@ -225,11 +225,18 @@ def test_merge_int8_honours_skip_modules(odd_llama, tmp_path):
     )
     model.save_pretrained(tmp_path / "adapter")
     adapter = tmp_path / "adapter"
+    from hf_fsdp_qlora.quant_record import RECORD_NAME
+
+    # Our saved adapter carries the quantization record: `--dequantize int8` alone follows it (down_proj kept).
+    merge_adapters(odd_llama, adapter, tmp_path / "recorded", dequantize="int8", progress=False)
+    (adapter / RECORD_NAME).unlink()  # as a stock peft adapter: no record, transformers' rule + --skip-modules
     merge_adapters(odd_llama, adapter, tmp_path / "plain", progress=False)
     merge_adapters(odd_llama, adapter, tmp_path / "int8", dequantize="int8", progress=False)
     argv = ["merge", "--base", str(odd_llama), "--adapter", str(adapter), "--output", str(tmp_path / "skip")]
     assert cli_main([*argv, "--dequantize", "int8", "--skip-modules", "down_proj", "--no-progress"]) == 0
-    plain, int8, skip = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("plain", "int8", "skip"))
+    found = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("plain", "int8", "skip", "recorded"))
+    plain, int8, skip, recorded = found
+    assert recorded.keys() == skip.keys() and all(torch.equal(recorded[k], skip[k]) for k in skip)
     base = load_file(str(odd_llama / "model.safetensors"))
     down = [k for k in skip if k.endswith("down_proj.weight")]
     assert len(down) == 2 and all(torch.equal(skip[k], plain[k]) and not torch.equal(skip[k], int8[k]) for k in down)
