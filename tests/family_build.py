@@ -41,10 +41,18 @@ SIZES = {
     "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "n_groups": 1, "mamba_num_heads": 8,
     "mamba_head_dim": 16, "mamba_expand": 2, "expand": 2, "mamba_d_conv": 4, "conv_kernel": 4,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "lru_width": HIDDEN, "conv1d_width": 4, "conv_L_cache": 3, "attention_window_size": 16,
+    "mamba_d_ssm": 128, "lru_width": HIDDEN, "conv1d_width": 4, "conv_L_cache": 3, "attention_window_size": 16,
     "max_position_embeddings": 512, "n_positions": 512, "sliding_window": 16,
 }  # fmt: skip
 MAX_PARAMETERS = 2_000_000
+# What the generic rules above cannot know: a family's own ratio or layer pattern, so that it builds tiny.
+FAMILY_SIZES = {
+    "mamba2": {"num_heads": 8},  # hidden_size * expand == num_heads * head_dim
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one entry per layer
+    "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2},  # an attention layer within the 2
+    "recurrent_gemma": {"num_hidden_layers": 3},  # its block pattern: recurrent, recurrent, attention
+    "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
+}
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 
@@ -74,6 +82,9 @@ def tiny_config(model_type: str):
     for key in ("mlp_only_layers",):
         if isinstance(defaults.get(key), list):
             overrides[key] = [i for i in defaults[key] if i < layers]
+    if defaults.get("qk_rope_head_dim") is not None and "head_dim" in overrides:
+        overrides["head_dim"] = SIZES["qk_rope_head_dim"]  # latent attention: rotary runs on the rope part
+    overrides.update(FAMILY_SIZES.get(model_type, {}))
     for key in _TOKEN_IDS:
         value = defaults.get(key)
         if isinstance(value, int) and value >= VOCAB:
@@ -99,7 +110,7 @@ def build(model_type: str, path: Path, seed: int = 0) -> Path:
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
     with torch.no_grad():
-        model(torch.arange(3, 11).unsqueeze(0))  # a model that cannot run its forward is not "built"
+        model(torch.arange(3, 11).unsqueeze(0), use_cache=False)  # a model that cannot run its forward is not "built"
     model.to(torch.bfloat16).save_pretrained(path)
     return path
 

@@ -63,8 +63,11 @@ def status(record: dict) -> str:
 
 def _clean(text: str) -> str:
     """The first failure's text without what changes between runs (temporary paths) or breaks a table (pipes)."""
-    text = re.sub(r"/tmp/[^\s'\"]+", "<tmp>", text)
-    return text.replace("|", "/").replace("\n", " ")[:300]
+    text = re.sub(r"/tmp/[^\s'\"]+", "(a temporary folder)", text)
+    text = " ".join(text.replace("|", "/").replace("<", "&lt;").split())
+    if len(text) > 300:  # cut at a word, so no dotted name is left half (tests/test_docs.py resolves them)
+        text = text[:300].rsplit(" ", 1)[0] + " ..."
+    return text
 
 
 def _note(record: dict) -> str:
