@@ -31,6 +31,7 @@ _SECONDS = {
     "test_int8.py": 200,
     "test_moe_load.py": 10,
     "test_recipes_docs.py": 90,
+    "test_families.py": 120,
 }  # fmt: skip
 
 
