@@ -317,6 +317,8 @@ def _layer_prefixes(module, layer_classes: list[str]) -> list[str]:
 
 def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
     """A shape with the config's sizes (no parameters counted yet)."""
+    # Attention-free families (Mamba, RWKV, xLSTM) have no heads: one "head" as wide as the hidden size.
+    heads = int(getattr(text, "num_attention_heads", None) or getattr(text, "num_heads", None) or 1)
     return ModelShape(
         model_type=config.model_type,
         layer_classes=layer_classes,
@@ -324,9 +326,9 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         hidden_size=int(text.hidden_size),
         intermediate_size=int(getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size),
-        num_heads=int(text.num_attention_heads),
-        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
-        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
+        num_heads=heads,
+        num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=int(_config_value(text, "head_dim") or text.hidden_size // heads),
         vocab_size=int(text.vocab_size),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_positions=getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
@@ -411,3 +413,12 @@ def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], cou
     if not shared and getattr(text, "n_shared_experts", None):  # DeepSeek: n_shared_experts experts of width
         shared = int(text.n_shared_experts) * shape.expert_width
     shape.shared_expert_width = int(shared)
+
+
+def _config_value(config, name: str):
+    """A config attribute, or None where the config has none or only per-layer values (Gemma 4 refuses a global
+    read of those)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error: no single global value
+        return None

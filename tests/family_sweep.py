@@ -108,7 +108,15 @@ def _peft_merge(base: Path, adapter: Path, replace: dict) -> dict:
     model = _load16(base, torch.float32)
     if replace:
         model.load_state_dict({k: v.float() for k, v in replace.items()}, strict=False)
-    return PeftModel.from_pretrained(model, adapter).merge_and_unload().state_dict()
+    # peft 0.21 remaps an adapter's gate_proj/up_proj/down_proj targets onto routed experts when it loads one on an
+    # MoE family transformers 5 converts (hf_fsdp_qlora/_compat/peft.py `peft_v5_moe_target_remap`): the oracle loads
+    # our adapter as our loader attached it, with that remap kept off (as load_qlora_model(adapter=...) does).
+    from types import SimpleNamespace
+
+    from hf_fsdp_qlora.loading.experts import keep_linear_targets
+
+    with keep_linear_targets(SimpleNamespace(hf_fsdp_qlora_linear_targets=True)):
+        return PeftModel.from_pretrained(model, adapter).merge_and_unload().state_dict()
 
 
 def _compare(ours: dict, ref: dict, before: dict, quantized: dict) -> str:

@@ -148,6 +148,29 @@ def linear_layer_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
+# peft (0.21) refuses LoRA on these layers of its Mamba-based model types ("Module 'out_proj' is incompatible with
+# Mamba-based models"), also when they come from "all-linear"; our "all-linear" leaves them out there.
+_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+
+
+def lora_config_for_mamba(model: nn.Module, lora_config):
+    """`lora_config` with ``"all-linear"`` spelled out as the linear layers peft accepts on a Mamba-based model."""
+    if lora_config.target_modules != "all-linear" or getattr(model.config, "model_type", None) not in _MAMBA_TYPES:
+        return lora_config
+    import copy
+
+    head = model.get_output_embeddings()
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    lora_config = copy.deepcopy(lora_config)
+    lora_config.target_modules = sorted(names - _MAMBA_REFUSED)
+    logger.info(
+        "hf_fsdp_qlora: all-linear on this Mamba-based model (peft refuses out_proj, conv1d): %s",
+        lora_config.target_modules,
+    )
+    return lora_config
+
+
 def check_target_modules(model: nn.Module, lora_config) -> None:
     """Before ``get_peft_model``: a ``target_modules`` name that names a mixture-of-experts module is refused with the
     way to adapt experts (peft adapts their fused weights by ``target_parameters``; as a module it refuses them)."""

@@ -20,6 +20,7 @@ from .expert_lora import (
     check_target_modules,
     check_target_parameters,
     linear_layer_names,
+    lora_config_for_mamba,
     peft_sees_expert_weights,
 )
 from .experts import EXPERT_LAYOUTS, keep_linear_targets, lora_config_for_experts
@@ -334,6 +335,7 @@ def _attach_adapter(load: _Load, lora_config) -> None:
         return  # _continue_adapter loads it
     lora_config = lora_config if lora_config is not None else default_lora_config()
     lora_config = lora_config_for_experts(load.model, lora_config)  # "all-linear": the linear layers, in MoE too
+    lora_config = lora_config_for_mamba(load.model, lora_config)
     check_target_parameters(load.model, lora_config)
     with peft_sees_expert_weights(load.model), keep_linear_targets(lora_config):
         load.model = _apply_lora(load.model, lora_config)
