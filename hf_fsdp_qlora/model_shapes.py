@@ -7,14 +7,11 @@ the attention/MLP sizes that drive activation memory. A 70B config builds in wel
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .causal_lm import causal_lm_problem
 from .errors import SetupInputError
 from .loss_paths import LOGIT_TRANSFORMS
+from .model_config import load_model_config
 
 __all__ = [
     "ExpertsShape",
@@ -161,50 +158,6 @@ class ModelShape:
         return max(sizes.values(), default=0)
 
 
-def load_model_config(model, trust_remote_code: bool = False):
-    """A transformers config from a model directory, a config.json path or a config object.
-
-    Raises:
-        SetupInputError: the path does not exist, holds no config.json, or is not a causal LM config.
-    """
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(model, PretrainedConfig):
-        return model
-    path = Path(os.path.expanduser(os.fspath(model)))
-    if path.is_dir():
-        path = path / "config.json"
-        if not path.is_file():
-            raise SetupInputError(
-                f"{path.parent} has no config.json. Pass the model directory written by save_pretrained, or its "
-                "config.json file (only the config is read)."
-            )
-    elif not path.is_file():
-        raise SetupInputError(
-            f"Model path {os.fspath(model)!r} does not exist. Pass a model directory or a config.json."
-        )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"), object_hook=_special_float)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SetupInputError(f"{path} is not a JSON model config ({err}). Pass the model's config.json.") from err
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise SetupInputError(f"{path} has no `model_type`, so it is not a transformers config.json.")
-    try:
-        config = AutoConfig.for_model(**data) if not trust_remote_code else AutoConfig.from_pretrained(path.parent)
-    except (ValueError, KeyError) as err:
-        reason = str(err).split(". Should contain", 1)[0]  # transformers appends every known model type
-        raise SetupInputError(f"transformers cannot read {path}: {reason}.") from err
-    _check_causal_lm(config, path)
-    return config
-
-
-def _special_float(obj: dict):
-    # transformers writes Infinity / NaN as {"__float__": "Infinity"} (Falcon-H1's time_step_limit): read them back.
-    if len(obj) == 1 and isinstance(obj.get("__float__"), str):
-        return float(obj["__float__"])
-    return obj
-
-
 def apply_checkpoint_quantization(setup, model) -> None:
     """A pre-quantized checkpoint's own quantization decides the run's (transformers ignores any other), in place.
 
@@ -233,15 +186,6 @@ def apply_checkpoint_quantization(setup, model) -> None:
     setup.quantization = "4bit"
     setup.double_quant = quant.double_quant
     setup.quant_storage = None if setup.trainer == "hf_fsdp_qlora" else quant.storage
-
-
-def _check_causal_lm(config, path) -> None:
-    kind = causal_lm_problem(config)
-    if kind is not None:
-        raise SetupInputError(
-            f"{path} describes {kind}, which has no causal-LM head to fine-tune. Pass a causal language model's "
-            "config (Llama, Qwen2, ...)."
-        )
 
 
 def _layer_index(name: str, layer_prefixes: list[str]) -> int | None:
@@ -416,9 +360,7 @@ def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], cou
 
 
 def _config_value(config, name: str):
-    """A config attribute, or None where the config has none or only per-layer values (Gemma 4 refuses a global
-    read of those)."""
-    try:
+    try:  # None where the config has only per-layer values (Gemma 4 refuses a global read of those)
         return getattr(config, name, None)
     except Exception:  # noqa: BLE001 - transformers' per-layer attribute error: no single global value
         return None

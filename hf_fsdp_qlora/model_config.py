@@ -1,0 +1,66 @@
+"""Reading a model's config.json into a transformers config, refusing what is not a causal language model (the
+loader, the doctor and the model shapes all start here)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .causal_lm import causal_lm_problem
+from .errors import SetupInputError
+
+__all__ = ["load_model_config"]
+
+
+def load_model_config(model, trust_remote_code: bool = False):
+    """A transformers config from a model directory, a config.json path or a config object.
+
+    Raises:
+        SetupInputError: the path does not exist, holds no config.json, or is not a causal LM config.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    path = Path(os.path.expanduser(os.fspath(model)))
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise SetupInputError(
+                f"{path.parent} has no config.json. Pass the model directory written by save_pretrained, or its "
+                "config.json file (only the config is read)."
+            )
+    elif not path.is_file():
+        raise SetupInputError(
+            f"Model path {os.fspath(model)!r} does not exist. Pass a model directory or a config.json."
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"), object_hook=_special_float)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SetupInputError(f"{path} is not a JSON model config ({err}). Pass the model's config.json.") from err
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise SetupInputError(f"{path} has no `model_type`, so it is not a transformers config.json.")
+    try:
+        config = AutoConfig.for_model(**data) if not trust_remote_code else AutoConfig.from_pretrained(path.parent)
+    except (ValueError, KeyError) as err:
+        reason = str(err).split(". Should contain", 1)[0]  # transformers appends every known model type
+        raise SetupInputError(f"transformers cannot read {path}: {reason}.") from err
+    _check_causal_lm(config, path)
+    return config
+
+
+def _special_float(obj: dict):
+    # transformers writes Infinity / NaN as {"__float__": "Infinity"} (Falcon-H1's time_step_limit): read them back.
+    if len(obj) == 1 and isinstance(obj.get("__float__"), str):
+        return float(obj["__float__"])
+    return obj
+
+
+def _check_causal_lm(config, path) -> None:
+    kind = causal_lm_problem(config)
+    if kind is not None:
+        raise SetupInputError(
+            f"{path} describes {kind}, which has no causal-LM head to fine-tune. Pass a causal language model's "
+            "config (Llama, Qwen2, ...)."
+        )
