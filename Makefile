@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # import-bound start-ups and the single-process tests then overlap on a 2-core machine. PYTEST_WORKERS=0: serial.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test demo style quality gpu-check gpu-wheels test-floors
+.PHONY: setup test demo style quality gpu-check gpu-wheels test-floors test-slurm
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ setup: $(VENV)/.installed
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --ignore=tests/test_gpu_check.py $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-floors
+
+# The SLURM recipe through real sbatch on a throwaway one-host cluster (tests/slurm/check_recipe.py): installs
+# SLURM and munge from Debian's packages when absent (root), then stops the daemons and removes its state.
+test-slurm: setup
+	OMP_NUM_THREADS=1 PYTHONPATH="$(CURDIR)" $(PY) tests/slurm/check_recipe.py
 
 demo: setup
 	OMP_NUM_THREADS=1 PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/cpu_demo.sh

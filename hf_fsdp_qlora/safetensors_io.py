@@ -26,6 +26,7 @@ from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 __all__ = [
     "DTYPE_NAMES",
     "INDEX_NAME",
+    "apply_umask_mode",
     "checkpoint_shards",
     "TORCH_DTYPES",
     "OrderedWorker",
@@ -35,7 +36,28 @@ __all__ = [
     "plan_shards",
     "read_header",
     "read_tensor",
+    "umask_file_mode",
 ]
+
+
+def umask_file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file under this process's umask (0o644 under umask 022)."""
+    try:  # Linux >= 4.7 reports it without changing it (os.umask can only be read by setting it)
+        with open("/proc/self/status") as fh:
+            mask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def apply_umask_mode(*paths) -> None:
+    """Give files the permissions the user's umask gives: safetensors' ``save_file`` (0.8) creates its files 0600
+    whatever the umask, so on a shared cluster the group could not read an adapter beside 0644 files."""
+    mode = umask_file_mode()
+    for path in paths:
+        os.chmod(path, mode)
+
 
 # safetensors dtype names <-> torch dtypes (the ones a transformers checkpoint can hold).
 TORCH_DTYPES = {
@@ -232,7 +254,7 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
         self.data_bytes = offset
         self._pending.reverse()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
         _write_all(self._fd, struct.pack("<Q", len(raw)) + raw)
         self._end = self._flushed = 8 + len(raw)
 

@@ -10,7 +10,8 @@ launch fewer). Every fault hits ONE rank only:
     dataset is skipped) -> a genuine external SIGUSR1 from
     this process while a checkpoint is being written -> SIGKILL in the middle of a write -> runs to the end
   FSDP2, a plain Trainer script under `-m hf_fsdp_qlora.run` with HF_FSDP_QLORA_AUTO_RESUME=1:
-    SIGUSR1 between micro-steps of a seeded random step -> SIGTERM in the eval_on_start evaluation (checkpointed at
+    SIGUSR1 before the model loads, in a launch started with SIGUSR1 ignored (the SLURM node script's `trap '' USR1`):
+    every rank exits 75 before training, no checkpoint (issue 39) -> SIGUSR1 between micro-steps of a seeded random step -> SIGTERM in the eval_on_start evaluation (checkpointed at
     the end of the next step) -> SIGTERM inside a write ->
     the stop_after deadline -> runs to the end
 
@@ -66,12 +67,17 @@ class Chain:
         env = {"HF_FSDP_QLORA_AUTO_RESUME": "1"} if self.route == "plain" else {}
         return _env({**env, **extra})
 
-    def launch(self, run, fault="none", env=None, external=None, baseline_out=None):
+    def launch(self, run, fault="none", env=None, external=None, baseline_out=None, ignore_usr1=False):
         (self.record / "signal_time").unlink(missing_ok=True)
         started = time.time()
+
+        def inherit_ignored_usr1():  # what the recipe's node script does to the launcher (and so to its ranks)
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
         proc = subprocess.Popen(
             self.command(run, fault, baseline_out), env=self.env(**(env or {})), cwd=str(REPO),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=inherit_ignored_usr1 if ignore_usr1 else None,
         )  # fmt: skip
         if external is not None:  # a genuine signal from outside, to one rank's pid, while it writes a checkpoint
             pid_file = self.record / "pid_wait"
@@ -155,6 +161,13 @@ def _run_chain(version, route, models, root, seed):
     chain = Chain(version, route, models, root)
     rng = random.Random(seed)
     took = {}
+    if version == 2:  # 0: one rank signalled before train(): every rank stops before the first step, no checkpoint
+        rc, output, took["load"] = chain.launch("r0", f"load:{rng.randint(0, 1)}:SIGUSR1", ignore_usr1=True)
+        assert output.count("exitcode  : 75") == 2 and took["load"] < 120, output[-4000:]
+        marker = json.loads((chain.out / "preempted.json").read_text())
+        assert marker["checkpoint"] is None and marker["new_checkpoint"] is False, marker
+        assert "SIGUSR1 before training started: no new checkpoint written" in output, output[-4000:]
+        assert not list(chain.out.glob("checkpoint-*"))
     # 1: one rank, between the micro-steps of a seeded random step: the checkpoint is that step's.
     k, victim = rng.randint(1, 3), rng.randint(0, 1)
     sig = "SIGTERM" if version == 1 else "SIGUSR1"
@@ -550,3 +563,15 @@ def test_stop_after_counts_from_the_process_start():
     assert stop._local() == 1  # the deadline has passed at the first check (was: 2 s after train() began)
     assert abs((time.time() - stop._start) - age()) <= 2
     stop.disarm()
+
+
+def test_save_strategy_no_keeps_only_the_latest_preemption_checkpoint(tmp_path):
+    """save_strategy="no" (examples/train_qlora.py): two preemptions of one run (the second resumed from the first)
+    leave only the second checkpoint (before: one per requeue piled up beside the final adapter)."""
+    trainer, stop = _in_process_run(tmp_path, _fault(at_step=2), eval_dataset=False)
+    trainer.train()
+    assert stop.stopped == signal.SIGUSR1 and trainer.state.global_step == 2
+    trainer, stop = _in_process_run(tmp_path, _fault(at_step=4), eval_dataset=False, auto_resume=True)
+    trainer.train()
+    assert stop.stopped == signal.SIGUSR1 and trainer.state.global_step == 4
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-4"]

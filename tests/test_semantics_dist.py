@@ -139,6 +139,8 @@ def test_resume_refuses_other_adapters_in_one_line(launched):
         assert "differ in shape" in r8 and "r=8 in the checkpoint, 4 in this model" in r8, r8
         assert extra and extra.startswith("AdapterMismatchError") and "\n" not in extra, extra
         assert "base_model.model.model.norm.weight" in extra and "no place for" in extra, extra
+        loaded, in_file = errors["count"]  # the resume line's count is the adapter file's (FSDP2: was every param)
+        assert loaded == in_file > 0, errors["count"]
 
 
 def test_identical_rows_train_and_unsplit_data_stops(launched):

@@ -244,3 +244,77 @@ def test_sbatch_job_preempted_requeued_and_resumed_on_two_local_nodes(tmp_path):
     diff = max(float((final[k].float() - expected[k].float()).abs().max()) for k in final)
     print(f"checkpoint at step {step}; resumed adapter vs uninterrupted: max |diff| {diff:.3g}; walls s {walls}")
     assert diff == 0.0
+
+
+# ---- signals at any moment, and the requeue limit (issue 39) ----
+
+SLOW_CONFIG = """#!/bin/bash
+# Stands in for `hf-fsdp-qlora config NAME`: slow, as a cold Python start on shared storage is.
+sleep 2
+echo "$STUB_DIR/config.yaml"
+"""
+
+RECORDING_LAUNCHER = """#!/bin/bash
+# Stands in for `accelerate launch`: records that the trainers were started.
+echo "$@" >> "$STUB_DIR/launched"
+"""
+
+
+def _stub_bin(tmp_path, **scripts) -> Path:
+    stub_bin = tmp_path / "bin"
+    stub_bin.mkdir(exist_ok=True)
+    for name, text in scripts.items():
+        (stub_bin / name).write_text(text)
+        (stub_bin / name).chmod(0o755)
+    return stub_bin
+
+
+def test_sbatch_signal_before_the_launch_requeues_at_once(tmp_path):
+    """SIGUSR1 0.3 s after the job started, while it still resolves the accelerate config: the batch script survives
+    (before: bash died of it, the job ended FAILED with `Broken pipe`), starts no trainers and requeues the job."""
+    stub_bin = _stub_bin(tmp_path, **{"hf-fsdp-qlora": SLOW_CONFIG, "accelerate": RECORDING_LAUNCHER})
+    env = _env({
+        "LOCAL_NODES": "1", "SLURM_JOB_ID": "78", "SLURM_JOB_NUM_NODES": "1", "GPUS_PER_NODE": "1",
+        "STUB_DIR": str(tmp_path), "OUTPUT_DIR": str(tmp_path / "run"),
+        "REQUEUE_CMD": str(_requeue_recorder(tmp_path / "rq")), "PATH": f"{stub_bin}:{BIN}:{os.environ['PATH']}",
+    })  # fmt: skip
+    job = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(0.3)
+    job.send_signal(signal.SIGUSR1)
+    output = job.communicate(timeout=30)[0]
+    requeued = tmp_path / "rq" / "requeued"
+    found = {
+        "status": job.returncode,
+        "requeued": requeued.read_text().split() if requeued.exists() else [],
+        "launched": (tmp_path / "launched").exists(),
+    }
+    assert found == {"status": 0, "requeued": ["78"], "launched": False}, output
+    assert "SIGUSR1 before the trainers started (no new checkpoint); requeueing job 78" in output, output
+
+
+PREEMPTED_LAUNCHER = """#!/bin/bash
+# Stands in for `accelerate launch` of trainers that were preempted: marker written, status 75 (reported as 1).
+echo '{"checkpoint": null, "step": null, "reason": "SIGUSR1", "new_checkpoint": false}' > "$OUTPUT_DIR/preempted.json"
+exit 1
+"""
+
+
+@pytest.mark.parametrize("restarts", [1, 2])
+def test_sbatch_max_requeues_is_said_in_one_line(restarts, tmp_path):
+    """With SLURM_RESTART_COUNT at MAX_REQUEUES, a preempted job is not requeued, and one log line says so and why."""
+    stub_bin = _stub_bin(tmp_path, accelerate=PREEMPTED_LAUNCHER)
+    out = tmp_path / "run"
+    out.mkdir()
+    env = _env({
+        "LOCAL_NODES": "1", "SLURM_JOB_ID": "79", "SLURM_JOB_NUM_NODES": "1", "GPUS_PER_NODE": "1",
+        "SLURM_RESTART_COUNT": str(restarts), "MAX_REQUEUES": "2", "OUTPUT_DIR": str(out),
+        "REQUEUE_CMD": str(_requeue_recorder(tmp_path / "rq")), "PATH": f"{stub_bin}:{BIN}:{os.environ['PATH']}",
+    })  # fmt: skip
+    proc = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60, check=False)
+    requeued = (tmp_path / "rq" / "requeued").exists()
+    said = [line for line in proc.stdout.splitlines() if "MAX_REQUEUES=2 reached" in line]
+    if restarts < 2:
+        assert (proc.returncode, requeued, said) == (0, True, []), proc.stdout + proc.stderr
+    else:
+        assert (proc.returncode, requeued, len(said)) == (1, False, 1), proc.stdout + proc.stderr
+        assert "not requeueing job 79" in said[0] and "SLURM_RESTART_COUNT=2" in said[0], said

@@ -29,6 +29,7 @@ import socket
 from pathlib import Path
 
 from hf_fsdp_qlora.errors import MergeError, MergeUsageError
+from hf_fsdp_qlora.safetensors_io import apply_umask_mode
 
 __all__ = ["MARKER", "AtomicOutputDir", "check_output", "resolve_path"]
 
@@ -248,6 +249,8 @@ class AtomicOutputDir:
     def commit(self) -> None:
         """Swap the finished folder in; the old one, if any, is deleted only after that."""
         self._mark()
+        # Every file gets the user's umask permissions (safetensors' save_file writes 0600 whatever the umask).
+        apply_umask_mode(*(p for p in self.tmp.rglob("*") if p.is_file() and p.name != _LOCK))
         old = None
         if os.path.lexists(self.output):
             if _exchange(self.tmp, self.output):

@@ -23,6 +23,7 @@ from ..errors import AdapterMismatchError
 from ..param_names import clean_name
 from ..quant_record import RECORD_ATTR, write_record
 from ..rank_sync import agree_on_failure
+from ..safetensors_io import apply_umask_mode
 from ._adapter_select import (
     adapter_name_of,
     adapter_selection,
@@ -162,6 +163,7 @@ def _write_adapter(peft_model, tensors: dict, output_dir: Path) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     tmp = output_dir / f".{ADAPTER_WEIGHTS}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    apply_umask_mode(tmp)  # save_file writes 0600 whatever the umask
     config = copy.deepcopy(peft_model.peft_config[adapter_name])
     config.inference_mode = True
     if getattr(config, "base_model_name_or_path", None) is None:
@@ -275,8 +277,8 @@ def load_adapter_into(model, adapter_dir: str | os.PathLike) -> int:
         state_dict = {n: v.to(params[n].dtype) for n, v in state_dict.items()}
         on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
         options = StateDictOptions(full_state_dict=True, strict=False, cpu_offload=on_accelerator)
-        set_model_state_dict(model, state_dict, options=options)
-    return len(state_dict)
+        set_model_state_dict(model, state_dict, options=options)  # fills state_dict with every model parameter
+    return len(saved)  # the adapter file's tensors (every one was loaded: the checks above)
 
 
 def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
@@ -379,6 +381,7 @@ def save_full_model(model, output_dir: str | os.PathLike, *, is_main_process: bo
                     tensor = tensor.full_tensor()
                 tensors[clean_name(name)] = tensor.detach().to("cpu")
             inner.save_pretrained(str(output_dir), state_dict=tensors, safe_serialization=True)
+            apply_umask_mode(*Path(output_dir).glob("*.safetensors"))  # written 0600 by safetensors' save_file
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
             error = err
     agree_on_failure(error)

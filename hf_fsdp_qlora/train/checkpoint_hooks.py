@@ -124,10 +124,18 @@ def _move_into_place(trainer, run_dir: str, staged: str, final: str) -> None:
         trainer.state.best_model_checkpoint = final
     rotate_checkpoints(
         output_dir=run_dir,
-        save_total_limit=trainer.args.save_total_limit,
+        save_total_limit=_kept_checkpoints(trainer.args),
         best_model_checkpoint=trainer.state.best_model_checkpoint,
     )
     _log_checkpoint(trainer, final)
+
+
+def _kept_checkpoints(args) -> int | None:
+    """How many checkpoints rotation keeps: ``save_total_limit``; with no checkpointing asked for
+    (``save_strategy="no"``), the only checkpoints are preemption ones, and the latest is all a resume needs (one per
+    requeue piled up before)."""
+    strategy = getattr(args.save_strategy, "value", args.save_strategy)
+    return 1 if strategy == "no" else args.save_total_limit
 
 
 def _gathers_optimizer(trainer) -> bool:

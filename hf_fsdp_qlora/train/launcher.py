@@ -80,8 +80,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"hf_fsdp_qlora.run: no such script: {target!r}\n\n" + USAGE, file=sys.stderr)
             sys.exit(2)
 
-    from .preemption import set_launch_defaults
+    from .preemption import remember_early_signals, set_launch_defaults
 
+    # First, before the heavy imports and the model loading: a scheduler's SIGUSR1 from here on is remembered and
+    # acted on when train() starts (the node script's `trap '' USR1` would otherwise have it ignored until then).
+    remember_early_signals()
     try:
         set_launch_defaults(
             auto_resume=os.environ.get(AUTO_RESUME_ENV, "").strip().lower() in ("1", "true", "yes"),

@@ -15,6 +15,7 @@ command with ``auto_resume`` then continues from that checkpoint, bit for bit.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -35,7 +36,10 @@ __all__ = [
     "parse_signals",
     "parse_stop_after",
     "process_start_time",
+    "release_early_signals",
+    "remember_early_signals",
     "resolve_resume",
+    "write_marker",
     "set_launch_defaults",
 ]
 
@@ -184,6 +188,54 @@ class SignalFlag:
                 signal.Signals(pending).name,
             )
             signal.raise_signal(pending)
+
+
+# Signals that came before train() installed its handler (the launcher installs this flag at process start).
+_EARLY: SignalFlag | None = None
+# What the launcher remembers: the scheduler's warning. The node script starts the trainers with it ignored (its
+# `trap '' USR1` is inherited), so without a handler of ours from the first line a warning during model loading was
+# dropped. SIGTERM keeps its default (an end at once) until train(): a script that never trains stays killable.
+EARLY_SIGNALS = "SIGUSR1"
+
+
+def remember_early_signals(signals=EARLY_SIGNALS) -> None:
+    """Process start (``-m hf_fsdp_qlora.run``): remember `signals` until ``train()`` takes them over."""
+    global _EARLY
+    if _EARLY is None:
+        flag = SignalFlag(signals)
+        if flag.install():
+            _EARLY = flag
+
+
+def early_signals_remembered() -> bool:
+    """Whether the launcher installed the early flag (the same on every rank of a launch)."""
+    return _EARLY is not None
+
+
+def early_signal(signals) -> int:
+    """The first remembered signal among `signals` (a :func:`parse_signals` value), or 0."""
+    received = _EARLY.received if _EARLY is not None else 0
+    return received if received and received in parse_signals(signals) else 0
+
+
+def release_early_signals() -> int:
+    """Hand the early handlers back (train() installs its own) and return the signal that came, or 0."""
+    global _EARLY
+    if _EARLY is None:
+        return 0
+    flag, _EARLY = _EARLY, None
+    received = flag.received
+    flag.restore(reraise=False)
+    return received
+
+
+def write_marker(output_dir: str, checkpoint: str | None, step: int | None, reason: str) -> None:
+    """The :data:`PREEMPTED_MARKER` a job script requeues on; ``new_checkpoint`` says whether this run wrote one
+    (False: stopped before training, the latest complete checkpoint, if any, stays the resume point)."""
+    os.makedirs(output_dir, exist_ok=True)
+    entry = {"checkpoint": checkpoint, "step": step, "reason": reason, "new_checkpoint": checkpoint is not None}
+    with open(os.path.join(output_dir, PREEMPTED_MARKER), "w") as f:
+        json.dump(entry, f)
 
 
 def agree(value: int) -> int:

@@ -19,7 +19,6 @@ Where the flag raised by :class:`~hf_fsdp_qlora.train.preemption.SignalFlag` is 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -31,15 +30,18 @@ from ..distributed import is_main_process
 from .preemption import (
     DEADLINE,
     PREEMPTED_EXIT_CODE,
-    PREEMPTED_MARKER,
     SignalFlag,
     agree,
+    early_signal,
+    early_signals_remembered,
     exit_after_preemption,
     launch_defaults,
     parse_signals,
     parse_stop_after,
     process_start_time,
+    release_early_signals,
     resolve_resume,
+    write_marker,
 )
 
 __all__ = ["PreemptionCallback"]
@@ -78,8 +80,36 @@ class PreemptionCallback(TrainerCallback):
         self.exit_deferred = False  # set by our trainers, which exit after train() returns
         self._budget = self._start = self._first_step = None
 
+    def _configured_signals(self, args):
+        return self._signals if self._signals is not None else getattr(args, "preemption_signals", None)
+
+    def stop_if_signalled_before_training(self, args) -> None:
+        """Collective (when the launcher remembered signals): a signal that came on any rank before training (during
+        model loading) stops every rank here, before the first step, with the exit status and a marker whose
+        ``new_checkpoint`` is False; the requeued job resumes from the latest complete checkpoint, if any."""
+        if self.exit_code is None or not early_signals_remembered():
+            return  # (a train() that returns carries the signal into the first step, on_train_begin)
+        reason = agree(early_signal(self._configured_signals(args)))
+        if not reason:
+            return
+        self.stopped = reason
+        release_early_signals()
+        if is_main_process():
+            name = signal.Signals(reason).name
+            write_marker(args.output_dir, None, None, name)
+            logger.warning(
+                "hf_fsdp_qlora: %s before training started: no new checkpoint written (the next run resumes from the "
+                "latest complete one in %s, or starts afresh); exiting with status %d.",
+                name,
+                args.output_dir,
+                self.exit_code,
+            )
+        exit_after_preemption(self.exit_code)
+
     def on_train_begin(self, args, state, control, **kwargs):
-        signals = self._signals if self._signals is not None else getattr(args, "preemption_signals", None)
+        if not self.exit_deferred:  # our trainers checked before the stock train() began
+            self.stop_if_signalled_before_training(args)
+        signals = self._configured_signals(args)
         stop_after = self._stop_after or getattr(args, "stop_after", None) or launch_defaults()["stop_after"]
         self._budget, self._start = parse_stop_after(stop_after), process_start_time()
         self.stopped, self.checkpoint, self._first_step = 0, None, state.global_step
@@ -90,8 +120,11 @@ class PreemptionCallback(TrainerCallback):
                 "raises leaves the signal handler installed. Pass it in callbacks= when building the trainer."
             )
         if self.flag is None:
+            early = release_early_signals()
             self.flag = SignalFlag(signals)
             self.flag.install()
+            if early in self.flag.signals:  # came after the agreement above: acted on at the first step's end
+                self.flag.received = self.flag.received or early
 
     def _local(self) -> int:
         if self.flag is not None and self.flag.received:
@@ -143,8 +176,7 @@ class PreemptionCallback(TrainerCallback):
         self.checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if is_main_process():
             why = "the stop_after deadline" if reason == DEADLINE else signal.Signals(reason).name
-            with open(os.path.join(args.output_dir, PREEMPTED_MARKER), "w") as f:
-                json.dump({"checkpoint": self.checkpoint, "step": state.global_step, "reason": why}, f)
+            write_marker(args.output_dir, self.checkpoint, state.global_step, why)
             logger.warning(
                 "hf_fsdp_qlora: %s: saved %s (weights, optimizer, scheduler, RNG, data position) at step %d of %d; "
                 "%s. Run the same command with auto_resume to continue.",
@@ -185,6 +217,7 @@ def train_then_exit_if_preempted(trainer, stock, resume_from_checkpoint, trial, 
     preemption = preemption_callback_of(trainer)
     if preemption is not None:
         preemption.exit_deferred = True
+        preemption.stop_if_signalled_before_training(trainer.args)
     try:
         output = stock(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
     finally:

@@ -15,6 +15,8 @@ Routes:
   external:R           rank R waits inside its first checkpoint write for a signal from the test process
   kill:R               rank R is SIGKILLed inside this run's first checkpoint write
   deadline:SECS        rank 0 sleeps SECS in the run's first step (stop_after is set shorter by the test)
+  load:R:SIG           rank R sends itself SIG before loading the model (before train(); the test starts the
+                       launch with SIGUSR1 ignored, as the SLURM recipe's node script does)
 Each micro-step's training loss is appended to RECORD/losses_rank<R>.jsonl as it is computed, and at the end of
 train() the number of evaluation batches this rank's Fault callback saw (ours runs first and ends the evaluation).
 """
@@ -111,6 +113,9 @@ class Fault(TrainerCallback):
 
 def train_once(args, out: Path, run: str, fault_spec: str):
     record = Path(args.record)
+    fault = Fault(fault_spec, record, run)
+    if fault.kind == "load" and rank() == int(fault.params[0]):
+        fault.fire(getattr(signal, fault.params[1]))
     set_seed(7)  # the same fresh adapter in every launch (a resumed run loads it from the checkpoint instead)
     model = load_qlora_model(
         str(Path(args.models) / "llama"), lora_config=ts.lora_config(), gradient_checkpointing=False
@@ -121,7 +126,6 @@ def train_once(args, out: Path, run: str, fault_spec: str):
         save_strategy="steps", save_steps=SAVE_STEPS, eval_strategy="steps", eval_steps=EVAL_STEPS, seed=7,
         use_cpu=True, dataloader_drop_last=True,
     )  # fmt: skip
-    fault = Fault(fault_spec, record, run)
     data = ts.TokenDataset()
     settings["eval_on_start"] = fault.kind == "starteval"
     evaluated = {"a": data, "b": data} if fault.kind == "eval" else data

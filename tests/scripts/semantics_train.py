@@ -81,7 +81,10 @@ def mismatch_errors(model, path, out):
     tensors["base_model.model.model.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
     (rank_dir / "extra").mkdir(parents=True)
     save_file(tensors, str(rank_dir / "extra" / "adapter_model.safetensors"))
-    errors = {}
+    # The count a resume reports: the file's tensors (FSDP2 once counted every model parameter, issue 39).
+    errors = {
+        "count": [load_adapter_into(model, out / "r4"), len(load_file(str(out / "r4" / "adapter_model.safetensors")))]
+    }
     for kind in ("r8", "extra"):
         try:
             load_adapter_into(model, rank_dir / kind)
