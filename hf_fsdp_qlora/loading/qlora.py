@@ -54,6 +54,7 @@ class _Load:
     quantization_config: Any = None  # _decide_quantization, _place_experts: what from_pretrained quantizes with
     experts_device: Any = None  # _place_experts: the accelerator the experts are packed onto, one at a time
     model: Any = None  # _build_base; the PeftModel from _attach_adapter on
+    adapter_dtype: Any = torch.float32  # the trainable tensors' dtype (the last step)
 
 
 def load_qlora_model(
@@ -68,12 +69,14 @@ def load_qlora_model(
     low_cpu_ram: bool = False,
     quantize_experts: bool = True,
     bits: int = 4,
+    adapter_dtype=torch.float32,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM in 4 bits (or 8) and add LoRA adapters, with one dtype driving everything.
 
-    ``bnb_4bit_quant_storage`` = ``bnb_4bit_compute_dtype`` = model dtype = adapter dtype = `dtype`, so
-    every FSDP unit (FSDP1 FlatParameter or FSDP2 group) holds one floating dtype and FSDP's
+    ``bnb_4bit_quant_storage`` = ``bnb_4bit_compute_dtype`` = model dtype = `dtype`, and the trainable adapter
+    tensors in `adapter_dtype` (float32 master weights, as stock peft), so every FSDP unit (FSDP1 FlatParameter or
+    the trainable parameters of an FSDP2 group) holds one floating dtype and FSDP's
     mixed-precision param dtype can equal the storage dtype without touching the packed bytes. Norms
     stay in `dtype` (no fp32 upcast) and gradient checkpointing uses ``use_reentrant=False``.
 
@@ -101,6 +104,9 @@ def load_qlora_model(
         bits: 4 (default: NF4/FP4 QLoRA) or 8: bitsandbytes' row-wise int8 (``load_in_8bit``), each int8 layer held
             as :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` so FSDP shards it (``quant_type``/``double_quant`` are
             4-bit settings and are not used). A checkpoint saved after 8-bit loading loads with ``bits=8``.
+        adapter_dtype: the dtype the trainable tensors (LoRA A/B, DoRA magnitudes) are kept and stepped in:
+            ``torch.float32`` (default: small updates are not rounded away) or `dtype` (pure 16-bit adapters, half
+            the adapter memory; see docs/dtypes.md).
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -123,6 +129,7 @@ def load_qlora_model(
         quantize_experts=quantize_experts,
         trust_remote_code=trust_remote_code,
         from_pretrained_kwargs=dict(from_pretrained_kwargs),
+        adapter_dtype=resolve_dtype(adapter_dtype),
     )
     _check_arguments(load)
     _read_config(load)
@@ -139,7 +146,8 @@ def load_qlora_model(
     _convert_int8(load)
     # The record of what was quantized (which layers, bits, quant type, storage), to travel with the adapter so
     # merge follows it, is a step here: every quantizing step has run and load.model is the PeftModel.
-    harmonize_dtypes(load.model, load.dtype)  # one floating dtype in every FSDP unit: adapters, norms, heads
+    # One floating dtype among the frozen tensors (norms, heads) and one among the trainable ones (the adapters).
+    harmonize_dtypes(load.model, load.dtype, trainable_dtype=load.adapter_dtype)
     return load.model
 
 
@@ -153,6 +161,11 @@ def _check_arguments(load: _Load) -> None:
     if load.bits not in (4, 8):
         raise ValueError(
             f"bits={load.bits!r} is not supported: use 4 (NF4/FP4, the default) or 8 (bitsandbytes int8)."
+        )
+    if load.adapter_dtype not in (torch.float32, load.dtype):
+        raise ValueError(
+            f"adapter_dtype={load.adapter_dtype} is not supported with dtype={load.dtype}: use torch.float32 "
+            f"(default: float32 master weights) or {load.dtype} (16-bit adapters)."
         )
     for key in ("load_in_8bit", "load_in_4bit", "quantization_config", "torch_dtype", "dtype"):
         if key in load.from_pretrained_kwargs:
