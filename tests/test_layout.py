@@ -101,3 +101,24 @@ def test_modules_stay_small():
         name: n for p in SOURCES if (n := len(p.read_text().splitlines())) > LIMITS.get(name := _module_name(p), 420)
     }
     assert not long, f"split these modules (over 420 lines): {long}"
+
+
+def _code_lines(node) -> int:
+    """A function's lines without its docstring (a public API's Args/Returns are documentation, not code)."""
+    length = node.end_lineno - node.lineno + 1
+    doc = node.body[0] if node.body and isinstance(node.body[0], ast.Expr) else None
+    if doc is not None and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+        length -= doc.end_lineno - doc.lineno + 1
+    return length
+
+
+def test_loader_and_doctor_read_as_steps():
+    """No function of loading/ or doctor/ runs over 60 lines of code: a new capability adds a step or a term."""
+    long = {
+        f"{_module_name(p)}.{node.name}": n
+        for p in SOURCES
+        if _module_name(p).split(".")[1:2] in (["loading"], ["doctor"])
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := _code_lines(node)) > 60
+    }
+    assert not long, f"split these into named steps: {long}"
