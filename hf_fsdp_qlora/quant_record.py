@@ -110,8 +110,9 @@ def read_record(folder: str | os.PathLike) -> QuantRecord | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if data.pop("version", None) != _VERSION:
-            raise ValueError(f"version {data.get('version')!r}, expected {_VERSION}")
+        version = data.pop("version", None)
+        if version != _VERSION:
+            raise ValueError(f"version {version!r}, expected {_VERSION}")
         return QuantRecord(**data)
     except (ValueError, TypeError) as err:
         raise ValueError(f"{path} is not a quantization record hf_fsdp_qlora reads ({err}).") from err
