@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from ._rules import _SPREADING_MAPS, OURS, Context, _finding
+from .advice import combined, ranked_levers
 from .memory import FIT_FRACTION, MemoryPlan, format_size, verdict
 
 
@@ -146,20 +147,30 @@ def memory_rules(ctx: Context):
             "per_device_train_batch_size", f"{s.batch_size} (up to about {largest} fits at {s.seq_len} tokens)",
         )  # fmt: skip
         return
-    suggestions = []
     if plan.checkpointing == "none" and verdict(plan.total_if(True), mem) == "fits":
         return  # activation-checkpointing-off says it
-    if not s.fsdp.offload_params and s.fsdp.version is not None:
-        suggestions.append(("fsdp_config.fsdp_offload_params", "true"))
-    if s.batch_size > 1:
-        suggestions.append(("per_device_train_batch_size", "1 (raise gradient_accumulation_steps instead)"))
-    suggestions.append(("max_seq_length", str(max(256, s.seq_len // 2))))
-    setting, value = suggestions[0]
-    severity = "warning" if v == "tight" else "error"
-    yield _finding(
-        "memory-does-not-fit" if v == "does_not_fit" else "memory-tight", severity,
-        f"Estimated {format_size(plan.total)} per GPU of {format_size(mem)} ({v.replace('_', ' ')}): the largest "
-        f"parts are {_largest(plan)}.", setting, value,
+    yield _does_not_fit(ctx)
+
+
+def _does_not_fit(ctx: Context) -> dict:
+    """The plan's largest parts, and the run's levers ranked by the bytes each saves (.advice), the first as the
+    setting to change."""
+    plan, mem, v = ctx.plan, ctx.plan.gpu_memory, ctx.plan.verdict
+    levers = ranked_levers(ctx.setup, ctx.shape, plan)[:4] if ctx.shape is not None else []
+    problem = (f"Estimated {format_size(plan.total)} per GPU of {format_size(mem)} ({v.replace('_', ' ')}): the "
+               f"largest parts are {_largest(plan)}.")  # fmt: skip
+    if levers:
+        problem += " By bytes saved: " + "; ".join(lever.text(plan.total, mem) for lever in levers) + "."
+        if verdict(levers[0].total, mem) != "fits":
+            count, total = combined(ctx.setup, ctx.shape, levers, mem)
+            problem += (f" None fits alone; the first {count} together: {format_size(total)} per GPU "
+                        f"({verdict(total, mem).replace('_', ' ')}).")  # fmt: skip
+        setting, value = levers[0].setting, levers[0].advice
+    else:
+        setting, value = "num GPUs / GPU size", "more or larger GPUs"
+    return _finding(
+        "memory-does-not-fit" if v == "does_not_fit" else "memory-tight", "warning" if v == "tight" else "error",
+        problem, setting, value,
     )  # fmt: skip
 
 
