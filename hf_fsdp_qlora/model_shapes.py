@@ -259,6 +259,12 @@ def _layer_prefixes(module, layer_classes: list[str]) -> list[str]:
     )
 
 
+def _position_limit(text) -> int | None:
+    """max_position_embeddings (n_positions); None where there is none, or -1 (XLNet: no limit)."""
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
     """A shape with the config's sizes (no parameters counted yet)."""
     # Attention-free families (Mamba, RWKV, xLSTM) have no heads: one "head" as wide as the hidden size.
@@ -275,7 +281,7 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         head_dim=int(_config_value(text, "head_dim") or text.hidden_size // heads),
         vocab_size=int(text.vocab_size),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        max_positions=getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
+        max_positions=_position_limit(text),
         rotary=any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_theta", "rotary_dim")),
         logit_transforms={k: getattr(text, k) for k in LOGIT_TRANSFORMS if getattr(text, k, None) is not None},
     )

@@ -14,7 +14,14 @@ from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
-from ._checkpoint import check_causal_lm, config_has_fused_experts, load_config, prequantized_check
+from ._checkpoint import (
+    check_causal_lm,
+    check_checkpointing,
+    config_has_fused_experts,
+    load_config,
+    prequantized_check,
+    supports_checkpointing,
+)
 from ._experts_map import release_experts_dispatch
 from .expert_lora import (
     check_target_modules,
@@ -73,7 +80,7 @@ def load_qlora_model(
     lora_config=None,
     quant_type: str = "nf4",
     double_quant: bool = True,
-    gradient_checkpointing: bool = True,
+    gradient_checkpointing: bool | None = None,
     trust_remote_code: bool = False,
     low_cpu_ram: bool = False,
     quantize_experts: bool = True,
@@ -101,7 +108,9 @@ def load_qlora_model(
             A pre-quantized MoE checkpoint's experts (16-bit: bitsandbytes packs only linear layers) are quantized
             with the checkpoint's quant type and double quant too.
         gradient_checkpointing: enable activation checkpointing in the model (turn it off when the
-            accelerate config enables ``fsdp_activation_checkpointing`` instead).
+            accelerate config enables ``fsdp_activation_checkpointing`` instead). None (default): on where the model's
+            class supports it, off (logged) in the few families whose transformers class does not (XLNet, OpenAI GPT,
+            GPT-NeoX-Japanese); True on such a family is refused by name before any weight is read.
         trust_remote_code: passed to transformers.
         low_cpu_ram: under a multi-process launch, only rank 0 reads and quantizes the checkpoint; the other
             ranks receive its tensors and quant states (:mod:`hf_fsdp_qlora.loading.low_ram`). Collective: call on
@@ -149,6 +158,7 @@ def load_qlora_model(
     )
     _check_arguments(load, lora_config)
     _read_config(load)
+    check_checkpointing(load.config, gradient_checkpointing)
     _read_checkpoint_quantization(load)
     _refuse_8bit_experts(load)
     _decide_quantization(load)
@@ -318,11 +328,19 @@ def _quantize_experts(load: _Load) -> None:
         )
 
 
-def _freeze_for_kbit_training(model, gradient_checkpointing: bool) -> None:
+def _freeze_for_kbit_training(model, gradient_checkpointing: bool | None) -> None:
     # peft's prepare_model_for_kbit_training does this too, but it also upcasts every non-quantized
     # parameter (norms, embeddings) to fp32, which puts fp32 beside bf16 inside one FSDP1 unit.
     for param in model.parameters():
         param.requires_grad_(False)
+    if gradient_checkpointing is None:  # not asked for: on where the class supports it
+        gradient_checkpointing = supports_checkpointing(model)
+        if not gradient_checkpointing:
+            logger.info(
+                "hf_fsdp_qlora: %s does not support activation checkpointing in transformers: loaded without it",
+                type(model).__name__,
+            )
+    check_checkpointing(model.config, gradient_checkpointing, type(model))
     if gradient_checkpointing:
         # use_reentrant=False: the reentrant variant needs inputs that require grad and breaks with FSDP.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

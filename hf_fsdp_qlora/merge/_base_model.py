@@ -17,7 +17,15 @@ import torch
 from hf_fsdp_qlora.errors import MergeError
 from hf_fsdp_qlora.safetensors_io import INDEX_NAME, TensorEntry, checkpoint_shards, read_header
 
-__all__ = ["INDEX_NAME", "base_entries", "check_base_name", "meta_model", "quantized_keys", "tied_map"]
+__all__ = [
+    "INDEX_NAME",
+    "base_entries",
+    "check_base_name",
+    "conv1d_modules",
+    "meta_model",
+    "quantized_keys",
+    "tied_map",
+]
 
 _INDEX = INDEX_NAME  # short local name
 
@@ -111,6 +119,12 @@ def _meta_model(base: str, config_text: str):
 
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+
+
+def conv1d_modules(base: Path) -> set[str]:
+    """The base's GPT-2-style ``Conv1D`` modules (GPT-2, GPT-SW3, OpenAI GPT, ...): they store their weight (in, out),
+    the transpose of ``nn.Linear``'s, and bitsandbytes quantizes that transpose (transformers transposes it first)."""
+    return {name for name, module in meta_model(base).named_modules() if type(module).__name__ == "Conv1D"}
 
 
 def quantized_keys(base: Path, experts: bool = True, skip_modules=()) -> set[str]:

@@ -31,6 +31,7 @@ class Item:
     ready: torch.Tensor | None = None  # computed ahead (tied embeddings, task heads the base lacks)
     resized: tuple[int, ...] | None = None  # the output shape, where the adapter resized the vocabulary
     group: tuple | None = None  # a slice of an expert quantized as one matrix: (its entries, dim, start, stop)
+    transposed: bool = False  # a Conv1D weight, stored (in, out): bitsandbytes quantized its transpose
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ from hf_fsdp_qlora.merge._base_model import (
     INDEX_NAME,
     base_entries,
     check_base_name,
+    conv1d_modules,
     is_input_embedding,
     quantized_keys,
     task_model,
@@ -158,6 +159,8 @@ def _roundtrip(item: Item, weight: torch.Tensor, quant) -> torch.Tensor:
         return quantize_roundtrip(torch.cat(pieces, dim=dim), *quant).narrow(dim, start, stop - start)
     if weight.dim() == 3:
         return torch.stack([quantize_roundtrip(expert, *quant) for expert in weight])
+    if item.transposed:  # a Conv1D weight: bitsandbytes quantized it as the (out, in) Linear4bit weight
+        return quantize_roundtrip(weight.T.contiguous(), *quant).T
     return quantize_roundtrip(weight, *quant)
 
 
@@ -332,7 +335,8 @@ def merge_adapters(
         loaded = load_adapter(adapter, config_path=adapter_config)
         base_model = loaded.config.get("base_model_name_or_path")
         params = read_param_targets(base, loaded.config, entries) if loaded.config.get("target_parameters") else None
-        updates = collect_updates(loaded.config, loaded.tensors, params)
+        conv1d = conv1d_modules(base)
+        updates = collect_updates(loaded.config, loaded.tensors, params, transposed=conv1d)
         tied = tied_map(base, config, entries)
         record = read_quant_record(loaded.folder, dequantize)
         quantized, groups = set(), {}
@@ -354,6 +358,7 @@ def merge_adapters(
         items, untied = plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model, task)
         for item in items:
             item.group = groups.get(item.name)
+            item.transposed = item.name.removesuffix(".weight") in conv1d
         if task is not None:  # e.g. a reward model: loads with AutoModelForSequenceClassification
             config.update(task[2])
         vocab = next((item.shape[0] for item in items if item.resized and is_input_embedding(item.name)), None)
