@@ -32,6 +32,7 @@ from .expert_lora import (
 )
 from .experts import EXPERT_LAYOUTS, keep_linear_targets, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
+from .family_targets import family_skip_modules, lora_config_for_family
 from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
 
 __all__ = ["load_qlora_model", "default_lora_config"]
@@ -260,12 +261,12 @@ def _decide_quantization(load: _Load) -> None:
 
 
 def _skips(load: _Load) -> dict:
-    """``llm_int8_skip_modules`` (used by 4-bit and 8-bit loading alike) for the caller's `skip_modules`, or nothing."""
-    if not load.skip_modules:
+    """``llm_int8_skip_modules`` (used by 4-bit and 8-bit loading alike) for the caller's `skip_modules` and the
+    family's own (layers its forward reads as a weight: family_targets.py), or nothing."""
+    skip = (*load.skip_modules, *(m for m in family_skip_modules(load.config) if m not in load.skip_modules))
+    if not skip:
         return {}
-    return {
-        "llm_int8_skip_modules": modules_kept_16bit(load.config, load.skip_modules, load.dtype, load.trust_remote_code)
-    }
+    return {"llm_int8_skip_modules": modules_kept_16bit(load.config, skip, load.dtype, load.trust_remote_code)}
 
 
 def _place_experts(load: _Load) -> None:
@@ -353,6 +354,7 @@ def _attach_adapter(load: _Load, lora_config) -> None:
         return  # _continue_adapter loads it
     lora_config = lora_config if lora_config is not None else default_lora_config()
     lora_config = lora_config_for_experts(load.model, lora_config)  # "all-linear": the linear layers, in MoE too
+    lora_config = lora_config_for_family(load.model, lora_config)  # not the layers its forward never runs
     lora_config = lora_config_for_mamba(load.model, lora_config)
     check_target_parameters(load.model, lora_config)
     with peft_sees_expert_weights(load.model), keep_linear_targets(lora_config):
