@@ -32,6 +32,7 @@ class Item:
     resized: tuple[int, ...] | None = None  # the output shape, where the adapter resized the vocabulary
     group: tuple | None = None  # a slice of an expert quantized as one matrix: (its entries, dim, start, stop)
     transposed: bool = False  # a Conv1D weight, stored (in, out): bitsandbytes quantized its transpose
+    chunks: tuple[bool, ...] | None = None  # layers stored as equal row chunks: which of them were quantized
 
     @property
     def shape(self) -> tuple[int, ...]:
