@@ -81,6 +81,7 @@ class ModelShape:
     num_tensors: int = 0  # parameter tensors, tied ones once
     max_positions: int | None = None  # max_position_embeddings (n_positions), if the config has one
     rotary: bool = True  # positions from RoPE (a longer sequence runs, degraded), not a learned table
+    checkpointing: bool = True  # the class supports transformers' activation checkpointing (XLNet, OpenAI GPT: not)
     # the config's transforms of the logits after the head (hf_fsdp_qlora.loss_paths.LOGIT_TRANSFORMS) that are set
     logit_transforms: dict = field(default_factory=dict)
     # Mixture of experts: the fused expert modules (their weights and biases are in no other count), the experts
@@ -273,6 +274,7 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         model_type=config.model_type,
         layer_classes=layer_classes,
         module_classes={type(m).__name__ for m in module.modules()},
+        checkpointing=bool(getattr(module, "supports_gradient_checkpointing", True)),
         num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         hidden_size=int(text.hidden_size),
         intermediate_size=int(getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size),

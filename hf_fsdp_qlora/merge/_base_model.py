@@ -90,7 +90,7 @@ def tied_map(base: Path, config: dict, keys) -> dict[str, str]:
         tie = getattr(AutoConfig.from_pretrained(base), "tie_word_embeddings", False)
     if not tie:
         return {}
-    mapping = {}
+    mapping, cls = {}, None
     try:
         import transformers
 
@@ -98,6 +98,9 @@ def tied_map(base: Path, config: dict, keys) -> dict[str, str]:
         mapping = dict(getattr(cls, "_tied_weights_keys", None) or {})
     except (ImportError, TypeError, ValueError):
         mapping = {}
+    if cls is not None and not getattr(cls, "_tied_weights_keys", None):
+        # a known class that ties nothing, whatever its config says (BigBirdPegasusForCausalLM stores lm_head apart)
+        return {}
     if not mapping:  # unknown architecture: the output head is tied to the one input embedding
         embeds = [
             k for k in keys if re.search(r"(embed_tokens|wte|word_embeddings|embed_in|tok_embeddings)\.weight$", k)
