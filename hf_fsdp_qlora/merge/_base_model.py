@@ -23,6 +23,7 @@ __all__ = [
     "check_base_name",
     "conv1d_modules",
     "meta_model",
+    "meta_model_or_none",
     "quantized_keys",
     "tied_map",
 ]
@@ -124,10 +125,22 @@ def _meta_model(base: str, config_text: str):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
 
 
-def conv1d_modules(base: Path) -> set[str]:
-    """The base's GPT-2-style ``Conv1D`` modules (GPT-2, GPT-SW3, OpenAI GPT, ...): they store their weight (in, out),
-    the transpose of ``nn.Linear``'s, and bitsandbytes quantizes that transpose (transformers transposes it first)."""
-    return {name for name, module in meta_model(base).named_modules() if type(module).__name__ == "Conv1D"}
+def meta_model_or_none(base: Path):
+    """:func:`meta_model`, or None where transformers cannot build the base from its config alone (remote code, a
+    class this transformers lacks): the merge then knows no more than the base's files say."""
+    try:
+        return meta_model(base)
+    except Exception:  # noqa: BLE001 - any failure to build only means: no class-level facts
+        return None
+
+
+def conv1d_modules(model) -> set[str]:
+    """The GPT-2-style ``Conv1D`` modules of `model` (built on meta; None: none known) (GPT-2, GPT-SW3, OpenAI GPT):
+    they store their weight (in, out), the transpose of ``nn.Linear``'s, and bitsandbytes quantizes that transpose
+    (transformers transposes it first)."""
+    if model is None:
+        return set()
+    return {name for name, module in model.named_modules() if type(module).__name__ == "Conv1D"}
 
 
 def quantized_keys(base: Path, experts: bool = True, skip_modules=()) -> set[str]:

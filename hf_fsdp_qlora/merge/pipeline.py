@@ -27,7 +27,7 @@ from hf_fsdp_qlora.merge._base_model import (
     check_base_name,
     conv1d_modules,
     is_input_embedding,
-    meta_model,
+    meta_model_or_none,
     quantized_keys,
     task_model,
     tied_map,
@@ -340,8 +340,9 @@ def merge_adapters(
         loaded = load_adapter(adapter, config_path=adapter_config)
         base_model = loaded.config.get("base_model_name_or_path")
         params = read_param_targets(base, loaded.config, entries) if loaded.config.get("target_parameters") else None
-        conv1d = conv1d_modules(base)
-        places = checkpoint_places(meta_model(base), entries)  # layers transformers renames or splits on load
+        skeleton = meta_model_or_none(base)  # what only the model's classes say: Conv1D, key conversions
+        conv1d = conv1d_modules(skeleton)
+        places = checkpoint_places(skeleton, entries) if skeleton is not None else {}  # renamed or split on load
         updates = collect_updates(loaded.config, loaded.tensors, params, transposed=conv1d)
         updates = follow_checkpoint_keys(updates, places, entries)
         tied = tied_map(base, config, entries)
