@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["causal_lm_problem"]
+__all__ = ["causal_lm_problem", "causal_lm_fix"]
 
 
 def causal_lm_problem(config) -> str | None:
@@ -30,3 +30,16 @@ def causal_lm_problem(config) -> str | None:
     ):
         return f"a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'})"
     return None
+
+
+def causal_lm_fix(config) -> str:
+    """What to pass instead of the model `causal_lm_problem` refused: one sentence, for both messages."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return (
+            f"{config.model_type!r} is an encoder family and this config has is_decoder=false, so its LM head "
+            "attends both ways. Pass a causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint), or, for a "
+            f'{config.model_type!r} model trained as a decoder, set "is_decoder": true in its config.json.'
+        )
+    return "Pass a causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint)."

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from .causal_lm import causal_lm_problem
+from .causal_lm import causal_lm_fix, causal_lm_problem
 from .errors import SetupInputError
 
 __all__ = ["load_model_config"]
@@ -61,6 +61,5 @@ def _check_causal_lm(config, path) -> None:
     kind = causal_lm_problem(config)
     if kind is not None:
         raise SetupInputError(
-            f"{path} describes {kind}, which has no causal-LM head to fine-tune. Pass a causal language model's "
-            "config (Llama, Qwen2, ...)."
+            f"{path} describes {kind}, which has no causal-LM head to fine-tune. {causal_lm_fix(config)}"
         )

@@ -81,6 +81,7 @@ class ModelShape:
     num_tensors: int = 0  # parameter tensors, tied ones once
     max_positions: int | None = None  # max_position_embeddings (n_positions), if the config has one
     rotary: bool = True  # positions from RoPE (a longer sequence runs, degraded), not a learned table
+    checkpointing: bool = True  # the class supports transformers' activation checkpointing (XLNet, OpenAI GPT: not)
     # the config's transforms of the logits after the head (hf_fsdp_qlora.loss_paths.LOGIT_TRANSFORMS) that are set
     logit_transforms: dict = field(default_factory=dict)
     # Mixture of experts: the fused expert modules (their weights and biases are in no other count), the experts
@@ -259,6 +260,12 @@ def _layer_prefixes(module, layer_classes: list[str]) -> list[str]:
     )
 
 
+def _position_limit(text) -> int | None:
+    """max_position_embeddings (n_positions); None where there is none, or -1 (XLNet: no limit)."""
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
     """A shape with the config's sizes (no parameters counted yet)."""
     # Attention-free families (Mamba, RWKV, xLSTM) have no heads: one "head" as wide as the hidden size.
@@ -267,6 +274,7 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         model_type=config.model_type,
         layer_classes=layer_classes,
         module_classes={type(m).__name__ for m in module.modules()},
+        checkpointing=bool(getattr(module, "supports_gradient_checkpointing", True)),
         num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         hidden_size=int(text.hidden_size),
         intermediate_size=int(getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size),
@@ -275,7 +283,7 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         head_dim=int(_config_value(text, "head_dim") or text.hidden_size // heads),
         vocab_size=int(text.vocab_size),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        max_positions=getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
+        max_positions=_position_limit(text),
         rotary=any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_theta", "rotary_dim")),
         logit_transforms={k: getattr(text, k) for k in LOGIT_TRANSFORMS if getattr(text, k, None) is not None},
     )

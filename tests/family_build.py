@@ -53,6 +53,9 @@ FAMILY_SIZES = {
     "recurrent_gemma": {"num_hidden_layers": 3},  # its block pattern: recurrent, recurrent, attention
     "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
 }
+# Parameters a family initialises to zero that gate its linear layers: a trained model has them non-zero (Doge's
+# dynamic mask is exp(A * softplus(dt_proj(v))): A = 0 leaves dt_proj, and its LoRA, without effect or gradient).
+FAMILY_PARAMS = {"doge": ("self_attn.A",)}
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 
@@ -107,7 +110,7 @@ def build(model_type: str, path: Path, seed: int = 0) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # biases default to zero; make them matter so a lost bias shows in the merge
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith(".bias") or name.endswith(FAMILY_PARAMS.get(model_type, ())):
                 param.normal_(0.0, 0.1)
     with torch.no_grad():
         model(torch.arange(3, 11).unsqueeze(0), use_cache=False)  # a model that cannot run its forward is not "built"

@@ -64,7 +64,8 @@ Finding ids: ``8bit-under-fsdp``, ``8bit-moe-experts``, ``experts-not-quantizabl
 ``storage-vs-param-dtype``, ``mixed-precision-vs-storage``, ``storage-vs-compute-dtype``, ``fsdp{1,2}-fp32-adapters``, ``fsdp{1,2}-fp32-norms``,
 ``fsdp1-use-orig-params``, ``device-map-under-fsdp``, ``cpu-ram-efficient-loading-without-sync``,
 ``cpu-rehearsal-needs-gpu``, ``not-fsdp``, ``wrap-class-missing``, ``no-auto-wrap``,
-``activation-checkpointing-twice``, ``activation-checkpointing-off``, ``load-does-not-fit``, ``memory-plan``,
+``activation-checkpointing-twice``, ``activation-checkpointing-off``, ``checkpointing-unsupported``,
+``load-does-not-fit``, ``memory-plan``,
 ``memory-tight``, ``memory-does-not-fit``, ``checkpoint-timeout``, ``optimizer-in-checkpoint``,
 ``padding-to-max-length``, ``eval-batch-too-large``.
 """

@@ -86,6 +86,15 @@ def wrap_rules(ctx: Context):
 
 def checkpointing_rules(ctx: Context):
     s, plan = ctx.setup, ctx.plan
+    if ctx.shape is not None and not ctx.shape.checkpointing and (s.gradient_checkpointing or s.model_checkpointing):
+        setting = "TrainingArguments.activation_checkpointing" if s.gradient_checkpointing else (
+            "load_qlora_model(gradient_checkpointing=...)")  # fmt: skip
+        yield _finding(
+            "checkpointing-unsupported", "error",
+            f"{ctx.shape.model_type!r}: its transformers class does not support activation checkpointing, and "
+            "enabling it raises \"... does not support activation checkpointing\".",
+            setting, "False (load_qlora_model's default leaves it off for this family)",
+        )  # fmt: skip
     if s.fsdp.version is not None and s.fsdp.activation_checkpointing and s.gradient_checkpointing:
         if s.trainer == "hf_fsdp_qlora":
             yield _finding(

@@ -7,12 +7,19 @@ import os
 
 import torch
 
-from ..causal_lm import causal_lm_problem
+from ..causal_lm import causal_lm_fix, causal_lm_problem
 from ..errors import UnsupportedSetupError
 from ..prequantized import checkpoint_quantization, quantized_bits, refuse_unviewable_storage
 from .experts import has_fused_experts
 
-__all__ = ["load_config", "check_causal_lm", "prequantized_check", "config_has_fused_experts"]
+__all__ = [
+    "load_config",
+    "check_causal_lm",
+    "check_checkpointing",
+    "prequantized_check",
+    "config_has_fused_experts",
+    "supports_checkpointing",
+]
 
 
 def load_config(model_name_or_path, trust_remote_code: bool):
@@ -45,7 +52,33 @@ def check_causal_lm(config) -> None:
     if kind is not None:
         raise UnsupportedSetupError(
             f"The model at this path is {kind}, which has no causal-LM head, so load_qlora_model cannot fine-tune "
-            "it for text generation. Pass a causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint)."
+            f"it for text generation. {causal_lm_fix(config)}"
+        )
+
+
+def supports_checkpointing(model_or_class) -> bool:
+    """Whether transformers' `gradient_checkpointing_enable` works on this model (class): a few families' classes
+    (XLNet, OpenAI GPT, GPT-NeoX-Japanese) raise "does not support activation checkpointing"."""
+    return bool(getattr(model_or_class, "supports_gradient_checkpointing", True))
+
+
+def check_checkpointing(config, gradient_checkpointing, cls=None) -> None:
+    """Refuse gradient_checkpointing=True on a family whose causal-LM class cannot checkpoint, naming it; `cls`: the
+    built model's class, else the class transformers' auto mapping gives `config` (unknown: nothing to refuse)."""
+    if gradient_checkpointing is not True:
+        return
+    if cls is None:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        try:
+            cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        except (KeyError, ValueError):  # remote code, or no causal-LM class: decided once the model is built
+            return
+    if not supports_checkpointing(cls):
+        raise UnsupportedSetupError(
+            f"gradient_checkpointing=True, but {cls.__name__} (model type {config.model_type!r}) does not support "
+            "activation checkpointing in transformers. Pass gradient_checkpointing=None (the default: off where the "
+            "class cannot checkpoint) or False, and leave TrainingArguments.gradient_checkpointing off."
         )
 
 

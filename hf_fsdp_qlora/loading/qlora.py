@@ -14,7 +14,14 @@ from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
-from ._checkpoint import check_causal_lm, config_has_fused_experts, load_config, prequantized_check
+from ._checkpoint import (
+    check_causal_lm,
+    check_checkpointing,
+    config_has_fused_experts,
+    load_config,
+    prequantized_check,
+    supports_checkpointing,
+)
 from ._experts_map import release_experts_dispatch
 from .expert_lora import (
     check_target_modules,
@@ -25,6 +32,7 @@ from .expert_lora import (
 )
 from .experts import EXPERT_LAYOUTS, keep_linear_targets, lora_config_for_experts
 from .experts import quantize_experts as quantize_expert_weights
+from .family_targets import family_skip_modules, lora_config_for_family
 from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
 
 __all__ = ["load_qlora_model", "default_lora_config"]
@@ -73,7 +81,7 @@ def load_qlora_model(
     lora_config=None,
     quant_type: str = "nf4",
     double_quant: bool = True,
-    gradient_checkpointing: bool = True,
+    gradient_checkpointing: bool | None = None,
     trust_remote_code: bool = False,
     low_cpu_ram: bool = False,
     quantize_experts: bool = True,
@@ -101,7 +109,9 @@ def load_qlora_model(
             A pre-quantized MoE checkpoint's experts (16-bit: bitsandbytes packs only linear layers) are quantized
             with the checkpoint's quant type and double quant too.
         gradient_checkpointing: enable activation checkpointing in the model (turn it off when the
-            accelerate config enables ``fsdp_activation_checkpointing`` instead).
+            accelerate config enables ``fsdp_activation_checkpointing`` instead). None (default): on where the model's
+            class supports it, off (logged) in the few families whose transformers class does not (XLNet, OpenAI GPT,
+            GPT-NeoX-Japanese); True on such a family is refused by name before any weight is read.
         trust_remote_code: passed to transformers.
         low_cpu_ram: under a multi-process launch, only rank 0 reads and quantizes the checkpoint; the other
             ranks receive its tensors and quant states (:mod:`hf_fsdp_qlora.loading.low_ram`). Collective: call on
@@ -149,6 +159,7 @@ def load_qlora_model(
     )
     _check_arguments(load, lora_config)
     _read_config(load)
+    check_checkpointing(load.config, gradient_checkpointing)
     _read_checkpoint_quantization(load)
     _refuse_8bit_experts(load)
     _decide_quantization(load)
@@ -250,12 +261,12 @@ def _decide_quantization(load: _Load) -> None:
 
 
 def _skips(load: _Load) -> dict:
-    """``llm_int8_skip_modules`` (used by 4-bit and 8-bit loading alike) for the caller's `skip_modules`, or nothing."""
-    if not load.skip_modules:
+    """``llm_int8_skip_modules`` (used by 4-bit and 8-bit loading alike) for the caller's `skip_modules` and the
+    family's own (layers its forward reads as a weight: family_targets.py), or nothing."""
+    skip = (*load.skip_modules, *(m for m in family_skip_modules(load.config) if m not in load.skip_modules))
+    if not skip:
         return {}
-    return {
-        "llm_int8_skip_modules": modules_kept_16bit(load.config, load.skip_modules, load.dtype, load.trust_remote_code)
-    }
+    return {"llm_int8_skip_modules": modules_kept_16bit(load.config, skip, load.dtype, load.trust_remote_code)}
 
 
 def _place_experts(load: _Load) -> None:
@@ -318,11 +329,19 @@ def _quantize_experts(load: _Load) -> None:
         )
 
 
-def _freeze_for_kbit_training(model, gradient_checkpointing: bool) -> None:
+def _freeze_for_kbit_training(model, gradient_checkpointing: bool | None) -> None:
     # peft's prepare_model_for_kbit_training does this too, but it also upcasts every non-quantized
     # parameter (norms, embeddings) to fp32, which puts fp32 beside bf16 inside one FSDP1 unit.
     for param in model.parameters():
         param.requires_grad_(False)
+    if gradient_checkpointing is None:  # not asked for: on where the class supports it
+        gradient_checkpointing = supports_checkpointing(model)
+        if not gradient_checkpointing:
+            logger.info(
+                "hf_fsdp_qlora: %s does not support activation checkpointing in transformers: loaded without it",
+                type(model).__name__,
+            )
+    check_checkpointing(model.config, gradient_checkpointing, type(model))
     if gradient_checkpointing:
         # use_reentrant=False: the reentrant variant needs inputs that require grad and breaks with FSDP.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -335,6 +354,7 @@ def _attach_adapter(load: _Load, lora_config) -> None:
         return  # _continue_adapter loads it
     lora_config = lora_config if lora_config is not None else default_lora_config()
     lora_config = lora_config_for_experts(load.model, lora_config)  # "all-linear": the linear layers, in MoE too
+    lora_config = lora_config_for_family(load.model, lora_config)  # not the layers its forward never runs
     lora_config = lora_config_for_mamba(load.model, lora_config)
     check_target_parameters(load.model, lora_config)
     with peft_sees_expert_weights(load.model), keep_linear_targets(lora_config):

@@ -17,7 +17,16 @@ import torch
 from hf_fsdp_qlora.errors import MergeError
 from hf_fsdp_qlora.safetensors_io import INDEX_NAME, TensorEntry, checkpoint_shards, read_header
 
-__all__ = ["INDEX_NAME", "base_entries", "check_base_name", "meta_model", "quantized_keys", "tied_map"]
+__all__ = [
+    "INDEX_NAME",
+    "base_entries",
+    "check_base_name",
+    "conv1d_modules",
+    "meta_model",
+    "meta_model_or_none",
+    "quantized_keys",
+    "tied_map",
+]
 
 _INDEX = INDEX_NAME  # short local name
 
@@ -82,7 +91,7 @@ def tied_map(base: Path, config: dict, keys) -> dict[str, str]:
         tie = getattr(AutoConfig.from_pretrained(base), "tie_word_embeddings", False)
     if not tie:
         return {}
-    mapping = {}
+    mapping, cls = {}, None
     try:
         import transformers
 
@@ -90,6 +99,9 @@ def tied_map(base: Path, config: dict, keys) -> dict[str, str]:
         mapping = dict(getattr(cls, "_tied_weights_keys", None) or {})
     except (ImportError, TypeError, ValueError):
         mapping = {}
+    if cls is not None and not getattr(cls, "_tied_weights_keys", None):
+        # a known class that ties nothing, whatever its config says (BigBirdPegasusForCausalLM stores lm_head apart)
+        return {}
     if not mapping:  # unknown architecture: the output head is tied to the one input embedding
         embeds = [
             k for k in keys if re.search(r"(embed_tokens|wte|word_embeddings|embed_in|tok_embeddings)\.weight$", k)
@@ -111,6 +123,24 @@ def _meta_model(base: str, config_text: str):
 
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+
+
+def meta_model_or_none(base: Path):
+    """:func:`meta_model`, or None where transformers cannot build the base from its config alone (remote code, a
+    class this transformers lacks): the merge then knows no more than the base's files say."""
+    try:
+        return meta_model(base)
+    except Exception:  # noqa: BLE001 - any failure to build only means: no class-level facts
+        return None
+
+
+def conv1d_modules(model) -> set[str]:
+    """The GPT-2-style ``Conv1D`` modules of `model` (built on meta; None: none known) (GPT-2, GPT-SW3, OpenAI GPT):
+    they store their weight (in, out), the transpose of ``nn.Linear``'s, and bitsandbytes quantizes that transpose
+    (transformers transposes it first)."""
+    if model is None:
+        return set()
+    return {name for name, module in model.named_modules() if type(module).__name__ == "Conv1D"}
 
 
 def quantized_keys(base: Path, experts: bool = True, skip_modules=()) -> set[str]:

@@ -129,7 +129,9 @@ def _token_indices(config: dict, module: str, key: str, delta: torch.Tensor) -> 
     return torch.tensor(indices, dtype=torch.long)
 
 
-def collect_updates(config: dict, tensors: dict[str, torch.Tensor], params=None) -> dict[str, TensorUpdate]:
+def collect_updates(
+    config: dict, tensors: dict[str, torch.Tensor], params=None, transposed=None
+) -> dict[str, TensorUpdate]:
     """Group the adapter's tensors by the base tensor they change.
 
     Args:
@@ -137,6 +139,10 @@ def collect_updates(config: dict, tensors: dict[str, torch.Tensor], params=None)
         tensors: the adapter tensors, keys in peft's saved format.
         params: the base's parameters `target_parameters` names (:func:`~._experts.read_param_targets`); needed
             when the config sets `target_parameters`.
+        transposed: the base's modules that store their weight (in, out), GPT-2's ``Conv1D``: their update is
+            transposed whatever the config's ``fan_in_fan_out`` says (peft decides it per module when it loads the
+            adapter onto the 16-bit model; on a 4-bit base they trained as ``Linear4bit``, unflagged). None: the
+            config's ``fan_in_fan_out`` for every module.
 
     Returns:
         base tensor name (e.g. `model.layers.0.self_attn.q_proj.weight`) -> its update.
@@ -211,7 +217,8 @@ def collect_updates(config: dict, tensors: dict[str, torch.Tensor], params=None)
                 f"adapter_config.json sets use_dora=true but the adapter has no lora_magnitude_vector for {module}; save it again"
             )
         update = updates.setdefault(f"{module}.weight", TensorUpdate())
-        update.lora = LoraFactors(a, b, scaling, embedding, fan_in_fan_out and not embedding, magnitude, module)
+        flip = (module in transposed) if transposed is not None else fan_in_fan_out
+        update.lora = LoraFactors(a, b, scaling, embedding, flip and not embedding, magnitude, module)
         update.sources += [a_src, b_src]
         if "lora_B.bias" in parts:
             bias_src, bias = parts["lora_B.bias"]

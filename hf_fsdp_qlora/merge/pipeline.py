@@ -25,12 +25,15 @@ from hf_fsdp_qlora.merge._base_model import (
     INDEX_NAME,
     base_entries,
     check_base_name,
+    conv1d_modules,
     is_input_embedding,
+    meta_model_or_none,
     quantized_keys,
     task_model,
     tied_map,
 )
-from hf_fsdp_qlora.merge._experts import quantized_files, read_param_targets
+from hf_fsdp_qlora.merge._experts import read_param_targets
+from hf_fsdp_qlora.merge._key_map import checkpoint_places, follow_checkpoint_keys, quantized_places
 from hf_fsdp_qlora.merge._lora_math import (
     apply_update_into,
     collect_updates,
@@ -158,6 +161,11 @@ def _roundtrip(item: Item, weight: torch.Tensor, quant) -> torch.Tensor:
         return quantize_roundtrip(torch.cat(pieces, dim=dim), *quant).narrow(dim, start, stop - start)
     if weight.dim() == 3:
         return torch.stack([quantize_roundtrip(expert, *quant) for expert in weight])
+    if item.chunks is not None:  # layers stored as row chunks of one tensor: each was quantized on its own
+        parts = weight.chunk(len(item.chunks), dim=0)
+        return torch.cat([quantize_roundtrip(p.contiguous(), *quant) if q else p for p, q in zip(parts, item.chunks)])
+    if item.transposed:  # a Conv1D weight: bitsandbytes quantized it as the (out, in) Linear4bit weight
+        return quantize_roundtrip(weight.T.contiguous(), *quant).T
     return quantize_roundtrip(weight, *quant)
 
 
@@ -332,18 +340,23 @@ def merge_adapters(
         loaded = load_adapter(adapter, config_path=adapter_config)
         base_model = loaded.config.get("base_model_name_or_path")
         params = read_param_targets(base, loaded.config, entries) if loaded.config.get("target_parameters") else None
-        updates = collect_updates(loaded.config, loaded.tensors, params)
+        skeleton = meta_model_or_none(base)  # what only the model's classes say: Conv1D, key conversions
+        conv1d = conv1d_modules(skeleton)
+        places = checkpoint_places(skeleton, entries) if skeleton is not None else {}  # renamed or split on load
+        updates = collect_updates(loaded.config, loaded.tensors, params, transposed=conv1d)
+        updates = follow_checkpoint_keys(updates, places, entries)
         tied = tied_map(base, config, entries)
         record = read_quant_record(loaded.folder, dequantize)
-        quantized, groups = set(), {}
+        quantized, groups, chunks = set(), {}, {}
         if record is not None:  # what training quantized, recorded by load_qlora_model: exactly those
-            quantized, groups = quantized_files(base, record.names, entries)
+            quantized, groups, chunks = quantized_places(base, record.names, entries, places)
             double_quant, quant_blocksize = record.double_quant, record.blocksize or quant_blocksize
         elif dequantize:  # stock peft: transformers' rule; experts (4-bit only) by the experts table
-            quantized, groups = quantized_files(
+            quantized, groups, chunks = quantized_places(
                 base,
                 quantized_keys(base, experts=dequantize_experts and dequantize != "int8", skip_modules=skip_modules),
                 entries,
+                places,
             )
         heads = {
             k: tuple(u.replacement.shape)
@@ -354,6 +367,8 @@ def merge_adapters(
         items, untied = plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model, task)
         for item in items:
             item.group = groups.get(item.name)
+            item.transposed = item.name.removesuffix(".weight") in conv1d
+            item.chunks = chunks.get(item.name)
         if task is not None:  # e.g. a reward model: loads with AutoModelForSequenceClassification
             config.update(task[2])
         vocab = next((item.shape[0] for item in items if item.resized and is_input_embedding(item.name)), None)
