@@ -1,7 +1,7 @@
 """Mixture of experts: peak host RAM per process while loading, streamed experts against the load they replace.
 
     python benchmarks/moe_loading.py                  # a ~2 GB synthetic Qwen3-MoE, 1 process and 2 ranks (low_cpu_ram)
-    python benchmarks/moe_loading.py --shape tiny --json --ranks 1   # the CI smoke form (tests/test_moe_stream.py)
+    python benchmarks/moe_loading.py --shape test --json --ranks 1   # tests/test_moe_stream.py's form
 
 A Qwen3-MoE checkpoint with random bf16 weights is written under a temporary folder (per expert, as
 ``save_pretrained`` and the Hub store Qwen3-MoE: ``mlp.experts.N.gate_proj.weight``; one shard per layer, written
@@ -39,10 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 CONTESTANTS = ("streamed", "today")
 # Qwen3MoeConfig fields. "bench": 10 layers x 64 experts of width 512 at hidden 1024: 2.0 GB of bf16 experts, 2.1 GB
-# on disk. "tiny": the smoke test's (~50 MB).
+# on disk. "test": tests/test_moe_stream.py's (201 MB of experts). "tiny": ~30 MB.
 SHAPES = {
     "bench": {"hidden_size": 1024, "num_hidden_layers": 10, "num_experts": 64, "moe_intermediate_size": 512,
               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096},
+    "test": {"hidden_size": 512, "num_hidden_layers": 4, "num_experts": 32, "moe_intermediate_size": 512,
+             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 1024},
     "tiny": {"hidden_size": 256, "num_hidden_layers": 4, "num_experts": 16, "moe_intermediate_size": 256,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024},
 }  # fmt: skip
@@ -130,6 +132,7 @@ def worker(name: str, model: str, out: Path, low_cpu_ram: bool) -> None:
     from hf_fsdp_qlora.loading.experts import QuantizedExperts, packed_expert_bytes
 
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # after the imports: the runtime
+    baseline_anon = AnonPeak.now()
     extra = {"use_safetensors": True} if name == "today" else {}
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     start = time.perf_counter()
@@ -147,7 +150,8 @@ def worker(name: str, model: str, out: Path, low_cpu_ram: bool) -> None:
     found = {
         "contestant": name, "rank": rank, "low_cpu_ram": low_cpu_ram, "load_s": round(seconds, 2),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak_anon": anon.peak,
-        "runtime_rss": baseline, "quantized_experts": sum(isinstance(m, QuantizedExperts) for m in loaded.modules()),
+        "runtime_rss": baseline, "runtime_anon": baseline_anon,
+        "quantized_experts": sum(isinstance(m, QuantizedExperts) for m in loaded.modules()),
         "packed_expert_bytes": packed_expert_bytes(loaded)[1], "experts_digest": digest.hexdigest(),
     }  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)

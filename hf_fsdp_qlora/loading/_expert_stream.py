@@ -57,7 +57,7 @@ class ExpertStream:
     """Where each experts module's weights lie in a local safetensors checkpoint.
 
     Attributes:
-        modules: experts module name -> {parameter name: [slices]} (:class:`hf_fsdp_qlora.merge._experts._Slice`:
+        modules: experts module name -> {parameter name: [slices]} (:class:`~hf_fsdp_qlora.expert_files.ExpertSlice`:
             the file tensor, the expert it holds (None: the whole parameter), and its place in that expert's matrix).
         entries: file tensor name -> where it lies (:class:`~hf_fsdp_qlora.safetensors_io.TensorEntry`).
         key_pattern: a regex matching exactly the file tensors of the experts (hidden from ``from_pretrained``).
@@ -127,13 +127,13 @@ def _params(module) -> tuple[str, ...]:
 def _slices(meta, wanted: dict, entries: dict) -> tuple[dict | None, str]:
     """{expert parameter: [slices]}, read with transformers' conversion mapping (as the merge reads it)."""
     from ..errors import MergeError
-    from ..merge._experts import _Slice, _per_expert_files
+    from ..expert_files import ExpertSlice, expert_file_slices
 
-    slices = {k: [_Slice(k)] for k in wanted if k in entries}
+    slices = {k: [ExpertSlice(k)] for k in wanted if k in entries}
     converted = [k for k in wanted if k not in entries]
     if converted:
         try:
-            slices.update(_per_expert_files(meta, converted, entries))
+            slices.update(expert_file_slices(meta, converted, entries))
         except MergeError as err:
             return None, str(err)
     for key, shape in wanted.items():
