@@ -13,7 +13,7 @@ process (or a 2-rank ``accelerate launch`` with ``low_cpu_ram=True``):
     today     the same call with ``use_safetensors=True``, a from_pretrained argument the stream plan does not follow:
               the experts load as before this change (all of them 16-bit, then packed).
 
-Per process: the peak resident set (``ru_maxrss``: anonymous and file-backed pages, including the runtime's ~0.5 GB
+Per process: the peak resident set (``VmHWM``: anonymous and file-backed pages, including the runtime's ~0.5 GB
 of imports), the peak of anonymous memory alone (sampled every 10 ms: the memory-mapped checkpoint pages
 ``from_pretrained`` reads count in the resident set, but the kernel can drop them), and the doctor's planned bound
 (``host_per_process["loading"]``: the 4-bit model, one layer's 16-bit experts and their packed bytes, 1 GiB of
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import socket
 import subprocess
@@ -97,6 +96,13 @@ def write_checkpoint(folder: Path, shape: str, seed: int = 0) -> int:
 # --- the worker: one contestant in one process (or on every rank of a launch) -----------------------------------
 
 
+def _status(field: str) -> int:
+    """A figure of /proc/self/status in bytes. VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a worker
+    started from the driver would report the driver's peak (the checkpoint writer's) if it were higher."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(f"{field}:"))
+
+
 class AnonPeak:
     """The peak of this process's anonymous resident memory (RssAnon), sampled every 10 ms in a thread."""
 
@@ -106,8 +112,7 @@ class AnonPeak:
 
     @staticmethod
     def now() -> int:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("RssAnon:"))
+        return _status("RssAnon")
 
     def _run(self):
         while not self._stop.is_set():
@@ -131,7 +136,7 @@ def worker(name: str, model: str, out: Path, low_cpu_ram: bool) -> None:
     from hf_fsdp_qlora import load_qlora_model
     from hf_fsdp_qlora.loading.experts import QuantizedExperts, packed_expert_bytes
 
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # after the imports: the runtime
+    baseline = _status("VmHWM")  # after the imports: the runtime
     baseline_anon = AnonPeak.now()
     extra = {"use_safetensors": True} if name == "today" else {}
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
@@ -149,7 +154,7 @@ def worker(name: str, model: str, out: Path, low_cpu_ram: bool) -> None:
     rank = int(os.environ.get("RANK", "0"))
     found = {
         "contestant": name, "rank": rank, "low_cpu_ram": low_cpu_ram, "load_s": round(seconds, 2),
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak_anon": anon.peak,
+        "peak_rss": _status("VmHWM"), "peak_anon": anon.peak,
         "runtime_rss": baseline, "runtime_anon": baseline_anon,
         "quantized_experts": sum(isinstance(m, QuantizedExperts) for m in loaded.modules()),
         "packed_expert_bytes": packed_expert_bytes(loaded)[1], "experts_digest": digest.hexdigest(),

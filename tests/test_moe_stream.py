@@ -5,7 +5,7 @@ Oracle: today's path, transformers' own ``from_pretrained`` (every expert 16-bit
 Qwen3-MoE and Mixtral checkpoints saved per expert (as ``save_pretrained`` writes them) and gpt-oss and Qwen3-MoE saved
 fused. The 2-rank part (``low_cpu_ram=True``: rank 0 streams, the other receives packed bytes) runs in the suite's
 shared FSDP1/FSDP2 launches (tests/test_moe.py, scenario ``moe_lowram``). Host RAM: benchmarks/moe_loading.py on a
-small synthetic checkpoint, each contestant in its own process (``ru_maxrss``).
+small synthetic checkpoint, each contestant in its own process (VmHWM, anonymous RSS sampled).
 """
 
 from __future__ import annotations
@@ -161,12 +161,11 @@ def test_transformers_leaves_hidden_experts_unread(checkpoints):
     assert plain.model.layers[0].mlp.experts.gate_up_proj.count_nonzero() > 0
 
 
-@pytest.mark.distributed
 def test_host_ram_bounded_and_below_todays(tmp_path):
     """benchmarks/moe_loading.py on its "test" checkpoint (4 layers of 32 experts, 201 MB of bf16 experts), each
-    contestant in its own process: the streamed load adds at most the 4-bit model + one layer's 16-bit experts (+64 MB
-    of slack for the imports a load does) to the runtime's RSS; today's adds at least its 16-bit experts but one
-    layer; the packed experts are equal."""
+    contestant in its own process (anonymous RSS sampled, VmHWM): the streamed load adds at most the 4-bit model + one
+    layer's 16-bit experts (+64 MB of slack for the imports a load does) to the runtime's; today's adds at least the
+    16-bit experts the stream never holds more; peak RSS within 1.3x of the doctor's bound; equal packed experts."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe_loading.py"), "--shape", "test", "--ranks",
                            "1", "--json", "--keep", str(tmp_path)], check=False, capture_output=True, text=True,
@@ -181,5 +180,5 @@ def test_host_ram_bounded_and_below_todays(tmp_path):
     four_bit = streamed["packed_expert_bytes"] * 1.1 + 30 * 2**20  # constants, the 4-bit linear layers, embeddings
     grew = {name: row["peak_anon"] - row["runtime_anon"] for name, row in run.items()}
     assert grew["streamed"] <= four_bit + layer16 + 64 * 2**20, grew
-    assert grew["today"] >= experts16 - layer16, grew
+    assert grew["today"] - grew["streamed"] >= 0.8 * (experts16 - layer16 - four_bit), grew
     assert streamed["peak_rss"] <= result["planned_bound"] * 1.3
