@@ -109,9 +109,12 @@ def load_qlora_model(
             every rank. A single process loads normally.
         quantize_experts: quantize the fused 3-D expert weights of a mixture-of-experts model to 4 bits too
             (:mod:`hf_fsdp_qlora.loading.experts`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
-            On a GPU (and without a `device_map` of yours) the 16-bit experts load on the CPU and are packed onto the
-            GPU one expert weight at a time (:mod:`hf_fsdp_qlora.loading._experts_map`): the GPU never holds them
-            16-bit; host RAM holds them until packed.
+            They stream from a local safetensors checkpoint into 4 bits one layer at a time
+            (:mod:`hf_fsdp_qlora.loading._expert_stream`): host RAM per process holds at most one layer's 16-bit
+            experts beside the 4-bit model, with or without `low_cpu_ram` (a checkpoint the stream cannot follow loads
+            them all 16-bit first, with a log line). On a GPU (and without a `device_map` of yours) the experts
+            modules stay on the CPU and are packed onto the GPU (:mod:`hf_fsdp_qlora.loading._experts_map`): the GPU
+            never holds them 16-bit.
         bits: 4 (default: NF4/FP4 QLoRA) or 8: bitsandbytes' row-wise int8 (``load_in_8bit``), each int8 layer held
             as :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` so FSDP shards it (``quant_type``/``double_quant`` are
             4-bit settings and are not used). A checkpoint saved after 8-bit loading loads with ``bits=8``.
