@@ -30,6 +30,7 @@ _SECONDS = {
     "test_moe.py": 205, "test_moe_prequantized.py": 25, "test_moe_benchmark.py": 45,
     "test_int8.py": 200,
     "test_moe_load.py": 10,
+    "test_moe_stream.py": 240,
     "test_recipes_docs.py": 90,
     "test_families.py": 120,
 }  # fmt: skip

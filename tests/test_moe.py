@@ -246,6 +246,9 @@ def test_fsdp_shards_4bit_experts_and_trains(moe_models, shared_launch, version,
     # The packed expert bytes came through wrapping and training bit for bit (never cast), equal on both ranks.
     assert r0["expert_digest_before_wrap"] == r1["expert_digest_before_wrap"] is not None
     assert r0["expert_digest_after_training"] == r1["expert_digest_after_training"] == r0["expert_digest_before_wrap"]
+    # ... and equal to today's path in one process (from_pretrained with 16-bit experts, then packed): the experts
+    # were streamed from the files (with low_cpu_ram: by rank 0, rank 1 received the packed bytes) to the same bits.
+    assert r0["expert_digest_before_wrap"] == _todays_expert_digest(moe_models["qwen3_moe"])
     full = r0["expert_bytes_before_wrap"]
     assert full > 0 and r1["expert_bytes_before_wrap"] == full
     # Sharded, not replicated: each rank holds a part of the packed expert bytes, together exactly all of them.
@@ -256,6 +259,24 @@ def test_fsdp_shards_4bit_experts_and_trains(moe_models, shared_launch, version,
         assert local == [full // 2, full // 2] and r0["expert_bytes_dtensor"] == local[0]
     else:  # FSDP1 halves each layer's FlatParameter (attention + experts + norms); the cut falls inside the experts
         assert all(0.4 * full <= b <= 0.6 * full for b in local), local
+
+
+def _todays_expert_digest(path) -> str:
+    """sha256 of the packed expert bytes, sorted by name, as tests/scripts/train_scenarios.py's expert_digest hashes
+    them, of the load before streaming: from_pretrained (every expert 16-bit) + quantize_experts."""
+    import hashlib
+
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb, dtype=torch.bfloat16)
+    quantize_experts(model, dtype=torch.bfloat16)
+    packed = {n: p for n, p in model.named_parameters() if n.endswith("_proj_4bit")}
+    sha = hashlib.sha256()
+    for name in sorted(packed):
+        sha.update(packed[name].detach().clone().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()
 
 
 def test_router_aux_loss_kept_by_the_chunked_loss(moe_models, tmp_path):

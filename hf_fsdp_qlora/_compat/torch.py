@@ -115,6 +115,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "hf_fsdp_qlora.loading.low_ram",
             "hf_fsdp_qlora.loading._stream",
             "hf_fsdp_qlora.loading._transfer",
+            "hf_fsdp_qlora.loading._expert_stream",
         ),
         remove_when="never (a dependency): the canary watches the private dicts and the flag",
         canary=CANARIES + "test_torch_internals",

@@ -171,6 +171,15 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         canary=CANARIES + "test_transformers_internals",
     ),
     Workaround(
+        key="experts_left_unread",
+        upstream="transformers 5.23 (PreTrainedModel._initialize_weights skips a module with _is_hf_initialized; "
+        "_keys_to_ignore_on_load_missing / _unexpected; from_pretrained's key_mapping)",
+        works_around="from_pretrained would read every expert tensor 16-bit and draw random values for hidden ones",
+        where=("hf_fsdp_qlora.loading._expert_stream.experts_left_unread",),
+        remove_when="transformers can load a model leaving chosen parameters unread (or quantizes fused experts)",
+        canary="tests/test_moe_stream.py::test_transformers_leaves_hidden_experts_unread",
+    ),
+    Workaround(
         key="model_class_private_attrs",
         upstream="transformers 5.23 (_tied_weights_keys dict, _keep_in_fp32_modules(_strict), _no_split_modules)",
         works_around="tied aliases, fp32-kept modules and layer classes are read from the model class",

@@ -221,10 +221,13 @@ def _loading(ctx: PlanContext) -> tuple[float, int | None]:
     largest = max([lin.numel for lin in shape.linears] + [experts.workspace_numel])
     load_peak = full_model + largest * dtype_bytes(s.dtype) + RUNTIME_OVERHEAD
     if experts.quantized_numel and s.trainer == "hf_fsdp_qlora":
-        # load_qlora_model loads the 16-bit experts on the CPU and packs them expert by expert onto the GPU
-        # (loading/_experts_map.py): the GPU adds one layer's packed experts while they are stacked; host RAM
-        # holds the 16-bit experts not packed yet, all of them at first, on every rank.
-        return load_peak + experts.layer_packed, int(experts.quantized_numel * dtype_bytes(s.dtype))
+        # load_qlora_model streams the experts from the checkpoint into 4 bits one layer at a time
+        # (loading/_expert_stream.py): the GPU adds one layer's packed experts while they are stacked. Host RAM per
+        # process, with or without low_cpu_ram: at most the 4-bit model (where it stays on the host: a CPU run, or
+        # before it moves to the GPU), one layer's 16-bit experts and their packed bytes being stacked, and the
+        # process's own runtime (Python, torch, CUDA host state).
+        host = full_model + experts.per_layer_numel * dtype_bytes(s.dtype) + experts.layer_packed + RUNTIME_OVERHEAD
+        return load_peak + experts.layer_packed, int(host)
     if experts.quantized_numel:  # a stock load: the experts arrive 16-bit on the GPU, packed after the load
         load_peak += experts.quantized_numel * dtype_bytes(s.dtype) - experts.packed - experts.quant_state
     return load_peak, None

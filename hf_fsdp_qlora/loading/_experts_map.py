@@ -14,9 +14,9 @@ modules' weights move to the meta device behind an offload hook, ``model.to`` is
 :func:`release_experts_dispatch` undoes exactly that (accelerate's own ``remove_hook_from_module`` puts the offloaded
 weights back on the CPU) before :func:`quantize_experts` packs the experts expert by expert onto the GPU.
 
-Host RAM: each process that loads the checkpoint holds the 16-bit experts on the CPU until they are packed
-(Qwen3-30B-A3B: ~58 GB). With ``low_cpu_ram=True`` rank 0 reads the checkpoint and the other ranks receive the same
-16-bit experts on their CPU (every rank quantizes its own experts), so each rank still holds them once.
+Host RAM: with a local safetensors checkpoint the experts are not read by ``from_pretrained`` at all; they stream
+from the files into 4 bits one layer at a time (:mod:`hf_fsdp_qlora.loading._expert_stream`). Otherwise each process
+that loads the checkpoint holds the 16-bit experts on the CPU until they are packed (Qwen3-30B-A3B: ~58 GB).
 """
 
 from __future__ import annotations

@@ -277,6 +277,7 @@ def load_base_low_ram(
     trust_remote_code=False,
     whole_experts=False,
     prepare=None,
+    streamed=None,
     **kwargs,
 ):
     """``AutoModelForCausalLM.from_pretrained`` in 4 bits (or 8, with `prepare`), where only rank 0 reads the checkpoint.
@@ -296,6 +297,9 @@ def load_base_low_ram(
             tensor moves (an 8-bit base: :func:`~hf_fsdp_qlora.loading.int8.keep_int8_scales`, since bitsandbytes
             keeps the int8 row scales outside parameters and buffers, where no transfer sees them). Rank 0 then
             loads the whole checkpoint (no streaming: it quantizes 4-bit weights only).
+        streamed: a :class:`~hf_fsdp_qlora.loading._expert_stream.StreamedExperts`: rank 0 streams the experts from the
+            files into 4 bits after its load (the caller hides them from ``from_pretrained``), and the other ranks
+            receive the packed bytes and quantization constants, never 16-bit experts.
         **kwargs: passed to ``from_pretrained`` on rank 0 (``attn_implementation`` is honoured on every rank).
 
     Returns:
@@ -306,7 +310,7 @@ def load_base_low_ram(
         logger.info("hf_fsdp_qlora: low_cpu_ram=True but this is a single process: loading normally")
         return load()
     model, shard_world, plan = _skeleton_and_plan(
-        model_name_or_path, quantization_config, dtype, trust_remote_code, whole_experts, prepare, kwargs
+        model_name_or_path, quantization_config, dtype, trust_remote_code, whole_experts, prepare, kwargs, streamed
     )
     decision = [None if plan is None else (plan["entries"] is not None, plan["reason"])]
     dist.broadcast_object_list(decision, src=0)  # rank 0's plan decides for every rank
@@ -318,7 +322,7 @@ def load_base_low_ram(
         return model
     if decision[0] is not None:
         logger.info("hf_fsdp_qlora: rank 0 loads the whole checkpoint: %s", decision[0][1])
-    return _send_rank0_load(model, load, prepare, shard_world)
+    return _send_rank0_load(model, load, prepare, shard_world, streamed)
 
 
 def _load_whole(model_name_or_path, quantization_config, dtype, trust_remote_code, kwargs):
@@ -336,7 +340,7 @@ def _load_whole(model_name_or_path, quantization_config, dtype, trust_remote_cod
 
 
 def _skeleton_and_plan(
-    model_name_or_path, quantization_config, dtype, trust_remote_code, whole_experts, prepare, kwargs
+    model_name_or_path, quantization_config, dtype, trust_remote_code, whole_experts, prepare, kwargs, streamed=None
 ):
     """Every rank's meta skeleton, the FSDP2 shard count rows are sent for, and rank 0's streaming plan (or None).
 
@@ -359,13 +363,15 @@ def _skeleton_and_plan(
             shard_world = None
         if shard_world and dist.get_rank() == 0 and prepare is None:
             plan = stream_plan(model, model_name_or_path, dtype, kwargs)
+        if streamed is not None and dist.get_rank() != 0:
+            streamed.stand_in(model)  # where rank 0's packed experts land (rank 0 loads its own model)
     except Exception as err:  # noqa: BLE001 - re-raised below; the other ranks must not wait in a broadcast
         error = err
     agree_on_failure(error)
     return model, shard_world, plan
 
 
-def _send_rank0_load(skeleton, load, prepare, shard_world: int | None):
+def _send_rank0_load(skeleton, load, prepare, shard_world: int | None, streamed=None):
     """Rank 0 loads the whole checkpoint and every other rank receives its tensors into `skeleton`."""
     model, error = skeleton, None
     try:
@@ -373,9 +379,13 @@ def _send_rank0_load(skeleton, load, prepare, shard_world: int | None):
             model = load()
             if prepare is not None:
                 prepare(model)
+            if streamed is not None:
+                streamed.quantize(model)  # the experts travel packed
     except Exception as err:  # noqa: BLE001 - re-raised below; the other ranks must not wait in a broadcast
         error = err
     agree_on_failure(error)
     sent = materialize_from_rank0(model, shard_world=shard_world)
+    if streamed is not None:
+        streamed.mark_received(model)
     logger.info("hf_fsdp_qlora: rank %d has the base model from rank 0 (%d tensors)", dist.get_rank(), sent)
     return model

@@ -68,6 +68,7 @@ class _Load:
     prequantized: Any = None  # _read_checkpoint_quantization: the checkpoint's own 4-bit quantization, or None
     quantization_config: Any = None  # _decide_quantization, _place_experts: what from_pretrained quantizes with
     experts_device: Any = None  # _place_experts: the accelerator the experts are packed onto, one at a time
+    streamed: Any = None  # _plan_expert_stream: the experts read from the files into 4 bits layer by layer, or None
     adapter: Any = None  # a saved adapter to continue from (_continue_adapter), or None: a new one (_attach_adapter)
     is_trainable: bool = True  # _continue_adapter: the loaded adapter trains (False: inference)
     skip_modules: tuple = ()  # layers kept 16-bit besides transformers' own (output head ...); the quantization record's
@@ -118,9 +119,12 @@ def load_qlora_model(
             every rank. A single process loads normally.
         quantize_experts: quantize the fused 3-D expert weights of a mixture-of-experts model to 4 bits too
             (:mod:`hf_fsdp_qlora.loading.experts`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
-            On a GPU (and without a `device_map` of yours) the 16-bit experts load on the CPU and are packed onto the
-            GPU one expert weight at a time (:mod:`hf_fsdp_qlora.loading._experts_map`): the GPU never holds them
-            16-bit; host RAM holds them until packed.
+            They stream from a local safetensors checkpoint into 4 bits one layer at a time
+            (:mod:`hf_fsdp_qlora.loading._expert_stream`): host RAM per process holds at most one layer's 16-bit
+            experts beside the 4-bit model, with or without `low_cpu_ram` (a checkpoint the stream cannot follow loads
+            them all 16-bit first, with a log line). On a GPU (and without a `device_map` of yours) the experts
+            modules stay on the CPU and are packed onto the GPU (:mod:`hf_fsdp_qlora.loading._experts_map`): the GPU
+            never holds them 16-bit.
         bits: 4 (default: NF4/FP4 QLoRA) or 8: bitsandbytes' row-wise int8 (``load_in_8bit``), each int8 layer held
             as :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` so FSDP shards it (``quant_type``/``double_quant`` are
             4-bit settings and are not used). A checkpoint saved after 8-bit loading loads with ``bits=8``.
@@ -164,6 +168,7 @@ def load_qlora_model(
     _refuse_8bit_experts(load)
     _decide_quantization(load)
     _place_experts(load)
+    _plan_expert_stream(load)
     _build_base(load, low_cpu_ram)
     _view_packed_storage(load)
     _quantize_experts(load)
@@ -283,31 +288,48 @@ def _place_experts(load: _Load) -> None:
     load.from_pretrained_kwargs = {**load.from_pretrained_kwargs, **placement}
 
 
+def _plan_expert_stream(load: _Load) -> None:
+    """Where the experts lie in a local safetensors checkpoint: they then go from the files into 4 bits one layer at
+    a time (_expert_stream), never all in 16 bits; otherwise (and with a log line saying why) as before."""
+    if not load.quantize_experts or load.bits != 4:
+        return
+    from ._expert_stream import StreamedExperts, plan_expert_stream
+
+    user_kwargs = {k: v for k, v in load.from_pretrained_kwargs.items() if load.experts_device is None or
+                   k not in ("device_map", "quantization_config")}  # fmt: skip
+    stream, reason = plan_expert_stream(load.source, load.config, load.dtype, load.trust_remote_code, user_kwargs)
+    if stream is None and reason != "no fused experts":
+        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: %s", reason)
+    if stream is not None:
+        load.streamed = StreamedExperts(stream, load.quant_type, load.double_quant, load.dtype, load.experts_device)
+
+
 def _build_base(load: _Load, low_cpu_ram: bool) -> None:
     """The quantized base model: from_pretrained, or read by rank 0 only and sent to the other ranks."""
-    if low_cpu_ram:
-        from .low_ram import load_base_low_ram
+    from ._expert_stream import experts_left_unread
 
-        load.model = load_base_low_ram(
-            load.source,
-            quantization_config=load.quantization_config,
-            dtype=load.dtype,
-            trust_remote_code=load.trust_remote_code,
-            whole_experts=load.quantize_experts,
-            prepare=keep_int8_scales if load.bits == 8 else None,  # the int8 row scales travel as buffers
-            **load.from_pretrained_kwargs,
+    with experts_left_unread(load.streamed and load.streamed.stream) as hide_experts:
+        kwargs = {**load.from_pretrained_kwargs, **hide_experts}
+        if low_cpu_ram:
+            from .low_ram import load_base_low_ram
+
+            load.model = load_base_low_ram(
+                load.source,
+                quantization_config=load.quantization_config,
+                dtype=load.dtype,
+                trust_remote_code=load.trust_remote_code,
+                whole_experts=load.quantize_experts,
+                prepare=keep_int8_scales if load.bits == 8 else None,  # the int8 row scales travel as buffers
+                streamed=load.streamed,
+                **kwargs,
+            )
+            return
+        from transformers import AutoModelForCausalLM
+
+        quant = {} if load.quantization_config is None else {"quantization_config": load.quantization_config}
+        load.model = AutoModelForCausalLM.from_pretrained(
+            load.source, **quant, dtype=load.dtype, trust_remote_code=load.trust_remote_code, **kwargs
         )
-        return
-    from transformers import AutoModelForCausalLM
-
-    quant = {} if load.quantization_config is None else {"quantization_config": load.quantization_config}
-    load.model = AutoModelForCausalLM.from_pretrained(
-        load.source,
-        **quant,
-        dtype=load.dtype,
-        trust_remote_code=load.trust_remote_code,
-        **load.from_pretrained_kwargs,
-    )
     release_experts_dispatch(load.model)
 
 
@@ -319,7 +341,9 @@ def _view_packed_storage(load: _Load) -> None:
 
 def _quantize_experts(load: _Load) -> None:
     """Fused 3-D MoE expert weights in 4 bits too (bitsandbytes packs only linear layers)."""
-    if load.quantize_experts and load.bits == 4:
+    if load.streamed is not None:  # what low_cpu_ram's rank 0 has not packed already (a single process)
+        load.streamed.quantize(load.model)
+    elif load.quantize_experts and load.bits == 4:
         quantize_expert_weights(
             load.model,
             quant_type=load.quant_type,

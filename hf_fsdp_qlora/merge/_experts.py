@@ -23,23 +23,13 @@ from pathlib import Path
 import torch
 
 from hf_fsdp_qlora.errors import MergeError
+from hf_fsdp_qlora.expert_files import ExpertSlice as _Slice
+from hf_fsdp_qlora.expert_files import expert_file_slices as _per_expert_files
 from hf_fsdp_qlora.merge._lora_math import _pattern_value
 
 __all__ = ["ParamTargets", "quantized_files", "read_param_targets"]
 
 _WRAPPER_KEY = re.compile(r"^(?P<module>.+?)(?P<nest>(\.base_layer)*)$")
-
-
-@dataclass
-class _Slice:
-    """One tensor of the base's files holding part of a model parameter: expert `expert`, `start:stop` of `dim`
-    of that expert's matrix (the whole matrix when `dim` is None); `expert` None: the whole parameter."""
-
-    disk_key: str
-    expert: int | None = None
-    dim: int | None = None
-    start: int = 0
-    stop: int = 0
 
 
 @dataclass
@@ -154,71 +144,6 @@ def read_param_targets(base: Path, config: dict, entries) -> ParamTargets:
     if missing:
         targets.on_disk = _per_expert_files(model, missing, entries)
     return targets
-
-
-def _per_expert_files(model, params: list[str], entries) -> dict[str, list[_Slice]]:
-    """Where the base's files hold `params` (absent from them under the model's names): per expert, mapped
-    with transformers' conversion mapping (the one `from_pretrained` applies)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        Concatenate,
-        MergeModulelist,
-        WeightConverter,
-        WeightRenaming,
-        rename_source_key,
-    )
-
-    transforms = get_model_conversion_mapping(model, add_legacy=False)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    by_pattern = {p: c for c in converters for p in c.source_patterns}
-    wanted, found = set(params), {}
-    for disk_key, entry in entries.items():
-        model_key, pattern = rename_source_key(disk_key, renamings, converters)
-        if model_key not in wanted:
-            continue
-        if pattern is None:  # only renamed: the whole parameter in one tensor
-            found.setdefault(model_key, []).append((_Slice(disk_key), None, tuple(entry.shape)))
-            continue
-        converter = by_pattern[pattern]
-        ops = converter.operations
-        if not (
-            isinstance(ops[0], MergeModulelist)
-            and ops[0].dim == 0
-            and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim >= 1))
-        ):
-            raise MergeError(
-                f"the base stores {model_key} as {disk_key}, converted by transformers with "
-                f"{[type(op).__name__ for op in ops]} when loading; merge-adapters maps only experts stacked (and "
-                "concatenated) from per-expert tensors. Save the base with its experts fused, "
-                "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE, save_original_format=False), and "
-                "pass that as `base`."
-            )
-        expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), disk_key)
-        if expert is None:
-            raise MergeError(
-                f"cannot tell which expert the base's tensor {disk_key} holds (transformers converts it with the "
-                f"pattern {pattern!r}). Save the base with its experts fused, AutoModelForCausalLM.from_pretrained(BASE)"
-                ".save_pretrained(NEW_BASE, save_original_format=False), and pass that as `base`."
-            )
-        index = converter.source_patterns.index(pattern)
-        dim = ops[1].dim - 1 if len(ops) == 2 else None
-        found.setdefault(model_key, []).append((_Slice(disk_key, int(expert[1]), dim), index, tuple(entry.shape)))
-    out = {}
-    for key in params:
-        pieces = found.get(key)
-        if not pieces:
-            raise MergeError(
-                f"the adapter changes {key}, which the base's files do not hold, fused or per expert: the adapter "
-                "was trained on a different model. Pass the model it was trained on as `base`."
-            )
-        for piece, index, shape in pieces:
-            if piece.dim is not None:  # offset of this source within the concatenation: earlier sources' sizes
-                sizes = {i: s[piece.dim] for p, i, s in pieces if p.expert == piece.expert}
-                piece.start = sum(sizes[i] for i in range(index))
-                piece.stop = piece.start + shape[piece.dim]
-        out[key] = [piece for piece, _, _ in pieces]
-    return out
 
 
 def quantized_files(base: Path, params: set[str], entries) -> tuple[set[str], dict[str, tuple[list, int, int, int]]]:

@@ -1,0 +1,184 @@
+"""Streamed expert loading (hf_fsdp_qlora/loading/_expert_stream.py): experts from the files into 4 bits, one layer
+at a time.
+
+Oracle: today's path, transformers' own ``from_pretrained`` (every expert 16-bit) + ``quantize_experts``, on tiny
+Qwen3-MoE and Mixtral checkpoints saved per expert (as ``save_pretrained`` writes them) and gpt-oss and Qwen3-MoE saved
+fused. The 2-rank part (``low_cpu_ram=True``: rank 0 streams, the other receives packed bytes) runs in the suite's
+shared FSDP1/FSDP2 launches (tests/test_moe.py, scenario ``moe_lowram``). Host RAM: benchmarks/moe_loading.py on a
+small synthetic checkpoint, each contestant in its own process (VmHWM, anonymous RSS sampled).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_utils import REPO
+from tiny_models import MOE_ARCHS, build_tiny_model
+
+from hf_fsdp_qlora import load_qlora_model
+from hf_fsdp_qlora.loading.experts import QuantizedExperts, quantize_experts
+
+CASES = [*MOE_ARCHS, "qwen3_moe_fused"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("moe_stream")
+    found = {arch: build_tiny_model(root / arch, arch) for arch in MOE_ARCHS}
+    fused = root / "qwen3_moe_fused"
+    AutoModelForCausalLM.from_pretrained(found["qwen3_moe"]).save_pretrained(fused, save_original_format=False)
+    found["qwen3_moe_fused"] = fused
+    return found
+
+
+def _bnb():
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+
+
+def _today(path):
+    """What load_qlora_model did before streaming: from_pretrained with every expert 16-bit, then packed."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=_bnb(), dtype=torch.bfloat16)
+    quantize_experts(model, quant_type="nf4", double_quant=True, dtype=torch.bfloat16)
+    return model
+
+
+def _bytes(tensor):
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_streamed_experts_equal_todays_bit_for_bit(checkpoints, case, caplog):
+    """Every tensor of the base (packed experts, their constants, the linear layers' 4-bit bytes, the rest) equals
+    today's path to the bit, and the logits are equal; the log says the experts were streamed."""
+    from peft import PeftModel
+
+    from hf_fsdp_qlora.safetensors_io import checkpoint_shards, read_header
+
+    path = checkpoints[case]
+    names = [k for f in checkpoint_shards(path)[0] for k in read_header(path / f)[0]]
+    per_expert = any(".experts.0." in k for k in names)
+    assert per_expert == (case in ("qwen3_moe", "mixtral")), names[:8]  # the layouts the cases claim
+    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
+        streamed = load_qlora_model(str(path), lora_config=_lora(), gradient_checkpointing=False)
+    assert any("streamed the experts of 2 MoE layers" in r.message for r in caplog.records)
+    assert isinstance(streamed, PeftModel)
+    oracle = _today(path)
+    ours = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+            for k, v in streamed.state_dict(keep_vars=True).items() if "lora_" not in k}  # fmt: skip
+    theirs = oracle.state_dict(keep_vars=True)
+    assert set(ours) == set(theirs)
+    assert [k for k in theirs if not torch.equal(_bytes(ours[k]), _bytes(theirs[k]))] == []
+    pairs = list(
+        zip(*[[m for m in model.modules() if isinstance(m, QuantizedExperts)] for model in (streamed, oracle)])
+    )
+    assert len(pairs) == 2
+    for mine, expected in pairs:
+        assert mine._meta == expected._meta and mine.packed_bytes == expected.packed_bytes
+        for (n, a), (m, b) in zip([*mine.named_parameters(), *mine.named_buffers()],
+                                  [*expected.named_parameters(), *expected.named_buffers()]):  # fmt: skip
+            assert n == m and torch.equal(_bytes(a), _bytes(b)), n
+    ids = torch.randint(0, oracle.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    for model in (streamed, oracle):
+        model.train()  # an eval-mode no_grad forward would repack the 4-bit weights for the CPU kernel (FACTS.md)
+    with torch.no_grad():
+        assert torch.equal(streamed(input_ids=ids).logits, oracle(input_ids=ids).logits)
+
+
+def test_a_checkpoint_the_plan_cannot_follow_loads_as_before(checkpoints, caplog):
+    """A from_pretrained argument that changes which weights are read: not streamed, said once, the same bytes."""
+    path = checkpoints["qwen3_moe"]
+    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
+        model = load_qlora_model(str(path), lora_config=_lora(), gradient_checkpointing=False, use_safetensors=True)
+    messages = [r.message for r in caplog.records]
+    assert any("experts load in 16 bits before they are packed" in m and "use_safetensors" in m for m in messages)
+    assert not any("streamed the experts" in m for m in messages)
+    assert sum(isinstance(m, QuantizedExperts) for m in model.modules()) == 2
+
+
+def test_stream_plan_maps_each_expert_slice(checkpoints):
+    """The plan of a per-expert checkpoint: every expert's gate and up rows and down matrix, nothing else hidden."""
+    from transformers import AutoConfig
+
+    from hf_fsdp_qlora.loading._expert_stream import plan_expert_stream
+
+    path = checkpoints["qwen3_moe"]
+    config = AutoConfig.from_pretrained(path)
+    stream, reason = plan_expert_stream(path, config, torch.bfloat16, False, {})
+    assert reason == "" and sorted(stream.modules) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    gate_up = stream.modules["model.layers.0.mlp.experts"]["gate_up_proj"]
+    experts, width = config.num_experts, config.moe_intermediate_size
+    assert len(gate_up) == 2 * experts
+    assert {(s.expert, s.dim, s.start, s.stop) for s in gate_up if s.disk_key.endswith("up_proj.weight")
+            and "gate" not in s.disk_key} == {(e, 0, width, 2 * width) for e in range(experts)}  # fmt: skip
+    assert len(stream.entries) == 2 * 3 * experts and all(".experts." in k for k in stream.entries)
+    assert plan_expert_stream(path, config, torch.bfloat16, False, {"key_mapping": {}})[0] is None
+    assert plan_expert_stream("Qwen/Qwen3-30B-A3B", config, torch.bfloat16, False, {})[1].endswith("local folder")
+
+
+def test_transformers_leaves_hidden_experts_unread(checkpoints):
+    """Canary (hf_fsdp_qlora/_compat/transformers.py, experts_left_unread): within the context, from_pretrained
+    reports no missing or unexpected key (the hidden expert tensors are never matched, so never read) and its weight
+    initialisation skips the experts (their weights stay as allocated: untouched pages); outside, it initialises
+    them again and the experts load as transformers loads them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_fsdp_qlora.loading._expert_stream import experts_left_unread, plan_expert_stream
+
+    path = checkpoints["qwen3_moe"]
+    stream, _ = plan_expert_stream(path, AutoConfig.from_pretrained(path), torch.bfloat16, False, {})
+    with experts_left_unread(stream) as kwargs:
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, output_loading_info=True,
+                                                           **kwargs)  # fmt: skip
+        experts = model.model.layers[0].mlp.experts
+        experts.gate_up_proj.data.fill_(1.0)
+        model.initialize_weights()  # what from_pretrained runs for missing weights
+        assert torch.all(experts.gate_up_proj == 1.0)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for cls in stream.classes:
+        assert "_is_hf_initialized" not in cls.__dict__
+    model._initialize_weights(experts)
+    assert not torch.all(experts.gate_up_proj == 1.0)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert plain.model.layers[0].mlp.experts.gate_up_proj.count_nonzero() > 0
+
+
+def test_host_ram_bounded_and_below_todays(tmp_path):
+    """benchmarks/moe_loading.py on its "test" checkpoint (4 layers of 32 experts, 201 MB of bf16 experts), each
+    contestant in its own process (anonymous RSS sampled, VmHWM): the streamed load adds at most the 4-bit model + one
+    layer's 16-bit experts (+64 MB of slack for the imports a load does) to the runtime's; today's adds at least the
+    16-bit experts the stream never holds more; peak RSS within 1.3x of the doctor's bound; equal packed experts."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe_loading.py"), "--shape", "test", "--ranks",
+                           "1", "--json", "--keep", str(tmp_path)], check=False, capture_output=True, text=True,
+                          timeout=600, env=env, cwd=str(REPO))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(proc.stdout[proc.stdout.index("\n{\n") :])
+    run = result["runs"]["1_process"]
+    streamed, today = run["streamed"], run["today"]
+    assert streamed["experts_digest"] == today["experts_digest"] and streamed["quantized_experts"] == 4
+    layer16 = 32 * 3 * 512 * 512 * 2
+    experts16 = 4 * layer16
+    four_bit = streamed["packed_expert_bytes"] * 1.1 + 30 * 2**20  # constants, the 4-bit linear layers, embeddings
+    grew = {name: row["peak_anon"] - row["runtime_anon"] for name, row in run.items()}
+    assert grew["streamed"] <= four_bit + layer16 + 64 * 2**20, grew
+    assert grew["today"] - grew["streamed"] >= 0.8 * (experts16 - layer16 - four_bit), grew
+    assert streamed["peak_rss"] <= result["planned_bound"] * 1.3
