@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,25 +13,18 @@ from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
+from ._adapter_steps import attach_adapter, continue_adapter, freeze_for_kbit_training
 from ._checkpoint import (
     check_causal_lm,
     check_checkpointing,
     config_has_fused_experts,
     load_config,
     prequantized_check,
-    supports_checkpointing,
 )
 from ._experts_map import release_experts_dispatch
-from .expert_lora import (
-    check_target_modules,
-    check_target_parameters,
-    linear_layer_names,
-    lora_config_for_mamba,
-    peft_sees_expert_weights,
-)
-from .experts import EXPERT_LAYOUTS, keep_linear_targets, lora_config_for_experts
+from .experts import EXPERT_LAYOUTS
 from .experts import quantize_experts as quantize_expert_weights
-from .family_targets import family_skip_modules, lora_config_for_family
+from .family_targets import family_skip_modules
 from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
 
 __all__ = ["load_qlora_model", "default_lora_config"]
@@ -173,9 +165,9 @@ def load_qlora_model(
     _view_packed_storage(load)
     _quantize_experts(load)
     disable_cpu_repack_in_model(load.model)
-    _freeze_for_kbit_training(load.model, gradient_checkpointing)
-    _attach_adapter(load, lora_config)
-    _continue_adapter(load)
+    freeze_for_kbit_training(load.model, gradient_checkpointing)
+    attach_adapter(load, lora_config)
+    continue_adapter(load)
     _convert_int8(load)
     _record_quantization(load)  # after every quantizing step; load.model is the PeftModel
     harmonize_dtypes(load.model, load.dtype)  # one floating dtype in every FSDP unit: adapters, norms, heads
@@ -351,77 +343,6 @@ def _quantize_experts(load: _Load) -> None:
             dtype=load.dtype,
             device=load.experts_device,
         )
-
-
-def _freeze_for_kbit_training(model, gradient_checkpointing: bool | None) -> None:
-    # peft's prepare_model_for_kbit_training does this too, but it also upcasts every non-quantized
-    # parameter (norms, embeddings) to fp32, which puts fp32 beside bf16 inside one FSDP1 unit.
-    for param in model.parameters():
-        param.requires_grad_(False)
-    if gradient_checkpointing is None:  # not asked for: on where the class supports it
-        gradient_checkpointing = supports_checkpointing(model)
-        if not gradient_checkpointing:
-            logger.info(
-                "hf_fsdp_qlora: %s does not support activation checkpointing in transformers: loaded without it",
-                type(model).__name__,
-            )
-    check_checkpointing(model.config, gradient_checkpointing, type(model))
-    if gradient_checkpointing:
-        # use_reentrant=False: the reentrant variant needs inputs that require grad and breaks with FSDP.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-
-
-def _attach_adapter(load: _Load, lora_config) -> None:
-    """peft's LoRA on the frozen base (and on 4-bit experts, through our wrappers: expert_lora.py)."""
-    if load.adapter is not None:
-        return  # _continue_adapter loads it
-    lora_config = lora_config if lora_config is not None else default_lora_config()
-    lora_config = lora_config_for_experts(load.model, lora_config)  # "all-linear": the linear layers, in MoE too
-    lora_config = lora_config_for_family(load.model, lora_config)  # not the layers its forward never runs
-    lora_config = lora_config_for_mamba(load.model, lora_config)
-    check_target_parameters(load.model, lora_config)
-    with peft_sees_expert_weights(load.model), keep_linear_targets(lora_config):
-        load.model = _apply_lora(load.model, lora_config)
-
-
-def _apply_lora(model, lora_config):
-    from peft import get_peft_model
-
-    check_target_modules(model, lora_config)
-    # Before peft: afterwards its own layers (base_layer, lora_A, ...) are modules of the model too.
-    linear = linear_layer_names(model)
-    try:
-        # autocast_adapter_dtype=False: peft would otherwise upcast the adapters to fp32.
-        return get_peft_model(model, lora_config, autocast_adapter_dtype=False)
-    except ValueError as err:
-        if "not found in the base model" not in str(err) and "Target module" not in str(err):
-            raise
-        raise UnsupportedSetupError(
-            f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model that LoRA can adapt. "
-            f"Set LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
-        ) from err
-
-
-def _continue_adapter(load: _Load) -> None:
-    """A saved adapter through peft's own loader, its expert LoRA onto the 4-bit experts (expert_lora.py)."""
-    if load.adapter is None:
-        return
-    from types import SimpleNamespace
-
-    from peft import PeftModel
-
-    from ..quant_record import RECORD_NAME
-
-    # An adapter we saved names the linear layers as our loader chose them: peft must not remap them onto the
-    # routed experts as if they were written for transformers 4 (keep_linear_targets, as when they were attached).
-    ours = SimpleNamespace(hf_fsdp_qlora_linear_targets=(Path(load.adapter) / RECORD_NAME).is_file())
-    with peft_sees_expert_weights(load.model), keep_linear_targets(ours):
-        # autocast_adapter_dtype=False: the adapters keep the run's one dtype (harmonize_dtypes casts the rest).
-        load.model = PeftModel.from_pretrained(
-            load.model, str(load.adapter), is_trainable=load.is_trainable, autocast_adapter_dtype=False
-        )
-    logger.info("hf_fsdp_qlora: continuing from the adapter %s (trainable: %s)", load.adapter, load.is_trainable)
 
 
 def _convert_int8(load: _Load) -> None:

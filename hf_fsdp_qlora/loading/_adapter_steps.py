@@ -1,0 +1,97 @@
+"""The loader's adapter steps: freeze the base for k-bit training, attach new LoRA adapters, or continue from a saved
+adapter (each a step of :func:`~hf_fsdp_qlora.loading.qlora.load_qlora_model`, reading and writing its ``load``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..errors import UnsupportedSetupError
+from ._checkpoint import check_checkpointing, supports_checkpointing
+from .expert_lora import (
+    check_target_modules,
+    check_target_parameters,
+    linear_layer_names,
+    lora_config_for_mamba,
+    peft_sees_expert_weights,
+)
+from .experts import keep_linear_targets, lora_config_for_experts
+from .family_targets import lora_config_for_family
+
+__all__ = ["attach_adapter", "continue_adapter", "freeze_for_kbit_training"]
+
+logger = logging.getLogger("hf_fsdp_qlora.loading.qlora")  # the loader's log lines, under one name
+
+
+def freeze_for_kbit_training(model, gradient_checkpointing: bool | None) -> None:
+    # peft's prepare_model_for_kbit_training does this too, but it also upcasts every non-quantized
+    # parameter (norms, embeddings) to fp32, which puts fp32 beside bf16 inside one FSDP1 unit.
+    for param in model.parameters():
+        param.requires_grad_(False)
+    if gradient_checkpointing is None:  # not asked for: on where the class supports it
+        gradient_checkpointing = supports_checkpointing(model)
+        if not gradient_checkpointing:
+            logger.info(
+                "hf_fsdp_qlora: %s does not support activation checkpointing in transformers: loaded without it",
+                type(model).__name__,
+            )
+    check_checkpointing(model.config, gradient_checkpointing, type(model))
+    if gradient_checkpointing:
+        # use_reentrant=False: the reentrant variant needs inputs that require grad and breaks with FSDP.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+
+
+def attach_adapter(load, lora_config) -> None:
+    """peft's LoRA on the frozen base (and on 4-bit experts, through our wrappers: expert_lora.py)."""
+    if load.adapter is not None:
+        return  # _continue_adapter loads it
+    if lora_config is None:
+        from .qlora import default_lora_config  # the public default lives with load_qlora_model
+
+        lora_config = default_lora_config()
+    lora_config = lora_config_for_experts(load.model, lora_config)  # "all-linear": the linear layers, in MoE too
+    lora_config = lora_config_for_family(load.model, lora_config)  # not the layers its forward never runs
+    lora_config = lora_config_for_mamba(load.model, lora_config)
+    check_target_parameters(load.model, lora_config)
+    with peft_sees_expert_weights(load.model), keep_linear_targets(lora_config):
+        load.model = _apply_lora(load.model, lora_config)
+
+
+def _apply_lora(model, lora_config):
+    from peft import get_peft_model
+
+    check_target_modules(model, lora_config)
+    # Before peft: afterwards its own layers (base_layer, lora_A, ...) are modules of the model too.
+    linear = linear_layer_names(model)
+    try:
+        # autocast_adapter_dtype=False: peft would otherwise upcast the adapters to fp32.
+        return get_peft_model(model, lora_config, autocast_adapter_dtype=False)
+    except ValueError as err:
+        if "not found in the base model" not in str(err) and "Target module" not in str(err):
+            raise
+        raise UnsupportedSetupError(
+            f"LoRA target_modules={lora_config.target_modules!r} match no layer of this model that LoRA can adapt. "
+            f"Set LoraConfig(target_modules=...) to some of its linear layers: {linear}, or 'all-linear'."
+        ) from err
+
+
+def continue_adapter(load) -> None:
+    """A saved adapter through peft's own loader, its expert LoRA onto the 4-bit experts (expert_lora.py)."""
+    if load.adapter is None:
+        return
+    from types import SimpleNamespace
+
+    from peft import PeftModel
+
+    from ..quant_record import RECORD_NAME
+
+    # An adapter we saved names the linear layers as our loader chose them: peft must not remap them onto the
+    # routed experts as if they were written for transformers 4 (keep_linear_targets, as when they were attached).
+    ours = SimpleNamespace(hf_fsdp_qlora_linear_targets=(Path(load.adapter) / RECORD_NAME).is_file())
+    with peft_sees_expert_weights(load.model), keep_linear_targets(ours):
+        # autocast_adapter_dtype=False: the adapters keep the run's one dtype (harmonize_dtypes casts the rest).
+        load.model = PeftModel.from_pretrained(
+            load.model, str(load.adapter), is_trainable=load.is_trainable, autocast_adapter_dtype=False
+        )
+    logger.info("hf_fsdp_qlora: continuing from the adapter %s (trainable: %s)", load.adapter, load.is_trainable)
