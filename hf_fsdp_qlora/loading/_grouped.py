@@ -81,17 +81,21 @@ def dequantize_routed(module, name: str, experts: torch.Tensor) -> torch.Tensor:
         for slot, expert in enumerate(experts.tolist()):
             out[slot] = module.dequantize_expert(name, expert)
         return out
-    absmax = getattr(module, f"{name}_absmax").index_select(0, experts)
+
+    def rows(tensor):  # every expert routed (any real batch): the stored rows as they are, no copy
+        return tensor if count == module.num_experts else tensor.index_select(0, experts)
+
+    absmax = rows(getattr(module, f"{name}_absmax"))
     if blocksize2 is not None:
         nested = QuantState(
-            absmax=getattr(module, f"{name}_absmax2").index_select(0, experts).reshape(-1),
+            absmax=rows(getattr(module, f"{name}_absmax2")).reshape(-1),
             code=getattr(module, f"{name}_code2"),
             blocksize=blocksize2,
             dtype=torch.float32,
         )
         absmax = dequantize_blockwise(absmax.reshape(-1), nested).view(count, blocks)
-        absmax += getattr(module, f"{name}_offset").index_select(0, experts).view(count, 1)
-    packed = getattr(module, f"{name}_4bit").index_select(0, experts).reshape(-1, 1)
+        absmax += rows(getattr(module, f"{name}_offset")).view(count, 1)
+    packed = rows(getattr(module, f"{name}_4bit")).reshape(-1, 1)
     state = QuantState(absmax=absmax.reshape(-1).float(), shape=torch.Size((count * shape[0], *shape[1:])),
                        code=getattr(module, f"{name}_code"), blocksize=blocksize, quant_type=module.quant_type,
                        dtype=module.dtype)  # fmt: skip
