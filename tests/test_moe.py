@@ -146,15 +146,18 @@ def _copy_lora(src, dst):
             params[name].copy_(p)
 
 
+@pytest.mark.parametrize("compute", ["grouped", "loop"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_expert_lora_equals_peft_on_the_dequantized_base(moe_models, arch, tmp_path):
-    """LoRA on 4-bit experts vs peft's own LoRA (same LoraConfig) on the 16-bit model holding the dequantized
-    expert weights: same adapter keys and shapes, same logits and LoRA gradients (fp32: stated tolerance 1e-5)."""
+def test_expert_lora_equals_peft_on_the_dequantized_base(moe_models, arch, compute, tmp_path):
+    """LoRA on 4-bit experts (grouped, and the per-expert loop) vs peft's own LoRA (same LoraConfig) on the 16-bit
+    model holding the dequantized expert weights: same adapter keys and shapes, same logits and LoRA gradients
+    (fp32: stated tolerance 1e-5)."""
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     config = _lora(target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS, init_lora_weights=False)
     ours = _load(moe_models[arch], lora_config=config, dtype=torch.float32)
+    _set_compute(ours, compute)
     stock = _load(moe_models[arch], lora_config=config, dtype=torch.float32, quantize_experts=False)
     _experts(ours, QuantizedExperts)
     ours_sd, stock_sd = get_peft_model_state_dict(ours), get_peft_model_state_dict(stock)
