@@ -42,12 +42,13 @@ logger = logging.getLogger(__name__)
 
 
 class QuantizedExperts(nn.Module):
-    """A family's experts module with every expert's weights in 4 bits, dequantized one routed expert at a time.
+    """A family's experts module with every expert's weights in 4 bits, dequantized for the experts routed.
 
     Built from the 16-bit experts module by :func:`quantize_experts`. The forward honours transformers' experts
     call, ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, and runs the family's
-    own gate (``_apply_gate``). Only the experts that tokens were routed to are dequantized, one at a time, so
-    the 16-bit copy alive at any moment is one expert's weight, never a layer's whole expert stack.
+    own gate (``_apply_gate``). Only the experts that tokens were routed to are dequantized: grouped (``compute``,
+    :mod:`._grouped`), a weight's routed experts at once for one grouped matmul - the 16-bit stack autograd keeps
+    for the backward anyway; in the per-expert loop (reference and fallback) one at a time.
 
     LoRA on the experts (peft's ``target_parameters``, :mod:`hf_fsdp_qlora.loading.expert_lora`): peft's
     ``ParamWrapper`` modules hold the adapters in peft's own layout and format; while they run this module
