@@ -3,6 +3,8 @@
     python benchmarks/moe.py                          # Qwen3-MoE "cpu" shape, 2 gloo ranks, FSDP2, ~2 minutes
     python benchmarks/moe.py --shape small --steps 3 --warmup 1 --json   # the CI smoke form (tests/test_moe_benchmark.py)
     python benchmarks/moe.py --profile                # adds each rank's share of time in the experts' dequantization
+    python benchmarks/moe.py --layer [--tokens 2048]  # one layer's experts, one process: grouped vs loop vs stock
+                                                      # time and operator calls (benchmarks/moe_layer.py)
 
 Both contestants train the same workload under FSDP2 on 2 CPU ranks (accelerate launch with
 accelerate_configs/cpu_fsdp2_rehearsal.yaml: activation checkpointing, reshard after forward): a Qwen3-MoE built
@@ -304,12 +306,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     p.add_argument("--json", action="store_true", help="print the result as JSON after the table")
     p.add_argument("--keep", help="build the model and write the runs here instead of a temporary folder")
+    p.add_argument("--layer", action="store_true", help="one layer's experts instead: benchmarks/moe_layer.py")
+    p.add_argument("--tokens", type=int, default=2048, help="--layer: tokens per forward")
     p.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)  # set by the driver's launches
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.warmup < 1 or args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}), which must be >= 1")
+    if args.layer:
+        return _layer(args)
     seq, batch = DEFAULTS[args.shape]
     args.seq, args.batch = args.seq or seq, args.batch or batch
     if args.worker:
@@ -344,6 +350,23 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     return 0
+
+
+def _layer(args) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import moe_layer
+
+    shape = {**moe_layer.SHAPE, **SMALL_LAYER} if args.shape == "small" else None
+    result = moe_layer.run(args.tokens, repeats=max(1, args.steps - args.warmup), lora_r=args.lora_r,
+                           threads=args.threads, shape=shape)  # fmt: skip
+    result["versions"] = {k: metadata.version(k) for k in PACKAGES}
+    moe_layer.print_table(result)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+SMALL_LAYER = {"hidden_size": 256, "num_experts": 16, "moe_intermediate_size": 128}  # --layer --shape small (CI)
 
 
 if __name__ == "__main__":

@@ -336,6 +336,29 @@ def test_torch_internals():
     assert set(WRAPPER_SEGMENTS) == {FSDP_WRAPPED_MODULE + ".", _CHECKPOINT_WRAPPED_MODULE + ".", "_orig_mod."}
 
 
+def test_torch_grouped_mm():
+    """What loading/_grouped.py relies on and works around in torch's grouped matmul on CPU: equal to a per-group
+    matmul forward and backward; an expanded incoming gradient and 8-byte rows are refused (the hook makes the
+    gradient contiguous, LoRA ranks are padded to 16-byte rows)."""
+    grouped = torch._grouped_mm
+    assert torch.nn.functional.grouped_mm.__module__ == "torch.nn.functional"
+    assert {"offs"} <= set(_params(torch.nn.functional.grouped_mm))
+    x = torch.randn(10, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(3, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([3, 3, 10], dtype=torch.int32)  # an empty group, as unrouted experts give
+    out = grouped(x, w.transpose(-2, -1), offs=offs)
+    loop = torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T])
+    assert torch.equal(out, loop)
+    with pytest.raises(RuntimeError, match="Invalid strides/sizes"):
+        out.sum().backward()
+    grouped(x, w.transpose(-2, -1), offs=offs).backward(torch.ones(10, 8, dtype=torch.bfloat16))
+    assert w.grad[1].abs().sum() == 0 and w.grad[0].abs().sum() > 0
+    narrow = torch.randn(3, 4, 16, dtype=torch.bfloat16, requires_grad=True)  # rank 4 in bf16: 8-byte rows
+    low = grouped(x, narrow.transpose(-2, -1), offs=offs)
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
+        low.backward(torch.ones_like(low))
+
+
 def test_trainer_private_methods():
     from transformers import Trainer
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints

@@ -696,9 +696,11 @@ def test_8bit_setups_we_cannot_support(tiny, tiny_moe, tmp_path):
     assert not diagnose(tiny_moe["qwen3_moe"], accelerate_config=F2Q, quantization="4bit").errors
 
 
-def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe):
-    """One expert is dequantized at a time, but autograd keeps every routed expert's 16-bit weight for the input
-    gradient until backward: the plan's saved expert bytes equal what autograd really saves (saved-tensor hooks)."""
+@pytest.mark.parametrize("compute", ["grouped", "loop"])
+def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe, compute):
+    """Grouped (a weight's routed experts dequantized at once) or one expert at a time (the loop), autograd keeps
+    every routed expert's 16-bit weight for the input gradient until backward: the plan's saved expert bytes equal
+    what autograd really saves (saved-tensor hooks), and hold the grouped workspace."""
     import torch
 
     from hf_fsdp_qlora import load_qlora_model
@@ -708,6 +710,7 @@ def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe):
 
     model = load_qlora_model(str(tiny_moe["qwen3_moe"]), gradient_checkpointing=False)
     experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))
+    experts.compute = compute
     tokens, k, hidden = 64, model.config.num_experts_per_tok, model.config.hidden_size
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
     index = torch.stack([torch.randperm(experts.num_experts, generator=torch.Generator().manual_seed(i))[:k]
@@ -722,10 +725,16 @@ def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe):
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         experts(x, index, torch.rand(tokens, k, dtype=torch.bfloat16))
-    kept = sum(t.numel() * t.element_size() for t in saved.values() if tuple(t.shape) in weights)
+    # The loop saves each expert's weight, grouped each weight's stack of routed experts ([k, *weight]; its 2-D
+    # activations can share a weight's shape: 128 routed rows here).
+    dim = 3 if compute == "grouped" else 2
+    kept = sum(
+        t.numel() * t.element_size() for t in saved.values() if t.dim() == dim and tuple(t.shape[-2:]) in weights
+    )
     shape = model_shape(tiny_moe["qwen3_moe"])
-    planned = expert_bytes(shape, quantized=True, double_quant=True, tokens=tokens).saved_numel * 2
-    assert kept == planned > 0
+    planned = expert_bytes(shape, quantized=True, double_quant=True, tokens=tokens)
+    assert kept == planned.saved_numel * 2 > 0
+    assert 0 < planned.grouped_numel < planned.saved_numel
 
 
 def test_moe_family_we_cannot_quantize_is_an_error(tmp_path):

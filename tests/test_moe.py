@@ -7,6 +7,7 @@ trained under FSDP1 and FSDP2 in the suite's shared launches (tests/scripts/trai
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -145,15 +146,18 @@ def _copy_lora(src, dst):
             params[name].copy_(p)
 
 
+@pytest.mark.parametrize("compute", ["grouped", "loop"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_expert_lora_equals_peft_on_the_dequantized_base(moe_models, arch, tmp_path):
-    """LoRA on 4-bit experts vs peft's own LoRA (same LoraConfig) on the 16-bit model holding the dequantized
-    expert weights: same adapter keys and shapes, same logits and LoRA gradients (fp32: stated tolerance 1e-5)."""
+def test_expert_lora_equals_peft_on_the_dequantized_base(moe_models, arch, compute, tmp_path):
+    """LoRA on 4-bit experts (grouped, and the per-expert loop) vs peft's own LoRA (same LoraConfig) on the 16-bit
+    model holding the dequantized expert weights: same adapter keys and shapes, same logits and LoRA gradients
+    (fp32: stated tolerance 1e-5)."""
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     config = _lora(target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS, init_lora_weights=False)
     ours = _load(moe_models[arch], lora_config=config, dtype=torch.float32)
+    _set_compute(ours, compute)
     stock = _load(moe_models[arch], lora_config=config, dtype=torch.float32, quantize_experts=False)
     _experts(ours, QuantizedExperts)
     ours_sd, stock_sd = get_peft_model_state_dict(ours), get_peft_model_state_dict(stock)
@@ -204,6 +208,127 @@ def test_expert_lora_in_bf16_within_rounding(moe_models):
     # Merging into the packed 4-bit experts is refused clearly (the 16-bit model merges as peft does).
     with pytest.raises(UnsupportedSetupError, match="cannot be merged into the packed 4-bit expert weights"):
         ours.merge_and_unload()
+
+
+def _set_compute(model, compute):
+    for _, module in _experts(model, QuantizedExperts):
+        module.compute = compute
+
+
+def _forward_backward(model, ids):
+    model.zero_grad(set_to_none=True)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    out = model(inputs_embeds=embeds, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad}
+    return out.logits.detach().float(), embeds.grad.float(), grads
+
+
+# Grouped vs the loop (CPU, torch 2.13), as max |difference| / max |value|. Measured here (top 2): bf16 equal to the
+# last bit (logits, input and LoRA gradients); fp32 at most 2.8e-7 (sums met in another order). Grouped adds a
+# token's k expert outputs with one rounding (one index_add_, as stock's grouped_mm sums: equal to it), the loop
+# rounds after each expert: at top 8 (tests/test_moe_benchmark.py) they differ by a few bf16 steps. Stated: 2**-6
+# of the largest value in bf16, 1e-5 in fp32.
+GROUPED_TOLERANCE = {torch.bfloat16: {"rtol": 2**-6, "atol": 2**-6}, torch.float32: {"rtol": 1e-5, "atol": 1e-6}}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_grouped_equals_loop_with_expert_lora(moe_models, arch, dtype, monkeypatch):
+    """The grouped path (one dequantization and one grouped_mm per projection, LoRA grouped too) against the
+    per-expert loop on the same model: logits, input gradients and every LoRA gradient (experts' and attention's)."""
+    from hf_fsdp_qlora.loading import _grouped
+
+    config = _lora(target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS, init_lora_weights=False)
+    model = _load(moe_models[arch], lora_config=config, dtype=dtype)
+    model.train()
+    ran = []
+    monkeypatch.setattr(_grouped, "grouped_forward", lambda *a: ran.append(1) or GROUPED_FORWARD(*a))
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    _set_compute(model, "loop")
+    loop = _forward_backward(model, ids)
+    assert not ran
+    _set_compute(model, "grouped")
+    grouped = _forward_backward(model, ids)
+    assert len(ran) == 2  # both layers' experts ran grouped
+    tolerance = GROUPED_TOLERANCE[dtype]
+    scale = {"logits": loop[0].abs().max(), "input grad": loop[1].abs().max()}
+    for i, what in enumerate(scale):
+        torch.testing.assert_close(grouped[i] / scale[what], loop[i] / scale[what], **tolerance, msg=what)
+    assert set(grouped[2]) == set(loop[2]) and sum(".experts." in n for n in loop[2]) == 8  # 2 layers x 2 x (A, B)
+    worst = {what: float(((grouped[i] - loop[i]).abs().max() / scale[what])) for i, what in enumerate(scale)}
+    worst["lora grads"] = max(float((grouped[2][n] - g).abs().max() / g.abs().max()) for n, g in loop[2].items())
+    print(f"{arch} {dtype}: grouped vs loop, max |difference| / max |value|: {worst}")
+    for name, grad in loop[2].items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(grouped[2][name] / grad.abs().max(), grad / grad.abs().max(), **tolerance, msg=name)
+
+
+GROUPED_FORWARD = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _grouped_forward():
+    global GROUPED_FORWARD
+    from hf_fsdp_qlora.loading import _grouped
+
+    GROUPED_FORWARD = _grouped.grouped_forward
+
+
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_routed_experts_dequantize_in_one_step(moe_models, arch, double_quant, monkeypatch):
+    """One bitsandbytes call per weight for the routed experts, bit for bit the per-expert dequantization. Where an
+    expert's weight does not fill whole (nested) blocks each expert fills its slice instead: counted here."""
+    import bitsandbytes.functional as bnbf
+
+    from hf_fsdp_qlora.loading._grouped import dequantize_routed
+
+    model = load_qlora_model(str(moe_models[arch]), lora_config=None, double_quant=double_quant)
+    (_, module), *_ = _experts(model, QuantizedExperts)
+    calls = []
+    original = bnbf.dequantize_4bit
+    monkeypatch.setattr(bnbf, "dequantize_4bit", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for routed in (torch.tensor([0, 3, 4, 7]), torch.arange(module.num_experts)):  # some; all (the rows as stored)
+        for name in module.layout.weights:
+            shape, blocksize, nested = module.quant_meta(name)
+            numel = math.prod(shape)
+            one_step = numel % blocksize == 0 and (nested is None or numel // blocksize % nested == 0)
+            calls.clear()
+            together = dequantize_routed(module, name, routed)
+            assert len(calls) == (1 if one_step else len(routed)), (name, shape, calls)
+            alone = torch.stack([module.dequantize_expert(name, e) for e in routed.tolist()])
+            assert together.dtype == module.dtype and torch.equal(together, alone), name
+
+
+def test_grouped_falls_back_to_the_loop_and_says_so(moe_models, monkeypatch, caplog):
+    """Without grouped_mm (older torch) or on a dtype/device it does not run, the loop runs and one line says why;
+    compute='grouped' then is a clear error."""
+    import logging
+
+    from hf_fsdp_qlora.loading import _grouped
+
+    model = _load(moe_models["qwen3_moe"])
+    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    monkeypatch.setattr(_grouped, "grouped_mm_function", lambda: None)
+    monkeypatch.setattr(_grouped, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"), torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(input_ids=ids).logits, reference, rtol=2**-7, atol=2**-7)
+    said = [r.getMessage() for r in caplog.records if "4-bit experts" in r.getMessage()]
+    assert said == ["hf_fsdp_qlora: 4-bit experts (Qwen3MoeExperts) compute one routed expert at a time: torch "
+                    f"{torch.__version__} has no grouped_mm"], said  # fmt: skip
+    _set_compute(model, "grouped")
+    with pytest.raises(UnsupportedSetupError, match="cannot compute grouped: torch .* has no grouped_mm"):
+        model(input_ids=ids)
+    monkeypatch.undo()
+    (_, module), *_ = _experts(model, QuantizedExperts)
+    for dtype, device, reason in [(torch.float64, "cpu", "not known to run torch.float64 on cpu"),
+                                  (torch.bfloat16, "meta", "not known to run torch.bfloat16 on meta")]:  # fmt: skip
+        monkeypatch.setattr(module, "dtype", dtype)
+        assert reason in _grouped.unavailable_reason(module, torch.device(device))
 
 
 @pytest.mark.parametrize(

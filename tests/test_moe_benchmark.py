@@ -58,3 +58,35 @@ def test_bad_steps_are_refused_before_any_launch():
     proc = subprocess.run([sys.executable, str(BENCH), "--steps", "2", "--warmup", "2"], check=False,
                           capture_output=True, text=True, timeout=60, cwd=str(REPO))  # fmt: skip
     assert proc.returncode == 2 and "must exceed --warmup" in proc.stderr
+
+
+def test_layer_operator_calls_grouped_constant_loop_grows():
+    """benchmarks/moe.py --layer in its small form, in this process: one layer's experts forward + backward. Grouped
+    runs a constant number of operators (4 grouped_mm, 2 dequantizations; 16 grouped_mm with expert LoRA) whatever
+    the experts routed, the loop's grow with them. Grouped sums each token's k expert outputs with one rounding, as
+    stock's grouped_mm does (equal to it to the last bit here); the loop rounds to bf16 after each expert, so the two
+    differ by a few bf16 steps at top 8: stated 2**-6 of the largest value (measured 0.0091 at most here)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import moe as bench
+    import moe_layer
+
+    shape = {**moe_layer.SHAPE, **bench.SMALL_LAYER}
+    runs = {tokens: moe_layer.run(tokens, repeats=1, lora_r=4, shape=shape) for tokens in (1, 2, 64)}
+    routed = {t: r["workload"]["routed_experts"] for t, r in runs.items()}
+    assert routed[1] == 8 and 8 < routed[2] < 16 == routed[64], routed  # some routed, more, all
+    calls = {t: {n: c["operator_calls"] for n, c in r["contestants"].items()} for t, r in runs.items()}
+    print(calls)
+    for name in ("grouped", "grouped+lora"):
+        assert calls[1][name] == calls[2][name] >= calls[64][name], (name, calls)  # all routed: no row copies
+    for tokens, run in runs.items():
+        rows = run["contestants"]
+        assert rows["grouped"]["grouped_mm_calls"] == 4 and rows["grouped+lora"]["grouped_mm_calls"] == 16
+        assert rows["grouped"]["dequantize_calls"] == 2 and rows["grouped"]["mm_calls"] == 0
+        assert rows["loop"]["dequantize_calls"] == 2 * routed[tokens] and rows["loop"]["grouped_mm_calls"] == 0
+        assert calls[tokens]["loop"] > 3 * calls[tokens]["grouped"], calls[tokens]
+        assert run["max_abs_diff"]["grouped_vs_stock"] == 0, run["max_abs_diff"]
+        assert all(v <= 2**-6 for v in run["max_abs_diff"].values()), run["max_abs_diff"]
+    for name in ("loop", "loop+lora"):  # the loop's operators grow with the routed experts
+        assert calls[1][name] < calls[2][name] < calls[64][name], (name, calls)

@@ -1,4 +1,5 @@
-"""torch: FSDP1 internals and limits, gloo teardown, distributed checkpoint options, module slots and compile."""
+"""torch: FSDP1 internals and limits, gloo teardown, distributed checkpoint options, module slots, compile and
+grouped_mm."""
 
 from __future__ import annotations
 
@@ -119,5 +120,19 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         ),
         remove_when="never (a dependency): the canary watches the private dicts and the flag",
         canary=CANARIES + "test_torch_internals",
+    ),
+    Workaround(
+        key="torch_grouped_mm",
+        upstream="torch 2.13 (torch._grouped_mm, public as torch.nn.functional.grouped_mm; CPU kernel since 2.9)",
+        works_around="grouped 4-bit experts: its backward refuses an expanded gradient ('Invalid strides/sizes', "
+        "as .sum() gives) and rows not a multiple of 16 bytes (LoRA ranks padded); older torch lacks it (loop)",
+        where=(
+            "hf_fsdp_qlora.loading._grouped.grouped_mm_function",
+            "hf_fsdp_qlora.loading._grouped._grouped_mm",
+            "hf_fsdp_qlora.loading._grouped.unavailable_reason",
+            "hf_fsdp_qlora.loading._grouped._rank_padding",
+        ),
+        remove_when="grouped_mm is public in every supported torch and takes any stride and an expanded gradient",
+        canary=CANARIES + "test_torch_grouped_mm",
     ),
 )

@@ -7,9 +7,12 @@ double quant the nested absmax per 256 blocks and an offset, and the code tables
 rank. A stock ``load_in_4bit`` (or ``quantize_experts=False``, or an 8-bit base: bitsandbytes only replaces
 ``nn.Linear``) keeps them in the model's 16-bit dtype. The router is a plain parameter, kept 16-bit either way.
 
-The forward dequantizes one routed expert at a time, but autograd keeps each routed expert's 16-bit weight for
-the input gradient until backward: with checkpointing that is one layer's routed experts (during the layer's
-recompute and backward), without it every layer's (``saved_numel``). Activations: :mod:`.activations`.
+The forward dequantizes the routed experts of each weight at once for one grouped matmul (the grouped workspace,
+``grouped_numel``; the per-expert loop, the fallback, one at a time), and autograd keeps them for the input gradient
+until backward: with checkpointing that is one layer's routed experts (during the layer's recompute and backward),
+without it every layer's (``saved_numel``). The grouped workspace is part of those, so it adds only what the one
+bitsandbytes call reads beside them (``grouped_extra``: the routed experts' absmax in fp32 with double quant, and a
+copy of their packed bytes and constants when only some experts are routed). Activations: :mod:`.activations`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class ExpertBytes:
     workspace_numel: int  # one expert's largest weight, dequantized for one matmul
     saved_numel: int  # the largest layer's routed experts kept dequantized for backward
     layer_packed: int = 0  # the largest layer's packed bytes (stacked once more while loading)
+    grouped_numel: int = 0  # grouped compute: the largest weight of one layer's routed experts, dequantized at once
+    grouped_extra: int = 0  # bytes the grouped dequantization reads beside it (fp32 absmax, copies of routed rows)
 
 
 def _state_bytes(num_experts: int, numel: int, double_quant: bool) -> int:
@@ -49,10 +54,19 @@ def _state_bytes(num_experts: int, numel: int, double_quant: bool) -> int:
     return num_experts * (blocks + nested * 4 + 4) + CODE_BYTES + NESTED_CODE_BYTES
 
 
+def _grouped_extra(num_experts: int, hit: int, numel: int, double_quant: bool) -> int:
+    """What dequantizing `hit` routed experts' weight in one call reads beside its output (loading/_grouped.py)."""
+    blocks = math.ceil(numel / BLOCKSIZE)
+    extra = hit * blocks * 4 if double_quant else 0  # the nested absmax dequantized to fp32
+    if hit < num_experts:  # only some experts routed: their rows are copied out of the stored stacks
+        extra += hit * (math.ceil(numel / 2) + (blocks if double_quant else blocks * 4))
+    return extra
+
+
 def expert_bytes(shape: ModelShape, quantized: bool, double_quant: bool, tokens: int) -> ExpertBytes:
     """The experts' bytes for `tokens` tokens per forward; `quantized`: held in 4 bits (``quantize_experts``)."""
     packed = state = quantized_numel = 0
-    workspace = saved = layer_packed = 0
+    workspace = saved = layer_packed = grouped = extra = 0
     for experts in shape.experts:
         held = quantized and experts.quantizable
         per_expert = sum(experts.expert_numel(n) for n in experts.weights)
@@ -66,6 +80,8 @@ def expert_bytes(shape: ModelShape, quantized: bool, double_quant: bool, tokens:
                 packed += experts.num_experts * math.ceil(numel / 2)
                 state += _state_bytes(experts.num_experts, numel, double_quant)
                 workspace = max(workspace, numel)
+                grouped = max(grouped, hit * numel)
+                extra = max(extra, _grouped_extra(experts.num_experts, hit, numel, double_quant))
         if held:
             layer_packed = max(layer_packed, sum(experts.num_experts * math.ceil(experts.expert_numel(n) / 2)
                                                  for n in experts.weights))  # fmt: skip
@@ -78,4 +94,6 @@ def expert_bytes(shape: ModelShape, quantized: bool, double_quant: bool, tokens:
         workspace_numel=workspace,
         saved_numel=saved if quantized_numel else 0,
         layer_packed=layer_packed,
+        grouped_numel=grouped,
+        grouped_extra=extra,
     )

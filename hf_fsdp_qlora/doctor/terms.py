@@ -150,8 +150,13 @@ def logits_loss(ctx: PlanContext) -> Term:
 def dequant_workspace(ctx: PlanContext) -> Term:
     shape, s = ctx.shape, ctx.setup
     numel = max((lin.numel for lin in shape.linears if lin.quantized), default=0) if ctx.quant else 0
-    workspace = max(numel * ctx.act, ctx.experts.workspace_numel * ctx.act)
+    workspace = max(numel * ctx.act, ctx.experts.workspace_numel * ctx.act) + ctx.experts.grouped_extra
     term = Term("dequant_workspace", workspace, "the largest quantized weight (or one expert's), dequantized")
+    if ctx.experts.grouped_numel:
+        # The grouped workspace (one weight of a layer's routed experts at once) is what autograd keeps for the
+        # backward: counted once, in the activations' saved experts; here only what its dequantization reads beside.
+        term.reason += (f"; grouped experts: {ctx.experts.grouped_numel * ctx.act / 2**30:.2f} GiB of routed experts "
+                        "at once, within the activations' saved experts")  # fmt: skip
     if s.use_dora and ctx.lora:
         term.bytes = max(workspace, shape.dora_workspace() * ctx.act)
         term.reason += "; DoRA dequantizes each adapted weight for its norm"

@@ -4,7 +4,8 @@ transformers 5 stores the experts of most MoE families as fused 3-D parameters (
 ``down_proj`` ``[E, H, I]``; gpt-oss transposed, with biases), and bitsandbytes' 4-bit loading only replaces
 ``nn.Linear``: after ``load_in_4bit`` the experts - most of an MoE model's weights - are still 16-bit.
 :func:`quantize_experts` replaces each experts module by :class:`QuantizedExperts`, which holds every expert's
-weights as NF4 (or FP4) bytes and dequantizes one routed expert at a time in its forward.
+weights as NF4 (or FP4) bytes and dequantizes the routed experts in its forward: all of a weight's at once for
+one grouped matmul (:mod:`._grouped`), or one at a time in the per-expert loop kept as reference and fallback.
 
 The packed bytes are a frozen ``nn.Parameter`` of shape ``[E, n]`` in the one storage dtype (the bytes viewed as
 that dtype, never converted), so FSDP1 flattens it with the rest of its unit and FSDP2 shards it on the expert
@@ -41,12 +42,13 @@ logger = logging.getLogger(__name__)
 
 
 class QuantizedExperts(nn.Module):
-    """A family's experts module with every expert's weights in 4 bits, dequantized one routed expert at a time.
+    """A family's experts module with every expert's weights in 4 bits, dequantized for the experts routed.
 
     Built from the 16-bit experts module by :func:`quantize_experts`. The forward honours transformers' experts
     call, ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, and runs the family's
-    own gate (``_apply_gate``). Only the experts that tokens were routed to are dequantized, one at a time, so
-    the 16-bit copy alive at any moment is one expert's weight, never a layer's whole expert stack.
+    own gate (``_apply_gate``). Only the experts that tokens were routed to are dequantized: grouped (``compute``,
+    :mod:`._grouped`), a weight's routed experts at once for one grouped matmul - the 16-bit stack autograd keeps
+    for the backward anyway; in the per-expert loop (reference and fallback) one at a time.
 
     LoRA on the experts (peft's ``target_parameters``, :mod:`hf_fsdp_qlora.loading.expert_lora`): peft's
     ``ParamWrapper`` modules hold the adapters in peft's own layout and format; while they run this module
@@ -55,6 +57,9 @@ class QuantizedExperts(nn.Module):
     """
 
     packed_experts = True  # expert_layouts.is_experts_module: already ours, never swapped or counted again
+    # "auto": grouped (loading/_grouped.py) where grouped_mm runs this dtype and device, else the per-expert loop;
+    # "loop": always the loop (the reference); "grouped": grouped or a clear error. Set per instance to compare.
+    compute = "auto"
 
     def __init__(
         self, experts: nn.Module, layout: ExpertLayout, *, quant_type: str, double_quant: bool, dtype, device=None
@@ -147,6 +152,16 @@ class QuantizedExperts(nn.Module):
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._family_gate(self, gate_up)
 
+    apply_gate = _apply_gate  # the family's gate, for the grouped path
+
+    def quant_meta(self, name: str) -> tuple:
+        """(stored shape of one expert's weight `name`, blocksize, nested blocksize or None)."""
+        return self._meta[name]
+
+    def lora_factors(self, name: str) -> list:
+        """The ``(lora_A, lora_B, scaling)`` of the adapters running on the weight `name` now (empty: none)."""
+        return self._lora.get(name, [])
+
     def dequantize_expert(self, name: str, expert: int) -> torch.Tensor:
         """Expert `expert`'s weight `name` (e.g. ``"gate_up_proj"``) in the compute dtype, in its stored layout."""
         from bitsandbytes.functional import QuantState, dequantize_4bit
@@ -198,6 +213,19 @@ class QuantizedExperts(nn.Module):
         return self._forward(hidden_states.to(self.dtype), top_k_index, top_k_weights).to(input_dtype)
 
     def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        from . import _grouped
+
+        reason = "compute='loop' was asked" if self.compute == "loop" else None
+        reason = reason or _grouped.unavailable_reason(self, hidden_states.device)
+        if reason is not None and self.compute == "grouped":
+            raise UnsupportedSetupError(f"{self.family} experts cannot compute grouped: {reason}. Set compute='auto'.")
+        _grouped.log_path_once(self, reason)
+        if reason is None:
+            return _grouped.grouped_forward(self, hidden_states, top_k_index, top_k_weights)
+        return self._loop_forward(hidden_states, top_k_index, top_k_weights)
+
+    def _loop_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The reference: each routed expert dequantized and multiplied on its own."""
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
             # num_experts + 1 classes: some routers mark dropped slots with index num_experts.
