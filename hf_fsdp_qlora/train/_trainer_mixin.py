@@ -6,12 +6,14 @@ Each hook is a few lines that hand the stock method to the module of ``train/`` 
 Trainer hook                         owner
 ==================================== ===================================================================
 create_accelerator_and_postprocess   accelerator_setup (settings set aside, activation checkpointing),
-                                     compile, offload, consistency.follow_wrapping (after-wrap fix-ups)
+                                     compile, offload, long_context (sequence parallelism, tiled MLP),
+                                     consistency.follow_wrapping (after-wrap fix-ups)
+get_train_dataloader, compute_loss   long_context (a sequence-parallel group's ranks share batches and split
+                                     each sequence; then loss.compute_loss, the chunked loss)
 train                                preemption_callback (auto_resume, the exit after a stop)
 _finalize_training                   preemption_callback (no best-model load or rotation after a stop)
 evaluate                             preemption_callback (an evaluation a stop ended has no metrics)
 evaluation_loop                      generation.prepare_for_evaluation (evaluate() before train())
-compute_loss                         loss.compute_loss (the chunked loss)
 prediction_step                      loss.loss_only_prediction
 save_model                           checkpoint_hooks.save_model (the gathered adapter)
 _get_output_dir, _save_checkpoint    checkpoint_hooks (staged, crash-safe checkpoints)
@@ -31,6 +33,7 @@ from .callbacks import FSDPQLoRACallback
 from .compile import enable_layer_compilation
 from .consistency import follow_wrapping
 from .hygiene import DistinctBatchesCallback, LabelsCheckCallback, MemoryThroughputCallback
+from .long_context import install_long_context
 from .offload import install_activation_offloading
 from .preemption_callback import (
     PreemptionCallback,
@@ -54,6 +57,8 @@ def with_fsdp_callback(callbacks, args=None):
 
     ours = [] if has(FSDPQLoRACallback) else [FSDPQLoRACallback()]
     steps = getattr(args, "check_distinct_batches", 2)
+    if getattr(args, "sp_size", 1) > 1:
+        steps = 0  # the ranks of a sequence-parallel group share batches by design (train/sequence_parallel.py)
     if steps and not has(DistinctBatchesCallback):
         ours.append(DistinctBatchesCallback(check_steps=steps))
     if getattr(args, "log_memory_throughput", True) and not has(MemoryThroughputCallback):
@@ -87,6 +92,7 @@ class FSDPSaveMixin:
         enable_layer_compilation(self)  # before prepare(), where accelerate compiles
         if getattr(self.args, "activation_offloading", False):
             install_activation_offloading(self.model)
+        install_long_context(self)  # before accelerate wraps the model
         follow_wrapping(self)
 
     # -- the loop: preemption
@@ -110,9 +116,15 @@ class FSDPSaveMixin:
         prepare_for_evaluation(self)
         return super().evaluation_loop(*args, **kwargs)
 
+    def get_train_dataloader(self):
+        from .long_context import train_dataloader
+
+        return train_dataloader(self, super().get_train_dataloader)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # The chunked loss where the trainer keeps transformers' stock one (see hf_fsdp_qlora.train.loss).
-        from .loss import compute_loss
+        # The sequence split (under sp_size > 1), then the chunked loss where the trainer keeps transformers' stock one
+        # (see hf_fsdp_qlora.train.loss).
+        from .long_context import compute_loss
 
         return compute_loss(self, super().compute_loss, model, inputs, return_outputs, num_items_in_batch)
 
