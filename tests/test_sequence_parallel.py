@@ -4,10 +4,10 @@ Single process: the batch split (labels shifted before it, padding to a multiple
 the packed mask, and the refusals. Distributed: ONE 2-rank FSDP2 launch (gloo) of tests/scripts/
 sequence_parallel_scenarios.py with sp_size=2, against the same scenarios run by one process on the whole sequence.
 
-Measured tolerance (float32 compute, 4-bit NF4 base, LoRA r=4 on every linear layer): the first-step loss within
-2e-7 relative and every LoRA gradient within 2e-5 relative of its largest element (summation order: the attention
+Measured (float32 compute, 4-bit NF4 base, LoRA r=4 on every linear layer, random lora_B): the first-step loss equal
+(difference 0), every LoRA gradient within 2.0e-6 of its largest element (summation order only: the attention
 runs on the same tokens, the partial gradients of the two ranks are summed by FSDP's reduce-scatter); the 8 logged
-losses of the run within 2e-6.
+losses of the run within 1.7e-7 relative. Asserted with a 10x margin.
 """
 
 from __future__ import annotations
@@ -141,3 +141,12 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
         assert scale > 0, key  # random lora_B at start (init_lora_weights=False): no gradient is trivially 0
         error = float((grads[key] - ref).abs().max())
         assert error <= GRAD_TOL * max(scale, 1e-12), (key, error, scale)
+
+
+def test_stock_sequence_parallelism_is_deepspeed_only():
+    """Canary (_compat ulysses_sequence_parallel): accelerate's ParallelismConfig knows sp_size, but only with the
+    DeepSpeed backend; when it accepts another, read whether FSDP2 sequence parallelism can move upstream."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ValueError, match=r"sp_backend must be one of \['deepspeed'\]"):
+        ParallelismConfig(sp_size=2, sp_backend="fsdp")

@@ -89,11 +89,16 @@ def run(name, path, out, sp_size):
             seen["grads"] = grads
 
     settings = dict(SCENARIOS[name])
-    if "FSDP_ACTIVATION_CHECKPOINTING" in os.environ:  # launched: the rehearsal config's FSDP checkpointing, per scenario
+    if (
+        "FSDP_ACTIVATION_CHECKPOINTING" in os.environ
+    ):  # launched: the rehearsal config's FSDP checkpointing, per scenario
         os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = str(name == "ckpt").lower()
     torch.manual_seed(0)  # the same LoRA initialisation in the launch and in the oracle
     model = load_qlora_model(
-        path, dtype=torch.float32, lora_config=ts.lora_config(init_lora_weights=False), gradient_checkpointing=(name == "ckpt")
+        path,
+        dtype=torch.float32,
+        lora_config=ts.lora_config(init_lora_weights=False),
+        gradient_checkpointing=(name == "ckpt"),
     )
     model.config.use_cache = False
     args = FSDPQLoRATrainingArguments(
