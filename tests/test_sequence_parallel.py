@@ -150,3 +150,33 @@ def test_stock_sequence_parallelism_is_deepspeed_only():
 
     with pytest.raises(ValueError, match=r"sp_backend must be one of \['deepspeed'\]"):
         ParallelismConfig(sp_size=2, sp_backend="fsdp")
+
+
+@pytest.mark.parametrize("route", ["ours", "stock", "sft"])
+def test_sp_size_is_never_ignored(tmp_path, route):
+    """sp_size > 1 works through our trainer mixin's hooks only: a stock Trainer given it adopts the mixin (so the
+    setting is honoured or refused, never ignored), and a trainer with its own loss (trl's SFT) is refused by name."""
+    from transformers import Trainer
+
+    from hf_fsdp_qlora import FSDPQLoRASFTTrainer, FSDPQLoRATrainer, FSDPQLoRATrainingArguments
+
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], sp_size=2)  # noqa: C408
+    if route == "sft":
+        from trl import SFTConfig
+
+        args = SFTConfig(**{k: v for k, v in common.items() if k != "sp_size"}, bf16=False)
+        args.sp_size = 2
+        kind, match = FSDPQLoRASFTTrainer, "with SFTTrainer, which computes its own loss"
+    else:
+        args = FSDPQLoRATrainingArguments(**common)
+        kind, match = (FSDPQLoRATrainer if route == "ours" else Trainer), r"sp_size=2\) in a single process"
+    from datasets import Dataset
+
+    data = Dataset.from_dict({"input_ids": [[5, 6, 7, 8]] * 2})
+    with pytest.raises(UnsupportedSetupError, match=match):
+        extra = {}
+        if route == "sft":
+            from tiny_models import build_tokenizer
+
+            extra["processing_class"] = build_tokenizer()
+        kind(model=_model(), args=args, train_dataset=data, **extra)

@@ -16,11 +16,10 @@ TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-3)}
 
 @pytest.fixture(scope="module")
 def qlora_models(tmp_path_factory):
+    from peft import LoraConfig
     from tiny_models import build_tiny_model
 
     from hf_fsdp_qlora import load_qlora_model
-
-    from peft import LoraConfig
 
     path = build_tiny_model(tmp_path_factory.mktemp("tiled") / "llama")
     # No LoRA dropout: a tile draws its own mask, so with dropout the two runs would differ by design.

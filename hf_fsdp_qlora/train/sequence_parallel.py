@@ -106,6 +106,15 @@ def setup_sequence_parallel(trainer) -> ulysses.UlyssesGroup | None:
     if sp_size <= 1:
         ulysses.set_active_group(None)
         return None
+    from .loss import _own_loss_class
+
+    own = _own_loss_class(trainer)
+    if own is not None:
+        raise UnsupportedSetupError(
+            f"FSDPQLoRATrainingArguments(sp_size={sp_size}) with {own}, which computes its own loss: the sequence "
+            "split and its loss scale are tested with the causal-LM loss of FSDPQLoRATrainer only. Use "
+            "FSDPQLoRATrainer, or sp_size=1."
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise UnsupportedSetupError(
             f"FSDPQLoRATrainingArguments(sp_size={sp_size}) in a single process: launch sp_size or more processes "

@@ -25,7 +25,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
 
 __all__ = ["ATTENTION_NAME", "UlyssesGroup", "active_group", "register_ulysses_attention", "ulysses_attention"]
 
@@ -40,6 +39,25 @@ class UlyssesGroup:
     group: object  # torch.distributed ProcessGroup of the sp_size ranks sharing each sequence
     inner: str = "sdpa"  # the attention implementation the model had, run on the head-split whole sequence
     global_position_ids: torch.Tensor | None = None  # [batch, whole sequence]: set per forward when packed
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` over equal chunks of dim 0, differentiable: chunk j goes to rank j, and the
+    gradient of what came from rank i goes back to rank i, by the same exchange. (torch's differentiable one in
+    ``torch.distributed.nn.functional`` is deprecated in favour of a private module.)"""
+
+    @staticmethod
+    def forward(ctx, send: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send.contiguous(), group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sent_back = torch.empty_like(grad)
+        dist.all_to_all_single(sent_back, grad.contiguous(), group=ctx.group)
+        return sent_back, None
 
 
 _ACTIVE: list[UlyssesGroup] = []  # one per process: the group of the model being trained
@@ -63,7 +81,7 @@ def _exchange(x: torch.Tensor, group: UlyssesGroup, seq_to_heads: bool) -> torch
         send = x.reshape(b, sp, h // sp, s, d).permute(1, 0, 2, 3, 4).contiguous()
     else:  # send sequence chunk j (rank j's tokens) back to rank j; receive every rank's head chunk
         send = x.reshape(b, h, sp, s // sp, d).permute(2, 0, 1, 3, 4).contiguous()
-    received = all_to_all_single(torch.empty_like(send), send, group=group.group)
+    received = _AllToAll.apply(send, group.group)
     if seq_to_heads:  # [sp (source rank = sequence chunk), b, h/sp, s, d]
         return received.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * s, d)
     return received.permute(1, 0, 2, 3, 4).reshape(b, sp * h, s // sp, d)  # [sp (source = head chunk), b, h, s/sp, d]
