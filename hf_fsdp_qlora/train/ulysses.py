@@ -49,14 +49,17 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send.contiguous(), group=group)
+        send = send.contiguous()
+        # contiguous_format: the collective writes the buffer's storage in row-major order, whatever its strides
+        received = torch.empty_like(send, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(received, send, group=group)
         return received
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        sent_back = torch.empty_like(grad)
-        dist.all_to_all_single(sent_back, grad.contiguous(), group=ctx.group)
+        grad = grad.contiguous()  # a permuted gradient's empty_like would keep its strides and scramble the result
+        sent_back = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(sent_back, grad, group=ctx.group)
         return sent_back, None
 
 
