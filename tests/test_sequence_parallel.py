@@ -24,7 +24,7 @@ from hf_fsdp_qlora.train.ulysses import _packed_mask
 
 LOSS_RTOL = 2e-6
 GRAD_TOL = 2e-5  # max |difference| / max |oracle gradient|, per tensor
-SCENARIOS = ("plain", "ckpt", "packed")
+SCENARIOS = ("plain", "ckpt", "packed", "gqa")
 
 
 # --- single process ---------------------------------------------------------------------------------------------
@@ -95,6 +95,16 @@ def test_refusals_name_the_setting():
 # --- 2 ranks, FSDP2, sp_size=2, against one process on the whole sequence ---------------------------------------
 
 
+def _build_one_kv_head(path):
+    from tiny_models import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.num_key_value_heads = 1  # fewer key/value heads than sp_size=2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from dist_utils import SCRIPTS, _env, accelerate_launch, check, read_results
@@ -102,6 +112,7 @@ def runs(tmp_path_factory):
 
     models = tmp_path_factory.mktemp("models")
     build_tiny_model(models / "llama")
+    _build_one_kv_head(models / "llama_kv1")
     out = tmp_path_factory.mktemp("sp") / "run"
     proc = accelerate_launch(
         "cpu_fsdp2_rehearsal.yaml", "sequence_parallel_scenarios.py", "--models", str(models), "--out", str(out),
@@ -133,6 +144,8 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
         assert (got["checkpointed"] > 0) == (name == "ckpt"), got["checkpointed"]
         assert len(got["losses"]) == 8
         torch.testing.assert_close(got["losses"], oracle["losses"], rtol=LOSS_RTOL, atol=0)
+        if name == "plain":  # evaluation after training: the eval dataloader is sharded by group too
+            assert got["eval_loss"] == pytest.approx(oracle["eval_loss"], rel=LOSS_RTOL)
     grads = torch.load(out / f"grads_{name}_sp2.pt")
     want = torch.load(out / f"grads_{name}_sp1.pt")
     assert set(grads) == set(want) and len(want) == 2 * 7 * 2  # lora_A and lora_B of 7 linears in 2 layers

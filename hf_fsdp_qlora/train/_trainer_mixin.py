@@ -13,7 +13,8 @@ get_train_dataloader, compute_loss   long_context (a sequence-parallel group's r
 train                                preemption_callback (auto_resume, the exit after a stop)
 _finalize_training                   preemption_callback (no best-model load or rotation after a stop)
 evaluate                             preemption_callback (an evaluation a stop ended has no metrics)
-evaluation_loop                      generation.prepare_for_evaluation (evaluate() before train())
+evaluation_loop                      generation.prepare_for_evaluation (evaluate() before train()),
+                                     long_context (the eval batches shared by a sequence-parallel group)
 prediction_step                      loss.loss_only_prediction
 save_model                           checkpoint_hooks.save_model (the gathered adapter)
 _get_output_dir, _save_checkpoint    checkpoint_hooks (staged, crash-safe checkpoints)
@@ -108,13 +109,14 @@ class FSDPSaveMixin:
     def evaluate(self, *args, **kwargs):
         return evaluate_unless_stopped(self, super().evaluate, *args, **kwargs)
 
-    def evaluation_loop(self, *args, **kwargs):
+    def evaluation_loop(self, dataloader, *args, **kwargs):
         # evaluate()/predict() before train(): wrap the model as train() would (upstream FSDP2 raises, FSDP1's next
         # train() fails). Collective; does nothing once the model is wrapped.
         from .generation import prepare_for_evaluation
+        from .long_context import eval_dataloader
 
         prepare_for_evaluation(self)
-        return super().evaluation_loop(*args, **kwargs)
+        return super().evaluation_loop(eval_dataloader(self, dataloader), *args, **kwargs)
 
     def get_train_dataloader(self):
         from .long_context import train_dataloader

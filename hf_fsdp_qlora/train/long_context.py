@@ -9,7 +9,7 @@ from __future__ import annotations
 from . import sequence_parallel
 from .tiled_mlp import install_tiled_mlp
 
-__all__ = ["compute_loss", "install_long_context", "train_dataloader"]
+__all__ = ["compute_loss", "eval_dataloader", "install_long_context", "train_dataloader"]
 
 
 def install_long_context(trainer) -> None:
@@ -23,6 +23,12 @@ def install_long_context(trainer) -> None:
 def train_dataloader(trainer, stock):
     """The stock train dataloader, sharded by sequence-parallel group instead of by rank under sp_size > 1."""
     return sequence_parallel.shard_by_group(stock(), sequence_parallel.sp_size_of(trainer.args))
+
+
+def eval_dataloader(trainer, loader):
+    """The evaluation dataloader, sharded by sequence-parallel group under sp_size > 1 (the loss is then each
+    group's: the Trainer's mean over every rank's partial loss is the mean over groups)."""
+    return sequence_parallel.shard_by_group(loader, sequence_parallel.sp_size_of(trainer.args))
 
 
 def compute_loss(trainer, stock, model, inputs, return_outputs=False, num_items_in_batch=None):

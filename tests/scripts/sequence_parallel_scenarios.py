@@ -5,7 +5,8 @@ Scenarios (tiny 4-bit NF4 + LoRA Llama, float32 compute, 15-token samples with p
 padded to 16 and split 8 + 8; gradient accumulation 2; 8 SGD steps; our FSDPQLoRATrainer):
 ``plain`` (chunked loss, no activation checkpointing), ``ckpt`` (the model's activation checkpointing, tiled MLP
 of 4-token tiles, transformers' stock loss), ``packed`` (padding-free packing: DataCollatorWithFlattening's
-position ids, several sequences per row). Each rank writes rank<N>.json (logged losses, FSDP engagement) and rank 0
+position ids, several sequences per row), ``gqa`` (a model with one key/value head: replicated for sp_size=2).
+``plain`` also evaluates after training (the eval dataloader sharded by group too). Each rank writes rank<N>.json (logged losses, FSDP engagement) and rank 0
 grads_<name>.pt (every LoRA gradient at the first optimizer step, gathered whole).
 
 ``--single``: the same scenarios with sp_size=1 in this one process, no FSDP (the oracle).
@@ -27,9 +28,10 @@ from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlo
 from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 
 SCENARIOS = {
-    "plain": {},
+    "plain": {},  # also evaluates after training
     "ckpt": {"chunked_loss": False, "tiled_mlp": True, "tiled_mlp_tokens": 4},
     "packed": {},
+    "gqa": {},  # one key/value head for sp_size=2: replicated to the query heads before the exchange
 }
 LENGTH, SAMPLES, STEPS = 15, 32, 8
 
@@ -111,10 +113,12 @@ def run(name, path, out, sp_size):
     data = VariedData() if name == "packed" else PromptData()
     trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=data, callbacks=[FirstGrads()], **extra)
     trainer.train()
+    eval_loss = trainer.evaluate(PromptData())["eval_loss"] if name == "plain" else None
     if ts.rank() == 0:
         torch.save(seen.get("grads", {}), out / f"grads_{name}_sp{sp_size}.pt")
     return {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "eval_loss": eval_loss,
         "engaged": seen.get("engaged"),
         "dtensor_params": seen.get("dtensor_params"),
         "checkpointed": seen.get("checkpointed"),
