@@ -149,6 +149,8 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
     grads = torch.load(out / f"grads_{name}_sp2.pt")
     want = torch.load(out / f"grads_{name}_sp1.pt")
     assert set(grads) == set(want) and len(want) == 2 * 7 * 2  # lora_A and lora_B of 7 linears in 2 layers
+    k_out = next(v for k, v in want.items() if "k_proj.lora_B" in k).shape[0]
+    assert k_out == (16 if name == "gqa" else 32)  # head_dim 16: the gqa model has 1 key/value head, the others 2
     for key, ref in want.items():
         scale = float(ref.abs().max())
         assert scale > 0, key  # random lora_B at start (init_lora_weights=False): no gradient is trivially 0

@@ -97,7 +97,7 @@ def run(name, path, out, sp_size):
         os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = str(name == "ckpt").lower()
     torch.manual_seed(0)  # the same LoRA initialisation in the launch and in the oracle
     model = load_qlora_model(
-        path,
+        str(Path(path).parent / "llama_kv1") if name == "gqa" else path,
         dtype=torch.float32,
         lora_config=ts.lora_config(init_lora_weights=False),
         gradient_checkpointing=(name == "ckpt"),
