@@ -158,6 +158,22 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
         assert error <= GRAD_TOL * max(scale, 1e-12), (key, error, scale)
 
 
+def test_resume_under_sp2_is_bit_exact(runs):
+    """A run with sp_size=2 under FSDP2 checkpointed at step 2 (AdamW) and resumed by a fresh trainer: steps 3 and 4
+    log the uninterrupted run's losses and end with its adapter, bit for bit."""
+    out, ranks, _ = runs
+    for found in ranks.values():
+        got = found["resume"]
+        assert "error" not in got, got.get("error")
+        # the resumed trainer's history: steps 1-2 read from the checkpoint, steps 3-4 computed after the resume
+        assert len(got["whole"]) == 4 and got["resumed"] == got["whole"]
+        assert got["whole_steps_run"] == [1, 2, 3, 4] and got["resumed_steps_run"] == [3, 4]  # it did resume
+    whole, resumed = torch.load(out / "resume_whole.pt"), torch.load(out / "resume_resumed.pt")
+    assert set(whole) == set(resumed) and whole
+    for key, value in whole.items():
+        assert torch.equal(resumed[key], value), key
+
+
 def test_stock_sequence_parallelism_is_deepspeed_only():
     """Canary (_compat ulysses_sequence_parallel): accelerate's ParallelismConfig knows sp_size, but only with the
     DeepSpeed backend; when it accepts another, read whether FSDP2 sequence parallelism can move upstream."""

@@ -33,6 +33,8 @@ SCENARIOS = {
     "packed": {},
     "gqa": {},  # one key/value head for sp_size=2: replicated to the query heads before the exchange
 }
+# Launched only: 4 steps with a checkpoint at step 2, then a fresh trainer resumed from it (steps 3 and 4).
+RESUME = "resume"
 LENGTH, SAMPLES, STEPS = 15, 32, 8
 
 
@@ -127,6 +129,49 @@ def run(name, path, out, sp_size):
     }
 
 
+def _trainable(model) -> dict:
+    """Every trainable weight, whole (full_tensor(): collective under FSDP2, every rank calls it)."""
+    found = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            found[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+    return found
+
+
+def run_resume(path, out):
+    """Bit-exact resume under sp_size=2: the resumed run's losses and final adapter against the uninterrupted run's."""
+    from transformers import TrainerCallback
+
+    if "FSDP_ACTIVATION_CHECKPOINTING" in os.environ:
+        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "false"
+    found = {}
+    for part in ("whole", "resumed"):
+        torch.manual_seed(0)
+        model = load_qlora_model(path, dtype=torch.float32, lora_config=ts.lora_config(init_lora_weights=False),
+                                 gradient_checkpointing=False)  # fmt: skip
+        args = FSDPQLoRATrainingArguments(
+            output_dir=str(out / f"resume_{part}"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            max_steps=4, learning_rate=0.1, optim="adamw_torch", logging_steps=1, report_to=[], save_strategy="steps",
+            save_steps=2, use_cpu=True, dataloader_drop_last=True, seed=0, sp_size=2,
+        )  # fmt: skip
+        steps = []
+
+        class CountSteps(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                steps.append(state.global_step)
+
+        trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=PromptData(), callbacks=[CountSteps()])
+        checkpoint = str(out / "resume_whole" / "checkpoint-2") if part == "resumed" else None
+        trainer.train(resume_from_checkpoint=checkpoint)
+        found[part] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        found[f"{part}_steps_run"] = steps
+        weights = _trainable(trainer.model)
+        if ts.rank() == 0:
+            torch.save(weights, out / f"resume_{part}.pt")
+        ts.reset_accelerate()
+    return found
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", required=True)
@@ -138,8 +183,12 @@ def main():
     out, path = Path(args.out), str(Path(args.models) / "llama")
     out.mkdir(parents=True, exist_ok=True)
     found = {}
-    for name in args.scenarios.split(","):
+    names = args.scenarios.split(",") + ([] if args.single else [RESUME])
+    for name in names:
         try:
+            if name == RESUME:
+                found[name] = run_resume(path, out)
+                continue
             found[name] = run(name, path, out, 1 if args.single else 2)
         except Exception as err:  # noqa: BLE001 - reported to the test
             found[name] = {"error": "".join(traceback.format_exception(err))[-4000:]}
