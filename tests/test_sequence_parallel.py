@@ -127,12 +127,12 @@ def runs(tmp_path_factory):
     assert single.returncode == 0, single.stderr[-4000:]
     import json
 
-    return out, read_results(out), json.loads((out / "single.json").read_text())
+    return out, read_results(out), json.loads((out / "single.json").read_text()), models
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
-    out, ranks, single = runs
+    out, ranks, single, _ = runs
     assert set(ranks) == {0, 1}
     oracle = single[name]
     assert "error" not in oracle, oracle.get("error")
@@ -161,7 +161,7 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
 def test_resume_under_sp2_is_bit_exact(runs):
     """A run with sp_size=2 under FSDP2 checkpointed at step 2 (AdamW) and resumed by a fresh trainer: steps 3 and 4
     log the uninterrupted run's losses and end with its adapter, bit for bit."""
-    out, ranks, _ = runs
+    out, ranks, _, _ = runs
     for found in ranks.values():
         got = found["resume"]
         assert "error" not in got, got.get("error")
@@ -211,3 +211,25 @@ def test_sp_size_is_never_ignored(tmp_path, route):
 
             extra["processing_class"] = build_tokenizer()
         kind(model=_model(), args=args, train_dataset=data, **extra)
+
+
+def test_sp2_under_fsdp1_equals_one_process(runs, tmp_path):
+    """The same under FSDP1 (FlatParameters, one launch): the plain scenario's 8 losses and evaluation equal the
+    oracle's (measured within 8.6e-8; eval equal), and the sp_size=2 resume is bit-exact. (FSDP1's gradients are
+    flat shards: the gradients are compared under FSDP2 above.)"""
+    from dist_utils import accelerate_launch, check, read_results
+
+    _, _, single, models = runs
+    proc = accelerate_launch(
+        "cpu_fsdp1_rehearsal.yaml", "sequence_parallel_scenarios.py", "--models", str(models), "--out",
+        str(tmp_path / "run"), "--scenarios", "plain", timeout=500,
+    )  # fmt: skip
+    check(proc)
+    for found in read_results(tmp_path / "run").values():
+        got, oracle = found["plain"], single["plain"]
+        assert "error" not in got, got.get("error")
+        assert got["engaged"]["flat_params"] > 0 and got["distributed_type"] == "DistributedType.FSDP"
+        torch.testing.assert_close(got["losses"], oracle["losses"], rtol=LOSS_RTOL, atol=0)
+        assert got["eval_loss"] == pytest.approx(oracle["eval_loss"], rel=LOSS_RTOL)
+        resume = found["resume"]
+        assert resume["resumed"] == resume["whole"] and resume["resumed_steps_run"] == [3, 4], resume
