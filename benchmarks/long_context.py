@@ -123,8 +123,7 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     group, sp_rank, dp_index = ulysses.new_groups(2)
-    state = ulysses.UlyssesGroup(sp_size=2, group=group, inner="sdpa")
-    state.sp_rank = sp_rank
+    state = ulysses.UlyssesGroup(sp_size=2, group=group, inner="sdpa", sp_rank=sp_rank, dp_index=dp_index)
     rows = []
     for tiled in (False, True):
         model = _model(Path(args.models), args.hidden, args.intermediate)

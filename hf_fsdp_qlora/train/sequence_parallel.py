@@ -127,8 +127,7 @@ def setup_sequence_parallel(trainer) -> ulysses.UlyssesGroup | None:
     impl = check_sequence_parallel(base, sp_size, dist.get_world_size())
     group, sp_rank, dp_index = ulysses.new_groups(sp_size)
     inner = impl if impl != ulysses.ATTENTION_NAME else "sdpa"
-    state = ulysses.UlyssesGroup(sp_size=sp_size, group=group, inner=inner)
-    state.sp_rank, state.dp_index = sp_rank, dp_index
+    state = ulysses.UlyssesGroup(sp_size=sp_size, group=group, inner=inner, sp_rank=sp_rank, dp_index=dp_index)
     _select_attention(base, sp_size)
     ulysses.set_active_group(state)
     logger.info(

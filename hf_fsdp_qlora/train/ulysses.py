@@ -38,6 +38,8 @@ class UlyssesGroup:
     sp_size: int
     group: object  # torch.distributed ProcessGroup of the sp_size ranks sharing each sequence
     inner: str = "sdpa"  # the attention implementation the model had, run on the head-split whole sequence
+    sp_rank: int = 0  # which contiguous chunk of each sequence this rank holds
+    dp_index: int = 0  # which data-parallel group (of sp_size ranks) this rank belongs to
     global_position_ids: torch.Tensor | None = None  # [batch, whole sequence]: set per forward when packed
 
 
