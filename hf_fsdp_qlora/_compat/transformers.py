@@ -205,4 +205,27 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="transformers exposes the experts' activation publicly (or ships quantized experts itself)",
         canary="tests/test_moe.py::test_forward_and_gradients_match_dequantized_oracle",
     ),
+    Workaround(
+        key="ulysses_sequence_parallel",
+        upstream="transformers 5.23 / accelerate 1.15 (sequence parallelism only with sp_backend='deepspeed'; "
+        "PretrainedConfig._attn_implementation)",
+        works_around="no Ulysses sequence parallelism under FSDP: our attention function reads and selects the "
+        "model's implementation, and the train dataloader is sharded by sequence-parallel group, not by rank",
+        where=(
+            f"{MIXIN}.get_train_dataloader",
+            "hf_fsdp_qlora.train.sequence_parallel.check_sequence_parallel",
+            "hf_fsdp_qlora.train.sequence_parallel._select_attention",
+        ),
+        remove_when="accelerate's ParallelismConfig offers an sp_backend for FSDP2 that transformers' Trainer runs",
+        canary="tests/test_sequence_parallel.py::test_stock_sequence_parallelism_is_deepspeed_only",
+    ),
+    Workaround(
+        key="tiled_mlp_forward",
+        upstream="transformers 5.23 (each MLP's forward keeps the whole sequence's intermediate activations)",
+        works_around="the MLP's intermediates dominate long sequences: an instance's forward runs over checkpointed "
+        "tiles (the class is untouched)",
+        where=("hf_fsdp_qlora.train.tiled_mlp.install_tiled_mlp",),
+        remove_when="transformers tiles its MLPs itself",
+        canary="tests/test_tiled_mlp.py::test_tiled_mlp_keeps_one_tiles_intermediates",
+    ),
 )

@@ -72,6 +72,8 @@ def _settings(args: argparse.Namespace) -> dict:
         "eval_batch_size": args.eval_batch_size,
         "gradient_checkpointing": args.gradient_checkpointing,
         "activation_offloading": args.activation_offloading,
+        "sp_size": args.sp_size,
+        "tiled_mlp_tokens": args.tiled_mlp_tokens if args.tiled_mlp else 0,
         "model_checkpointing": args.model_checkpointing,
         "attn_implementation": args.attn_implementation,
         "optimizer": args.optimizer,
@@ -224,6 +226,18 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
             action="store_true",
             help="FSDPQLoRATrainingArguments(activation_offloading=True): saved activations live in host RAM",
         )
+        parser.add_argument(
+            "--sp-size",
+            type=_positive,
+            default=1,
+            help="FSDPQLoRATrainingArguments(sp_size=N): N ranks share each sequence (Ulysses; default 1)",
+        )
+        parser.add_argument(
+            "--tiled-mlp", action="store_true", help="FSDPQLoRATrainingArguments(tiled_mlp=True): MLPs over tiles"
+        )
+        parser.add_argument(
+            "--tiled-mlp-tokens", type=_positive, default=1024, help="tokens per MLP tile (default 1024)"
+        )
         parser.add_argument("--attn-implementation", choices=("sdpa", "flash_attention_2", "eager"), default="sdpa")
         parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit", "sgd"), default="adamw")
         parser.add_argument(
@@ -252,6 +266,11 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
         parser.add_argument("--padding", choices=("longest", "max_length"), default="longest")
         parser.add_argument("--packing", action="store_true", help="samples are packed into full sequences")
         parser.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
+        parser.add_argument(
+            "--longest",
+            action="store_true",
+            help="also print the longest --seq-len whose plan fits --gpu-memory (with every other setting as given)",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         """Print the report; 0 no error, 1 errors found, 2 usage error."""
@@ -268,4 +287,21 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
             print(json.dumps(to_json(diagnosis), indent=2))
         else:
             print(render(diagnosis))
+        if args.longest:
+            print(_longest_line(diagnosis))
         return diagnosis.exit_code
+
+
+def _longest_line(diagnosis) -> str:
+    """The doctor's answer to "what is the longest sequence that fits" for the setup as given."""
+    from hf_fsdp_qlora.doctor.longest import longest_sequence
+
+    setup = diagnosis.setup
+    if diagnosis.shape is None or not setup.gpu_memory:
+        raise CommandError("--longest needs the model's config (shapes) and --gpu-memory, e.g. --gpu-memory 80GB")
+    tokens = longest_sequence(diagnosis.shape, setup)
+    return (
+        f"longest sequence that fits: {tokens:,} tokens per sample (batch {setup.batch_size}, {setup.world_size} "
+        f"GPU(s) of {setup.gpu_memory / 2**30:.0f} GiB, sp_size={setup.sp_size}, tiled MLP "
+        f"{'on' if setup.tiled_mlp_tokens else 'off'})"
+    )

@@ -93,12 +93,14 @@ def plan_context(shape: ModelShape, setup: RunSetup) -> PlanContext:
         mixed=setup.effective_mixed_precision != "no",
         path=path,
         # DPO runs chosen and rejected sequences through the model in one forward: twice the tokens.
-        tokens=setup.batch_size * setup.seq_len * sequences_factor(path),
+        tokens=math.ceil(setup.batch_size * setup.seq_len * sequences_factor(path) / max(1, setup.sp_size)),
     )
     if why is not None and path == "stock" and setup.trainer == "hf_fsdp_qlora":
         ctx.notes.append(f"the run keeps transformers' stock loss (full logits): {why}")
     if path == "dpo":
         ctx.notes.append("DPO: chosen and rejected sequences run together, twice batch x seq tokens per forward")
+    if setup.sp_size > 1:
+        ctx.notes.append(f"sequence parallelism: each GPU holds 1/{setup.sp_size} of every sequence's tokens")
     _dtypes(ctx)
     _base_bytes(ctx)
     _trainable(ctx)
@@ -200,6 +202,7 @@ def _activations(ctx: PlanContext) -> None:
     saved_experts = ctx.experts.saved_numel * act
     final = tokens * (4 * shape.hidden_size + 2 * act * shape.hidden_size)
     transient = tokens * (3 * act * mlp_width(shape) + 2 * act * shape.hidden_size)
+    per_layer, all_layers, transient = _long_context(ctx, per_layer, all_layers, transient)
     ctx.with_ckpt = (
         tokens * (shape.num_layers * act * shape.hidden_size + per_layer) + final + transient + saved_experts
     )
@@ -211,3 +214,23 @@ def _activations(ctx: PlanContext) -> None:
         ctx.checkpointing = "trainer"
     elif s.model_checkpointing:
         ctx.checkpointing = "model"
+
+
+def _long_context(ctx: PlanContext, per_layer: float, all_layers: float, transient: float):
+    """Tiled MLP and sequence parallelism (``ctx.tokens`` is already this GPU's share of each sequence).
+
+    Tiled: a dense MLP keeps no intermediates for backward (its gate, up, activation and product: 4 values per
+    intermediate channel and token) and its transients are one tile's, recomputed. Sequence parallel: the
+    all-to-alls' send and receive buffers of one layer's query, key and value (key/value repeated to the heads).
+    """
+    s, shape, act, tokens = ctx.setup, ctx.shape, ctx.act, ctx.tokens
+    if s.tiled_mlp_tokens and not shape.experts:
+        saved = 4 * act * shape.intermediate_size
+        per_layer -= saved
+        all_layers -= shape.num_layers * saved
+        tile = min(tokens, s.tiled_mlp_tokens)
+        transient += tile * 7 * act * shape.intermediate_size - tokens * 3 * act * mlp_width(shape)
+    if s.sp_size > 1:
+        q = shape.num_heads * shape.head_dim
+        transient += 2 * act * tokens * 3 * q
+    return per_layer, all_layers, transient

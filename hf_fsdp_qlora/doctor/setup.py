@@ -102,6 +102,8 @@ class RunSetup:
     )
     model_checkpointing: bool = False  # enabled on the model itself (load_qlora_model's default)
     activation_offloading: bool = False  # FSDPQLoRATrainingArguments.activation_offloading
+    sp_size: int = 1  # FSDPQLoRATrainingArguments.sp_size: ranks sharing each sequence (Ulysses)
+    tiled_mlp_tokens: int = 0  # FSDPQLoRATrainingArguments.tiled_mlp_tokens when tiled_mlp=True; 0: not tiled
     optimizer: str = "adamw"
     attn_implementation: str = "sdpa"
     seq_len: int = 2048

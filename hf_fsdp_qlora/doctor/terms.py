@@ -129,6 +129,10 @@ def activations(ctx: PlanContext) -> Term:
     s = ctx.setup
     acts = ctx.with_ckpt if ctx.checkpointing != "none" else ctx.without_ckpt
     reason = f"saved for backward, {ctx.tokens:,} tokens, checkpointing={ctx.checkpointing}"
+    if s.sp_size > 1:
+        reason += f", sp_size={s.sp_size} (this GPU's share of each sequence)"
+    if s.tiled_mlp_tokens:
+        reason += f", tiled MLP ({s.tiled_mlp_tokens} tokens per tile)"
     if not s.activation_offloading:
         return Term("activations", acts, reason)
     # What stays: the layer being back-propagated (brought back, or recomputed under checkpointing) and the

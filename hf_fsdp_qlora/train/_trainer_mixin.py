@@ -6,12 +6,15 @@ Each hook is a few lines that hand the stock method to the module of ``train/`` 
 Trainer hook                         owner
 ==================================== ===================================================================
 create_accelerator_and_postprocess   accelerator_setup (settings set aside, activation checkpointing),
-                                     compile, offload, consistency.follow_wrapping (after-wrap fix-ups)
+                                     compile, offload, long_context (sequence parallelism, tiled MLP),
+                                     consistency.follow_wrapping (after-wrap fix-ups)
+get_train_dataloader, compute_loss   long_context (a sequence-parallel group's ranks share batches and split
+                                     each sequence; then loss.compute_loss, the chunked loss)
 train                                preemption_callback (auto_resume, the exit after a stop)
 _finalize_training                   preemption_callback (no best-model load or rotation after a stop)
 evaluate                             preemption_callback (an evaluation a stop ended has no metrics)
-evaluation_loop                      generation.prepare_for_evaluation (evaluate() before train())
-compute_loss                         loss.compute_loss (the chunked loss)
+evaluation_loop                      generation.prepare_for_evaluation (evaluate() before train()),
+                                     long_context (the eval batches shared by a sequence-parallel group)
 prediction_step                      loss.loss_only_prediction
 save_model                           checkpoint_hooks.save_model (the gathered adapter)
 _get_output_dir, _save_checkpoint    checkpoint_hooks (staged, crash-safe checkpoints)
@@ -31,6 +34,7 @@ from .callbacks import FSDPQLoRACallback
 from .compile import enable_layer_compilation
 from .consistency import follow_wrapping
 from .hygiene import DistinctBatchesCallback, LabelsCheckCallback, MemoryThroughputCallback
+from .long_context import install_long_context
 from .offload import install_activation_offloading
 from .preemption_callback import (
     PreemptionCallback,
@@ -54,6 +58,8 @@ def with_fsdp_callback(callbacks, args=None):
 
     ours = [] if has(FSDPQLoRACallback) else [FSDPQLoRACallback()]
     steps = getattr(args, "check_distinct_batches", 2)
+    if getattr(args, "sp_size", 1) > 1:
+        steps = 0  # the ranks of a sequence-parallel group share batches by design (train/sequence_parallel.py)
     if steps and not has(DistinctBatchesCallback):
         ours.append(DistinctBatchesCallback(check_steps=steps))
     if getattr(args, "log_memory_throughput", True) and not has(MemoryThroughputCallback):
@@ -87,6 +93,7 @@ class FSDPSaveMixin:
         enable_layer_compilation(self)  # before prepare(), where accelerate compiles
         if getattr(self.args, "activation_offloading", False):
             install_activation_offloading(self.model)
+        install_long_context(self)  # before accelerate wraps the model
         follow_wrapping(self)
 
     # -- the loop: preemption
@@ -102,17 +109,24 @@ class FSDPSaveMixin:
     def evaluate(self, *args, **kwargs):
         return evaluate_unless_stopped(self, super().evaluate, *args, **kwargs)
 
-    def evaluation_loop(self, *args, **kwargs):
+    def evaluation_loop(self, dataloader, *args, **kwargs):
         # evaluate()/predict() before train(): wrap the model as train() would (upstream FSDP2 raises, FSDP1's next
         # train() fails). Collective; does nothing once the model is wrapped.
         from .generation import prepare_for_evaluation
+        from .long_context import eval_dataloader
 
         prepare_for_evaluation(self)
-        return super().evaluation_loop(*args, **kwargs)
+        return super().evaluation_loop(eval_dataloader(self, dataloader), *args, **kwargs)
+
+    def get_train_dataloader(self):
+        from .long_context import train_dataloader
+
+        return train_dataloader(self, super().get_train_dataloader)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # The chunked loss where the trainer keeps transformers' stock one (see hf_fsdp_qlora.train.loss).
-        from .loss import compute_loss
+        # The sequence split (under sp_size > 1), then the chunked loss where the trainer keeps transformers' stock one
+        # (see hf_fsdp_qlora.train.loss).
+        from .long_context import compute_loss
 
         return compute_loss(self, super().compute_loss, model, inputs, return_outputs, num_items_in_batch)
 

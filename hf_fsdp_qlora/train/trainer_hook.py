@@ -78,7 +78,9 @@ def install_trainer_hook(adopt_all: bool = False) -> None:
         except TypeError:  # let the original raise its own error for a wrong call
             return original(self, *args, **kwargs)
         callbacks = bound.arguments.get("callbacks")
-        if not isinstance(self, FSDPSaveMixin) and (_ADOPT_ALL or _has_our_callback(callbacks)):
+        # sp_size > 1 only works through the mixin's hooks: never ignore it silently on a stock Trainer.
+        needs_mixin = getattr(bound.arguments.get("args"), "sp_size", 1) > 1
+        if not isinstance(self, FSDPSaveMixin) and (_ADOPT_ALL or _has_our_callback(callbacks) or needs_mixin):
             self.__class__ = adopted_class(type(self))
         if isinstance(self, FSDPSaveMixin):
             bound.arguments["callbacks"] = with_fsdp_callback(callbacks, bound.arguments.get("args"))

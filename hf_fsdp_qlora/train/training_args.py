@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from ..loss_paths import DEFAULT_LOSS_CHUNK_SIZE
+from .tiled_mlp import DEFAULT_TILE_TOKENS
 
 __all__ = ["FSDPQLoRATrainingArguments", "DEFAULT_COLLECTIVE_TIMEOUT_S"]
 
@@ -100,6 +101,28 @@ class FSDPQLoRATrainingArguments(TrainingArguments):
         },
     )
 
+    sp_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ulysses sequence parallelism (accelerate's ParallelismConfig name): groups of sp_size ranks share "
+            "each sequence, each holding 1/sp_size of its tokens; an all-to-all around attention trades the token "
+            "split for a head split. FSDP still shards the base over every rank. Must divide the number of processes "
+            "and the attention heads; SDPA attention, full-attention layers only (see docs/long-context.md)."
+        },
+    )
+    tiled_mlp: bool = field(
+        default=False,
+        metadata={
+            "help": "Run each dense MLP over tiles of tiled_mlp_tokens tokens, recomputed in backward, so the MLP's "
+            "intermediate activations of the whole sequence are never held at once (exact; about a third more MLP "
+            "compute). Mixture-of-experts blocks keep their own path."
+        },
+    )
+    tiled_mlp_tokens: int = field(
+        default=DEFAULT_TILE_TOKENS,
+        metadata={"help": "Tokens per tile of the tiled MLP."},
+    )
+
     def __post_init__(self):
         from .preemption import parse_signals, parse_stop_after
 
@@ -109,5 +132,10 @@ class FSDPQLoRATrainingArguments(TrainingArguments):
             raise ValueError(
                 f"loss_chunk_size={self.loss_chunk_size}: must be at least 1 token; use {DEFAULT_LOSS_CHUNK_SIZE} (the "
                 "default) or set chunked_loss=False for the stock loss."
+            )
+        if self.sp_size < 1 or self.tiled_mlp_tokens < 1:
+            raise ValueError(
+                f"sp_size={self.sp_size}, tiled_mlp_tokens={self.tiled_mlp_tokens}: both must be at least 1; use "
+                f"sp_size=1 (no sequence parallelism) and tiled_mlp_tokens={DEFAULT_TILE_TOKENS} (the default)."
             )
         super().__post_init__()

@@ -1,0 +1,238 @@
+"""Ulysses sequence parallelism under FSDP: ``sp_size`` ranks share each sequence, each holding 1/sp_size of its
+tokens. ``FSDPQLoRATrainingArguments(sp_size=N)`` (accelerate's ``ParallelismConfig`` name; accelerate's own
+``sp_backend`` is DeepSpeed only, so the setting lives in our arguments).
+
+The layout: ranks ``[0, sp)``, ``[sp, 2 sp)``, ... form sequence-parallel groups; FSDP still shards the 4-bit base
+over every rank. What this module owns, each a function below:
+
+* the refusals, before the first step (:func:`check_sequence_parallel`): heads not divisible by ``sp_size``, an
+  attention implementation other than SDPA, sliding-window or linear-attention layers, a world size not divisible;
+* the setup (:func:`setup_sequence_parallel`): the process groups, the attention function of
+  :mod:`hf_fsdp_qlora.train.ulysses` registered and selected;
+* the data (:func:`shard_by_group`): the ranks of a group receive the same batches (the sampler shards over the
+  ``world / sp_size`` groups, not over ranks);
+* the split (:func:`split_batch`): labels shifted over the whole sequence first, so no target is lost at a shard
+  boundary; global position ids (RoPE); the sequence padded to a multiple of ``sp_size`` with ignored targets;
+  each rank keeps its contiguous chunk;
+* the loss scale (:func:`compute_loss`): each rank's loss is the sum over its tokens divided by the whole batch's
+  labelled-token count, times ``sp_size``: FSDP averages gradients over all ranks, and a group's ``sp_size`` ranks
+  together hold one sequence, so the factor makes the average over data-parallel groups right for any
+  ``sp_size`` up to the world size.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..errors import UnsupportedSetupError
+from . import ulysses
+
+__all__ = ["check_sequence_parallel", "compute_loss", "setup_sequence_parallel", "shard_by_group", "split_batch"]
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+_SUPPORTED_INNER = ("sdpa",)
+_SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
+
+
+def sp_size_of(args) -> int:
+    return int(getattr(args, "sp_size", 1) or 1)
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_sequence_parallel(model, sp_size: int, world_size: int) -> str:
+    """Refuse what cannot work under ``sp_size`` (before the first step). Returns the attention implementation.
+
+    Raises:
+        UnsupportedSetupError: naming the setting and what to use instead.
+    """
+    where = f"FSDPQLoRATrainingArguments(sp_size={sp_size})"
+    if world_size % sp_size:
+        raise UnsupportedSetupError(
+            f"{where} on {world_size} processes: sp_size must divide the number of processes (groups of sp_size "
+            f"ranks share each sequence). Use an sp_size among {[n for n in range(1, world_size + 1) if not world_size % n]}."
+        )
+    config = _text_config(model)
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads or heads % sp_size:
+        raise UnsupportedSetupError(
+            f"{where}: the model has num_attention_heads={heads}, not divisible by sp_size, so the heads cannot be "
+            "split evenly across the ranks of a group. Use an sp_size that divides the number of attention heads."
+        )
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in _SUPPORTED_INNER and impl != ulysses.ATTENTION_NAME:
+        raise UnsupportedSetupError(
+            f"{where} with attn_implementation={impl!r}: sequence parallelism wraps SDPA through transformers' "
+            "attention interface, and this implementation is not wrapped (on CPU only SDPA runs). Load the model with "
+            "attn_implementation='sdpa'."
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    windowed = getattr(config, "sliding_window", None) and (
+        getattr(config, "use_sliding_window", True) and (not layer_types or "sliding_attention" in layer_types)
+    )
+    if windowed or layer_types - {"full_attention"}:
+        kinds = sorted(layer_types - {"full_attention"}) or ["sliding_attention"]
+        raise UnsupportedSetupError(
+            f"{where}: the model has {', '.join(kinds)} layers (sliding_window={getattr(config, 'sliding_window', None)}"
+            "); the Ulysses attention computes full causal attention only, so they would attend too far. Train this "
+            "model with sp_size=1."
+        )
+    return impl
+
+
+def _select_attention(model, sp_size: int) -> None:
+    """The model's attention implementation set to the Ulysses function, or a refusal if the model cannot take it."""
+    model.set_attn_implementation(ulysses.register_ulysses_attention())
+    if _text_config(model)._attn_implementation != ulysses.ATTENTION_NAME:  # transformers only warns
+        raise UnsupportedSetupError(
+            f"FSDPQLoRATrainingArguments(sp_size={sp_size}): {type(model).__name__} does not take its attention "
+            "function from transformers' attention interface, so the sequence-parallel attention would never run. "
+            "Train this model with sp_size=1."
+        )
+
+
+def setup_sequence_parallel(trainer) -> ulysses.UlyssesGroup | None:
+    """Check, create the groups and select the Ulysses attention; before accelerate wraps the model. Collective."""
+    sp_size = sp_size_of(trainer.args)
+    if sp_size <= 1:
+        ulysses.set_active_group(None)
+        return None
+    from .loss import _own_loss_class
+
+    own = _own_loss_class(trainer)
+    if own is not None:
+        raise UnsupportedSetupError(
+            f"FSDPQLoRATrainingArguments(sp_size={sp_size}) with {own}, which computes its own loss: the sequence "
+            "split and its loss scale are tested with the causal-LM loss of FSDPQLoRATrainer only. Use "
+            "FSDPQLoRATrainer, or sp_size=1."
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UnsupportedSetupError(
+            f"FSDPQLoRATrainingArguments(sp_size={sp_size}) in a single process: launch sp_size or more processes "
+            "(torchrun / accelerate launch --num_processes)."
+        )
+    from .checkpoint import unwrap_peft_model
+
+    model = unwrap_peft_model(trainer.model) or trainer.model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    impl = check_sequence_parallel(base, sp_size, dist.get_world_size())
+    group, sp_rank, dp_index = ulysses.new_groups(sp_size)
+    inner = impl if impl != ulysses.ATTENTION_NAME else "sdpa"
+    state = ulysses.UlyssesGroup(sp_size=sp_size, group=group, inner=inner, sp_rank=sp_rank, dp_index=dp_index)
+    _select_attention(base, sp_size)
+    ulysses.set_active_group(state)
+    logger.info(
+        "hf_fsdp_qlora: sequence parallelism: sp_size=%d (this rank: token chunk %d of group %d), Ulysses around %s",
+        sp_size,
+        sp_rank,
+        dp_index,
+        inner,
+    )
+    return state
+
+
+def shard_by_group(loader, sp_size: int):
+    """Make the ranks of a sequence-parallel group draw the same batches (accelerate's sampler shards by rank)."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if sp_size <= 1 or sampler is None or not hasattr(sampler, "process_index"):
+        if sp_size > 1:
+            raise UnsupportedSetupError(
+                f"FSDPQLoRATrainingArguments(sp_size={sp_size}) with a {type(loader).__name__} whose batches accelerate "
+                "does not shard by a batch sampler (an IterableDataset or dispatch_batches=True): the ranks of a group "
+                "must see the same batches. Pass a map-style Dataset (with __len__)."
+            )
+        return loader
+    world = dist.get_world_size()
+    sampler.num_processes = world // sp_size
+    sampler.process_index = dist.get_rank() // sp_size
+    return loader
+
+
+def _refuse_padding(inputs: dict, sp_size: int) -> None:
+    mask = inputs.get("attention_mask")
+    if mask is not None and not bool(mask.bool().all()):
+        raise UnsupportedSetupError(
+            f"FSDPQLoRATrainingArguments(sp_size={sp_size}) with a padded batch (attention_mask has zeros): the "
+            "sequence-parallel attention builds the whole sequence's causal mask itself. Use padding-free batches "
+            "(trl padding_free=True / packing, transformers DataCollatorWithFlattening) or equal-length samples."
+        )
+    length = inputs["input_ids"].shape[-1]
+    for key, value in inputs.items():
+        sequence_shaped = torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == length
+        if sequence_shaped and key not in _SEQUENCE_KEYS:
+            raise UnsupportedSetupError(
+                f"FSDPQLoRATrainingArguments(sp_size={sp_size}): the batch has a per-token input {key!r} the "
+                "sequence split does not know how to cut. Drop it from the collator's output or use sp_size=1."
+            )
+
+
+def split_batch(inputs: dict, sp_size: int, sp_rank: int) -> tuple[dict, torch.Tensor | None, torch.Tensor]:
+    """(this rank's chunk of every sequence (see the module docstring), the global position ids when packed, the
+    batch's labelled-token count).
+
+    The labels are shifted over the whole sequence before the split and passed as ``shift_labels`` (and as
+    ``labels``, so the model computes its loss; transformers' loss never shifts given shift_labels).
+    """
+    _refuse_padding(inputs, sp_size)
+    ids = inputs["input_ids"]
+    batch, length = ids.shape
+    if inputs.get("shift_labels") is not None:
+        shift = inputs["shift_labels"]
+    else:
+        shift = F.pad(inputs["labels"][..., 1:], (0, 1), value=IGNORE_INDEX)
+    arange = torch.arange(length, device=ids.device).expand(batch, length)
+    positions = inputs.get("position_ids")
+    positions = arange if positions is None else positions.expand(batch, length)
+    packed = not torch.equal(positions, arange)
+    pad = -length % sp_size  # pad tokens go last: with a causal mask no real token attends to them
+    if pad:
+        ids = F.pad(ids, (0, pad), value=0)
+        shift = F.pad(shift, (0, pad), value=IGNORE_INDEX)
+        tail = positions[:, -1:] + torch.arange(1, pad + 1, device=ids.device)
+        positions = torch.cat([positions, tail], dim=-1)
+    chunk = (length + pad) // sp_size
+    piece = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+    local = {k: v for k, v in inputs.items() if k not in _SEQUENCE_KEYS}
+    local.update(input_ids=ids[:, piece].contiguous(), position_ids=positions[:, piece].contiguous())
+    mine = shift[:, piece].contiguous()  # transformers' loss views it flat
+    local.update(labels=mine, shift_labels=mine)
+    return local, (positions if packed else None), shift.ne(IGNORE_INDEX).sum()
+
+
+def compute_loss(trainer, inner, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """`Trainer.compute_loss` under sequence parallelism: split, then `inner` (our chunked or the stock loss), scaled.
+
+    FSDP averages gradients over all W ranks; a group's sp ranks hold one sequence, so each rank's loss must be
+    sp x (its tokens' loss sum) / (labelled tokens of the batch it shares). The three cases of the Trainer:
+    num_items_in_batch summed over every rank (average_tokens_across_devices) counts each sequence sp times, so it is
+    divided by sp; num_items_in_batch of this rank alone counts its group's batch, so the loss is multiplied by sp;
+    no num_items_in_batch (a mean per micro-batch), the local mean is rescaled to sp x sum / the batch's count.
+    """
+    state = ulysses.active_group()
+    if state is None:
+        return inner(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    sp = state.sp_size
+    local, state.global_position_ids, count = split_batch(inputs, sp, state.sp_rank)
+    scale = 1.0
+    if num_items_in_batch is not None and trainer.args.average_tokens_across_devices:
+        num_items_in_batch = num_items_in_batch // sp
+    elif num_items_in_batch is not None:
+        scale = float(sp)
+    else:
+        local_count = local["shift_labels"].ne(IGNORE_INDEX).sum()
+        scale = sp * local_count.clamp(min=1).float() / count.clamp(min=1).float()
+    # The global positions stay set after the call: an activation-checkpointed layer recomputes its attention in
+    # backward, and needs the same mask; the next batch's split replaces them.
+    result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    if return_outputs:
+        return result[0] * scale, result[1]
+    return result * scale

@@ -1,0 +1,207 @@
+"""Worker for tests/test_sequence_parallel.py: Ulysses sequence parallelism (sp_size=2) under FSDP2, 2 ranks, one
+launch, and the same scenarios single-process (the oracle: one process training on the whole sequence).
+
+Scenarios (tiny 4-bit NF4 + LoRA Llama, float32 compute, 15-token samples with prompts masked, so the sequence is
+padded to 16 and split 8 + 8; gradient accumulation 2; 8 SGD steps; our FSDPQLoRATrainer):
+``plain`` (chunked loss, no activation checkpointing), ``ckpt`` (the model's activation checkpointing, tiled MLP
+of 4-token tiles, transformers' stock loss), ``packed`` (padding-free packing: DataCollatorWithFlattening's
+position ids, several sequences per row), ``gqa`` (a model with one key/value head: replicated for sp_size=2).
+``plain`` also evaluates after training (the eval dataloader sharded by group too). Each rank writes rank<N>.json (logged losses, FSDP engagement) and rank 0
+grads_<name>.pt (every LoRA gradient at the first optimizer step, gathered whole).
+
+``--single``: the same scenarios with sp_size=1 in this one process, no FSDP (the oracle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import train_scenarios as ts
+
+import hf_fsdp_qlora  # noqa: F401  (CPU rehearsal hook before the arguments build accelerate's state)
+from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
+from hf_fsdp_qlora.train.fsdp import fsdp_engagement
+
+SCENARIOS = {
+    "plain": {},  # also evaluates after training
+    "ckpt": {"chunked_loss": False, "tiled_mlp": True, "tiled_mlp_tokens": 4},
+    "packed": {},
+    "gqa": {},  # one key/value head for sp_size=2: replicated to the query heads before the exchange
+}
+# Launched only: 4 steps with a checkpoint at step 2, then a fresh trainer resumed from it (steps 3 and 4).
+RESUME = "resume"
+LENGTH, SAMPLES, STEPS = 15, 32, 8
+
+
+class PromptData(torch.utils.data.Dataset):
+    """Equal-length samples (15 tokens: odd, so sp_size=2 pads) with prompts of different lengths masked."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(99)
+        self.ids = torch.randint(3, 256, (SAMPLES, LENGTH), generator=gen)
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        ids = self.ids[i]
+        labels = ids.clone()
+        labels[: 1 + i % 5] = -100
+        return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+class VariedData(torch.utils.data.Dataset):
+    """Sequences of 4 to 11 tokens, packed by DataCollatorWithFlattening (position ids restart per sequence)."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(5)
+        self.rows = [torch.randint(3, 256, (4 + i % 8,), generator=gen).tolist() for i in range(SAMPLES)]
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": list(self.rows[i])}
+
+
+def run(name, path, out, sp_size):
+    from transformers import DataCollatorWithFlattening, TrainerCallback
+
+    seen = {}
+
+    class FirstGrads(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen["engaged"] = fsdp_engagement(model) if dist.is_initialized() else {}
+            seen["dtensor_params"] = sum(hasattr(p, "to_local") for p in model.parameters())
+            seen["checkpointed"] = sum("CheckpointWrapper" in type(m).__name__ for m in model.modules())
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if "grads" in seen:
+                return
+            grads = {}
+            for n, p in model.named_parameters():
+                if p.requires_grad and p.grad is not None:  # full_tensor(): collective, every rank calls it
+                    grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    grads[n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")] = (
+                        grad.detach().float().clone()
+                    )
+            seen["grads"] = grads
+
+    settings = dict(SCENARIOS[name])
+    if (
+        "FSDP_ACTIVATION_CHECKPOINTING" in os.environ
+    ):  # launched: the rehearsal config's FSDP checkpointing, per scenario
+        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = str(name == "ckpt").lower()
+    torch.manual_seed(0)  # the same LoRA initialisation in the launch and in the oracle
+    model = load_qlora_model(
+        str(Path(path).parent / "llama_kv1") if name == "gqa" else path,
+        dtype=torch.float32,
+        lora_config=ts.lora_config(init_lora_weights=False),
+        gradient_checkpointing=(name == "ckpt"),
+    )
+    model.config.use_cache = False
+    args = FSDPQLoRATrainingArguments(
+        output_dir=str(out / f"{name}_sp{sp_size}"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=STEPS, learning_rate=0.1, optim="sgd", logging_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, dataloader_drop_last=True, seed=0, average_tokens_across_devices=True, sp_size=sp_size,
+        **settings,
+    )  # fmt: skip
+    extra = {"data_collator": DataCollatorWithFlattening()} if name == "packed" else {}
+    data = VariedData() if name == "packed" else PromptData()
+    trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=data, callbacks=[FirstGrads()], **extra)
+    trainer.train()
+    eval_loss = trainer.evaluate(PromptData())["eval_loss"] if name == "plain" else None
+    if ts.rank() == 0:
+        torch.save(seen.get("grads", {}), out / f"grads_{name}_sp{sp_size}.pt")
+    return {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "eval_loss": eval_loss,
+        "engaged": seen.get("engaged"),
+        "dtensor_params": seen.get("dtensor_params"),
+        "checkpointed": seen.get("checkpointed"),
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "world": dist.get_world_size() if dist.is_initialized() else 1,
+    }
+
+
+def _trainable(model) -> dict:
+    """Every trainable weight, whole (full_tensor(): collective under FSDP2, every rank calls it)."""
+    found = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            found[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+    return found
+
+
+def run_resume(path, out):
+    """Bit-exact resume under sp_size=2: the resumed run's losses and final adapter against the uninterrupted run's."""
+    from transformers import TrainerCallback
+
+    if "FSDP_ACTIVATION_CHECKPOINTING" in os.environ:
+        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "false"
+    found = {}
+    for part in ("whole", "resumed"):
+        torch.manual_seed(0)
+        model = load_qlora_model(path, dtype=torch.float32, lora_config=ts.lora_config(init_lora_weights=False),
+                                 gradient_checkpointing=False)  # fmt: skip
+        args = FSDPQLoRATrainingArguments(
+            output_dir=str(out / f"resume_{part}"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            max_steps=4, learning_rate=0.1, optim="adamw_torch", logging_steps=1, report_to=[], save_strategy="steps",
+            save_steps=2, use_cpu=True, dataloader_drop_last=True, seed=0, sp_size=2,
+        )  # fmt: skip
+        steps = []
+
+        class CountSteps(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                steps.append(state.global_step)
+
+        trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=PromptData(), callbacks=[CountSteps()])
+        checkpoint = str(out / "resume_whole" / "checkpoint-2") if part == "resumed" else None
+        trainer.train(resume_from_checkpoint=checkpoint)
+        found[part] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        found[f"{part}_steps_run"] = steps
+        weights = _trainable(trainer.model)
+        if ts.rank() == 0:
+            torch.save(weights, out / f"resume_{part}.pt")
+        ts.reset_accelerate()
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--fsdp-version", type=int, default=2)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--single", action="store_true")
+    args = parser.parse_args()
+    out, path = Path(args.out), str(Path(args.models) / "llama")
+    out.mkdir(parents=True, exist_ok=True)
+    found = {}
+    names = args.scenarios.split(",") + ([] if args.single else [RESUME])
+    for name in names:
+        try:
+            if name == RESUME:
+                found[name] = run_resume(path, out)
+                continue
+            found[name] = run(name, path, out, 1 if args.single else 2)
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            found[name] = {"error": "".join(traceback.format_exception(err))[-4000:]}
+        ts.reset_accelerate()
+    if args.single:
+        import json
+
+        (out / "single.json").write_text(json.dumps(found, indent=1, default=str))
+        return
+    from dist_utils import finish_worker
+
+    finish_worker(out, found)
+
+
+if __name__ == "__main__":
+    main()

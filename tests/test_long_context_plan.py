@@ -1,0 +1,87 @@
+"""The doctor plans sequence parallelism and tiled MLP (hf_fsdp_qlora/doctor/plan_context.py `_long_context`) and
+answers "the longest sequence that fits" (hf_fsdp_qlora/doctor/longest.py, `hf-fsdp-qlora doctor --longest`).
+
+Every documented plan is unchanged (tests/test_plan_golden.py): both settings default off. Here: each setting
+against the plan's own closed form, the bisection's boundary, and docs/long-context.md's table of answers recomputed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from hf_fsdp_qlora.doctor import diagnose
+from hf_fsdp_qlora.doctor.longest import longest_sequence
+from hf_fsdp_qlora.doctor.memory import plan_memory
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data"
+GB = 2**30
+MODELS = {"Llama-3.1-8B": "llama3_1_8b_config.json", "Llama-3.1-70B": "llama3_1_70b_config.json"}
+
+
+def _diagnose(model="Llama-3.1-8B", **settings):
+    settings = {"quantization": "4bit", "gpu_memory": 80 * GB, **settings}
+    return diagnose(DATA / MODELS[model], accelerate_config="fsdp2_qlora", **settings)
+
+
+def test_sp_size_plans_each_gpus_share_of_the_tokens_plus_the_all_to_all_buffers():
+    """sp_size=2 at 16384 tokens holds what sp_size=1 holds at 8192, plus one layer's all-to-all send and receive
+    buffers of query, key and value (bf16, key/value repeated to the 32 heads): 2 x 2 x 8192 x 3 x 4096 bytes."""
+    whole = _diagnose(seq_len=8192).plan
+    shared = _diagnose(seq_len=16384, sp_size=2).plan
+    assert shared.parts["activations"] - whole.parts["activations"] == 2 * 2 * 8192 * 3 * 4096
+    assert shared.parts["logits_loss"] == whole.parts["logits_loss"]
+    assert any("1/2 of every sequence" in note for note in shared.notes)
+
+
+def test_tiled_mlp_drops_the_mlps_saved_intermediates():
+    """Llama-3.1-8B, 8192 tokens, FSDP's checkpointing: the layer being back-propagated no longer keeps gate, up,
+    activation and product (4 x 14336 bf16 values per token), and the MLP's transients are one 1024-token tile's."""
+    plain = _diagnose(seq_len=8192).plan
+    tiled = _diagnose(seq_len=8192, tiled_mlp_tokens=1024).plan
+    act, inter, tokens, tile = 2, 14336, 8192, 1024
+    saved = tokens * 4 * act * inter
+    transient = tokens * 3 * act * inter - tile * 7 * act * inter
+    assert plain.parts["activations"] - tiled.parts["activations"] == saved + transient
+    assert plain.checkpointing == tiled.checkpointing == "fsdp"
+
+
+def test_longest_sequence_is_the_boundary():
+    diagnosis = _diagnose(gpu_memory=24 * GB, num_gpus=1, tiled_mlp_tokens=1024)
+    n = longest_sequence(diagnosis.shape, diagnosis.setup)
+    assert plan_memory(diagnosis.shape, diagnosis.setup.replace(seq_len=n)).total <= 24 * GB
+    assert plan_memory(diagnosis.shape, diagnosis.setup.replace(seq_len=n + 1)).total > 24 * GB
+    with pytest.raises(ValueError, match="gpu_memory"):
+        longest_sequence(diagnosis.shape, diagnosis.setup.replace(gpu_memory=None))
+
+
+def _docs_rows():
+    """docs/long-context.md's answers: | model | GPUs | sp_size | checkpointing | + tiled MLP | + offloading |."""
+    text = (REPO / "docs" / "long-context.md").read_text()
+    rows = re.findall(
+        r"^\| (Llama-3\.1-\d+B) \| (\d+)x(\d+) GB \| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$", text, re.M
+    )
+    assert len(rows) == 4, rows
+    return rows
+
+
+def test_docs_longest_sequence_answers_are_the_doctors():
+    for model, gpus, memory, sp, *answers in _docs_rows():
+        common = {"gpu_memory": int(memory) * GB, "num_gpus": int(gpus), "sp_size": int(sp)}
+        variants = [{}, {"tiled_mlp_tokens": 1024}, {"tiled_mlp_tokens": 1024, "activation_offloading": True}]
+        for answer, variant in zip(answers, variants, strict=True):
+            diagnosis = _diagnose(model, **common, **variant)
+            assert longest_sequence(diagnosis.shape, diagnosis.setup) == int(answer.replace(",", "")), (model, variant)
+
+
+def test_doctor_cli_longest(capsys):
+    from hf_fsdp_qlora.cli.main import main
+
+    code = main(["doctor", "--model", str(DATA / MODELS["Llama-3.1-8B"]), "--accelerate-config", "fsdp2_qlora", "--load-in-4bit",
+                 "--gpu-memory", "24GB", "--num-gpus", "1", "--tiled-mlp", "--longest"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    assert "longest sequence that fits: 27,622 tokens per sample" in out and "tiled MLP on" in out
