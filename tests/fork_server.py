@@ -23,6 +23,7 @@ import locale
 import os
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -186,6 +187,8 @@ class _Client:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 _CLIENT = _Client()
