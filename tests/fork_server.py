@@ -54,7 +54,7 @@ PRELOAD = (
 # (read when a compile runs).
 _FREE_PREFIXES = ("PYTEST_", "TESTS_", "HF_FSDP_QLORA_")
 _FREE_KEYS = {"TORCHINDUCTOR_CACHE_DIR", "JE_ARROW_MALLOC_CONF"}
-_STARTUP_S = 600.0
+_STARTUP_S = 300.0  # the import of the stack, on a loaded machine
 
 
 # --- the server --------------------------------------------------------------------------------------------------
@@ -247,7 +247,11 @@ def _request(argv: list[str], timeout: float, env: dict):
             _CLIENT.fail(f"request failed ({error!r})")
             return None
         conn.setblocking(False)
-        reply, timed_out, texts = _collect(conn, pid, {out: [], err: []}, timeout)
+        try:
+            reply, timed_out, texts = _collect(conn, pid, {out: [], err: []}, timeout)
+        except BaseException:  # interrupted (Ctrl-C, a failing hook): leave no launch running in its own session
+            _kill_group(pid)
+            raise
     stdout, stderr = texts
     if timed_out:
         raise subprocess.TimeoutExpired([sys.executable, str(HERE / "fork_launch.py"), *argv], timeout, stdout, stderr)
