@@ -112,7 +112,11 @@ def _serve_one(conn: socket.socket, listener: socket.socket) -> None:
     finally:
         for fd in fds:
             os.close(fd)
-    conn.sendall(json.dumps({"pid": pid}).encode())
+    try:
+        conn.sendall(json.dumps({"pid": pid}).encode())
+    except OSError:  # nobody waits for this launch (the client runs it as a subprocess): stop it, then reap it
+        _kill_group(pid)
+        _ignore_errors(os.kill, pid, signal.SIGKILL)  # in case it had not made its group yet
     _, status, usage = os.wait4(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     reply = {"returncode": code, "cpu_s": usage.ru_utime + usage.ru_stime}
@@ -141,7 +145,10 @@ def serve(path: str) -> int:
                 continue
             conn, _ = listener.accept()
             with conn:
-                _serve_one(conn, listener)
+                try:
+                    _serve_one(conn, listener)
+                except (OSError, ValueError) as err:  # one bad or abandoned request: the next one is served
+                    print(f"fork_server: request failed: {err!r}", file=sys.stderr, flush=True)
     return 0
 
 
