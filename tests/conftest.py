@@ -15,7 +15,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # too. The slowest files start first: a long file started last would leave the other worker idle at the end.
 # Seconds on an idle 2-core machine, roughly (pytest --durations); a file not listed counts 30 s if it launches
 # processes (marked distributed), else 5 s. Files whose launches fork their ranks (tests/fork_launch.py) count ~4 s
-# less per such launch (~8.5 CPU-s of imports spared each, on a machine whose 2 cores both work).
+# less per such launch (~8.5 CPU-s of imports spared each, on a machine whose 2 cores both work), and those forked
+# from the fork server (tests/fork_server.py: the stack imported once per pytest process) another ~4 s less.
 _SECONDS = {
     "test_recipes.py": 270, "test_trainer_fsdp.py": 48, "test_throughput_benchmark.py": 60,
     "test_speed_options.py": 51, "test_semantics_dist.py": 37, "test_checkpoints.py": 20,
@@ -24,7 +25,7 @@ _SECONDS = {
     "test_preemption.py": 210, "test_demo.py": 75, "test_chunked_loss.py": 42, "test_readme.py": 50,
     "test_error_index.py": 26, "test_quiet.py": 30, "test_train_imports.py": 20, "test_docs.py": 15,
     "test_slurm_recipe.py": 60, "test_finish.py": 25,
-    "test_dora.py": 80,
+    "test_dora.py": 65,
     "test_prequantized.py": 40, "test_packing.py": 20,
     "test_merge_moe.py": 35,
     "test_moe.py": 205, "test_moe_prequantized.py": 25, "test_moe_benchmark.py": 45,

@@ -24,6 +24,9 @@ BIN = Path(sys.executable).parent
 # The one switch: our worker scripts' launches fork their ranks (tests/fork_launch.py) unless a call says
 # fork=False or TESTS_FORK_LAUNCH=0 is exported (real launchers everywhere: to compare, or to rule forking out).
 FORK_DEFAULT = os.environ.get("TESTS_FORK_LAUNCH", "1") != "0"
+# Fork launches are forked from this process's fork server (tests/fork_server.py) unless TESTS_FORK_SERVER=0.
+FORK_SERVER = os.environ.get("TESTS_FORK_SERVER", "1") != "0"
+FORK_LAUNCH = Path(__file__).resolve().parent / "fork_launch.py"
 
 
 def free_port() -> int:
@@ -49,26 +52,51 @@ def _env(extra: dict | None = None) -> dict:
 
 def _run(cmd: list[str], timeout: int, env: dict | None) -> subprocess.CompletedProcess:
     """Run `cmd` like subprocess.run(capture_output=True, text=True, timeout=...), in its own session so that a
-    timeout kills the whole launch (launcher and ranks), not just the launcher. With TESTS_LAUNCH_LOG=FILE
-    exported, each launch appends a JSON line (test, command, wall and CPU seconds) to FILE: the suite profile."""
-    started, cpu = time.monotonic(), _children_cpu()
-    with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env), cwd=str(REPO),
-        start_new_session=True,
-    ) as proc:  # fmt: skip
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None
+    timeout kills the whole launch (launcher and ranks), not just the launcher. A tests/fork_launch.py command
+    runs in a child of this process's fork server (tests/fork_server.py: the stack imported once) when it can.
+    With TESTS_LAUNCH_LOG=FILE exported, each launch appends a JSON line (test, command, how it ran, wall and CPU
+    seconds; a served launch's CPU excludes the server's one-time imports) to FILE: the suite profile."""
+    started, cpu, env = time.monotonic(), _children_cpu(), _env(env)
+    served = _serve(cmd, timeout, env)
+    if served is not None:
+        code, stdout, stderr, cpu_s = served
+    else:
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(REPO),
+            start_new_session=True,
+        ) as proc:  # fmt: skip
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+                raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None
+        code, cpu_s = proc.returncode, _children_cpu() - cpu
     if os.environ.get("TESTS_LAUNCH_LOG"):
         entry = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), "cmd": [Path(c).name for c in cmd[:8]],
-                 "rc": proc.returncode, "wall_s": round(time.monotonic() - started, 1),
-                 "cpu_s": round(_children_cpu() - cpu, 1)}  # fmt: skip
+                 "via": "server" if served is not None else _not_served_why(cmd), "rc": code,
+                 "wall_s": round(time.monotonic() - started, 1), "cpu_s": round(cpu_s, 1)}  # fmt: skip
         with open(os.environ["TESTS_LAUNCH_LOG"], "a") as log:
             log.write(json.dumps(entry) + "\n")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+def _not_served_why(cmd: list[str]) -> str:
+    if not FORK_SERVER or cmd[:2] != [sys.executable, str(FORK_LAUNCH)]:
+        return "subprocess"
+    from fork_server import skipped
+
+    return "subprocess: " + skipped()
+
+
+def _serve(cmd: list[str], timeout: int, env: dict):
+    """A fork_launch.py command run by the fork server: (returncode, stdout, stderr, CPU s), or None (not a fork
+    launch, TESTS_FORK_SERVER=0 exported, or the server could not take it: run the subprocess)."""
+    if not FORK_SERVER or cmd[:2] != [sys.executable, str(FORK_LAUNCH)]:
+        return None
+    from fork_server import run_launch
+
+    return run_launch(cmd[2:], timeout, env)
 
 
 def _children_cpu() -> float:
@@ -80,7 +108,7 @@ def _children_cpu() -> float:
 def _fork_cmd(script: str, args: tuple, timeout: int, nproc: int = 2, config: Path | None = None, num_processes=None):
     """The tests/fork_launch.py command for one of our worker scripts: one parent imports the stack, the ranks
     are forked from it (see that module). Its own timeout kills the ranks a little before ours kills it."""
-    cmd = [sys.executable, str(Path(__file__).resolve().parent / "fork_launch.py"), "--nproc", str(nproc),
+    cmd = [sys.executable, str(FORK_LAUNCH), "--nproc", str(nproc),
            "--master-port", str(free_port()), "--timeout", str(max(timeout - 5, 1))]  # fmt: skip
     cmd += ["--accelerate-config", str(config)] if config is not None else []
     cmd += ["--num-processes", str(num_processes)] if num_processes else []

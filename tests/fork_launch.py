@@ -10,7 +10,8 @@ processes with real gloo process groups: the scenario code, and its FSDP-engagem
 Fork is safe only from a single-threaded parent: OMP_NUM_THREADS=1 keeps torch's OpenMP pool unstarted, pyarrow's
 jemalloc is told to start no background thread, and the parent checks it has one OS thread before forking. The
 users' paths (recipes, README/docs commands, trl's scripts, the demo, multi-node) keep real launchers: see
-tests/dist_utils.py.
+tests/dist_utils.py. In the suite this parent is itself forked from a per-pytest-process fork server that imported
+the third-party stack once (tests/fork_server.py); run as a command, it imports for itself.
 
     python tests/fork_launch.py --nproc 2 --master-port P [--accelerate-config FILE] SCRIPT [ARGS...]
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import BIN, CONFIGS, SCRIPTS, _run, check, free_port, read_results
+from dist_utils import BIN, SCRIPTS, _run, accelerate_launch, check, read_results
 from recipe_fixtures import build_chat_dataset, build_recipe_model
 from safetensors.torch import load_file
 from tiny_models import build_tiny_model
@@ -65,11 +65,12 @@ def runs(tmp_path_factory):
     for version in (1, 2):
         out = root / f"fsdp{version}"
         scenarios = "ours,resume,sft,callback,ac" + (",stock" if version == 1 else "")
-        proc = _launch([
-            str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / f"cpu_fsdp{version}_rehearsal.yaml"),
-            "--main_process_port", str(free_port()), worker, "--fsdp-version", str(version), "--model", str(model),
-            "--out", str(out), "--scenarios", scenarios, *_trl_args(recipe, chat, out / "trl", 2),
-        ])  # fmt: skip
+        # Our worker script: its ranks are forked (dist_utils.accelerate_launch), trl's sft.py runs inside it.
+        proc = accelerate_launch(
+            f"cpu_fsdp{version}_rehearsal.yaml", "dora_scenarios.py", "--fsdp-version", str(version),
+            "--model", str(model), "--out", str(out), "--scenarios", scenarios,
+            *_trl_args(recipe, chat, out / "trl", 2), timeout=600,
+        )  # fmt: skip
         check(proc)
         results = read_results(out)
         assert sorted(results) == [0, 1], f"expected results from 2 ranks, got {sorted(results)}"

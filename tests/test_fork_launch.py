@@ -1,10 +1,12 @@
 """tests/fork_launch.py, the launcher most of our worker scripts' launches use: its ranks see what a real launch
 gives them, and a failing, hanging or thread-running launch fails as a real one does (tiny scripts, no torch)."""
 
+import json
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from dist_utils import REPO, _run, accelerate_launch, read_results, torchrun
@@ -105,3 +107,71 @@ def test_refuses_to_fork_a_threaded_parent(tmp_path):
     _script(tmp_path, "main.py", "import threads\n")
     proc = torchrun(str(tmp_path / "main.py"), timeout=60)
     assert proc.returncode != 0 and "forking ranks is unsafe" in proc.stderr
+
+
+# --- the fork server (tests/fork_server.py): launches forked from a process that imported the stack once -----------
+_WHERE = """
+import json, os, sys
+os.write(1, f"out {os.getcwd()} {sys.argv[1:]} {os.environ.get('HF_FSDP_QLORA_PROBE')}\\n".encode())  # one write
+os.write(2, f"err {os.environ['RANK']}\\n".encode())
+found = {"torch": "torch" in sys.modules, "ours": any(m.startswith("hf_fsdp_qlora") for m in sys.modules)}
+json.dump(found, open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".json"), "w"))
+"""
+
+
+def _launch_log(tmp_path, monkeypatch):
+    log = tmp_path / "launches.jsonl"
+    monkeypatch.setenv("TESTS_LAUNCH_LOG", str(log))
+    return lambda: [json.loads(line)["via"] for line in log.read_text().splitlines()]
+
+
+def test_served_launch_is_a_launch_without_our_package(tmp_path, monkeypatch):
+    """Served: the ranks find the stack imported (torch) but not hf_fsdp_qlora, the launch's own environment,
+    argv, working directory and separate stdout/stderr. An environment the preload may have read differently
+    (HF_HOME) is launched as a subprocess instead."""
+    via = _launch_log(tmp_path, monkeypatch)
+    script = _script(tmp_path, "where.py", _WHERE)
+    for name, extra in (("served", {"HF_FSDP_QLORA_PROBE": "p1"}), ("own", {"HF_HOME": str(tmp_path / "hf")})):
+        out = tmp_path / name
+        out.mkdir()
+        proc = torchrun(script, str(out), timeout=120, env=extra)
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(proc.stdout.split("\n")) == [
+            "",
+            *[f"out {REPO} {[str(out)]} {extra.get('HF_FSDP_QLORA_PROBE')}"] * 2,
+        ]
+        assert "err 0" in proc.stderr and "err 1" in proc.stderr and "err" not in proc.stdout
+        found = read_results(out)
+        assert found[0] == found[1] == {"torch": name == "served", "ours": False}, via()
+    assert via() == ["server", "subprocess: environment differs in HF_HOME"]
+
+
+def _server_children(client) -> str:
+    pid = client.proc.pid
+    return (Path(f"/proc/{pid}/task/{pid}/children")).read_text().strip()
+
+
+def test_a_dead_server_falls_back_and_leaves_no_process(tmp_path, monkeypatch):
+    """A timed-out served launch leaves no rank behind and the server no child; a killed server hands every later
+    launch to the subprocess path."""
+    import fork_server
+
+    client = fork_server._Client()
+    monkeypatch.setattr(fork_server, "_CLIENT", client)
+    via = _launch_log(tmp_path, monkeypatch)
+    hang = _script(tmp_path, "hang.py", "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        _run([sys.executable, str(REPO / "tests" / "fork_launch.py"), "--master-port", "1", hang], 20, None)
+    ranks = [int(pid) for pid in timed_out.value.stdout.split()]
+    assert len(ranks) == 2 and _server_children(client) == ""
+    time.sleep(1)
+    for pid in ranks:
+        stat = Path(f"/proc/{pid}/stat")
+        assert not stat.exists() or stat.read_text().split()[2] in "ZX", pid  # gone (or a zombie init reaps)
+    client.proc.kill()
+    client.proc.wait()
+    out = tmp_path / "after"
+    out.mkdir()
+    proc = torchrun(_script(tmp_path, "where.py", _WHERE), str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert client.broken and via() == ["subprocess: server failed"]

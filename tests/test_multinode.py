@@ -66,9 +66,11 @@ def test_hsdp_2x2(tmp_path):
     path = tmp_path / "hsdp.yaml"
     path.write_text(yaml.safe_dump(config))
     out = tmp_path / "run"
+    # Our worker script: its 4 ranks are forked with the environment accelerate computes for this config (the
+    # users' multi-machine path, real `accelerate launch --machine_rank`, is test_two_machines_on_localhost).
     proc = accelerate_launch(
         path, "train_scenarios.py", "--models", str(models), "--out", str(out), "--fsdp-version", "2",
-        "--scenarios", "a=llama:ours_loader", timeout=400, fork=False,
+        "--scenarios", "a=llama:ours_loader", timeout=400,
     )  # fmt: skip
     check(proc)
     results = read_results(out)

@@ -211,7 +211,7 @@ import json, os, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from hf_fsdp_qlora.train.fsdp import skip_frozen_embedding_backward_gather
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["MASTER_PORT"], rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 class Model(torch.nn.Module):
     def __init__(self):
@@ -236,19 +236,16 @@ os._exit(0)  # gloo's teardown at interpreter exit sometimes aborts even after d
 """
 
 
-def test_only_frozen_embedding_units_skip_the_backward_gather():
-    """A trainable embedding needs its weight in the backward, a frozen Linear for its input gradient."""
+def test_only_frozen_embedding_units_skip_the_backward_gather(tmp_path):
+    """A trainable embedding needs its weight in the backward, a frozen Linear for its input gradient. One process
+    (a 1-rank torchrun, forked from the fork server: no fresh imports of the stack)."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    from dist_utils import free_port
+    from dist_utils import torchrun
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PORT=str(free_port()))
-    proc = subprocess.run(
-        [sys.executable, "-c", _SELECTION], capture_output=True, text=True, timeout=120, env=env, check=False
-    )
+    script = tmp_path / "selection.py"
+    script.write_text(_SELECTION)
+    proc = torchrun(str(script), nproc=1, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["changed"] == ["frozen"], found
