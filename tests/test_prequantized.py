@@ -152,7 +152,8 @@ def test_trains_under_fsdp_as_single_process(shared_launch, version, name):
     for rank in (0, 1):
         found = results[rank][name]
         assert_scenario_trained_under_fsdp(found, version)
-        assert found["dtypes_before_wrap"] == ["torch.bfloat16"] == found["packed_dtypes"]
+        assert found["frozen_dtypes_before_wrap"] == ["torch.bfloat16"] == found["packed_dtypes"]
+        assert found["trainable_dtypes_before_wrap"] == ["torch.float32"]  # float32 master weights
         if version == 2:  # every 4-bit weight sharded: half its bytes on each rank
             assert found["packed_dtensor"] == found["packed_count"] == 14
             assert found["packed_local_bytes"] * 2 == found["packed_full_bytes"]

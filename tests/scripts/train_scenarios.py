@@ -361,6 +361,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         import packing_scenarios
 
         return packing_scenarios.run(name, path, out, version, arch, kind)
+    if kind.startswith("precision_"):  # float32 master weights (tests/test_precision.py)
+        import precision_scenarios
+
+        return precision_scenarios.run(name, path, out, version, arch, kind)
     if kind == "expertresume":  # LoRA on 4-bit experts: checkpoint and exact resume (tests/test_moe.py)
         import resume_scenarios
 
@@ -384,6 +388,14 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
     init = trainable_snapshot(trainer.model)
     result["init_checksum"] = checksum(init)
     result["dtypes_before_wrap"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
+    # float32 master weights (train/precision.py): an adapter run's trainable tensors fp32, the frozen ones bf16
+    result["frozen_dtypes_before_wrap"] = sorted(
+        {str(p.dtype) for p in trainer.model.parameters() if not p.requires_grad}
+    )
+    result["trainable_dtypes_before_wrap"] = sorted(
+        {str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}
+    )
+    result["adapter_run"] = hasattr(trainer.model, "peft_config")
     trainer.train()
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FSDPQLoRACallback)), None)
     result["engagement"] = cb.engagement if cb else None
