@@ -15,7 +15,7 @@ from ..dtypes import harmonize_dtypes, training_dtype, view_packed_storage_as
 from ..loading.int8 import convert_int8_layers
 from ..rank_sync import agree_on_failure, broadcast_trainable_parameters
 from .fsdp import configure_plugin, fsdp_version
-from .precision import adapter_dtype_for, fsdp1_adapter_dtype, is_adapter_run
+from .precision import adapter_dtype_for, fsdp1_adapter_dtype, is_adapter_run, keep_lora_inputs_in_compute_dtype
 
 __all__ = ["ConsistencyReport", "follow_wrapping", "make_fsdp_consistent"]
 
@@ -72,7 +72,7 @@ def make_fsdp_consistent(model, plugin, args=None) -> ConsistencyReport:
         raise_for_errors(findings)
         dtype = training_dtype(model)
         adapter_dtype = adapter_dtype_for(args, dtype) if is_adapter_run(model) else dtype
-        adapter_dtype = fsdp1_adapter_dtype(model, plugin, args, version, adapter_dtype, dtype)
+        adapter_dtype = fsdp1_adapter_dtype(model, version, adapter_dtype, dtype)
     except Exception as err:  # noqa: BLE001 - re-raised on this rank by agree_on_failure
         error = err
     agree_on_failure(error)
@@ -102,6 +102,8 @@ def make_fsdp_consistent(model, plugin, args=None) -> ConsistencyReport:
             report.cast_parameters[0],
         )
     report.plugin_changes = configure_plugin(plugin, model, dtype, reduce_dtype=adapter_dtype)
+    if version == 1 and adapter_dtype != dtype:  # fp32 units cast their own inputs (cast_forward_inputs)
+        keep_lora_inputs_in_compute_dtype(model)
     report.broadcast_parameters = broadcast_trainable_parameters(model)
     return report
 

@@ -37,6 +37,7 @@ __all__ = [
     "is_adapter_run",
     "keep_trainable_in_adapter_dtype",
     "fsdp1_adapter_dtype",
+    "keep_lora_inputs_in_compute_dtype",
 ]
 
 DEFAULT_ADAPTER_DTYPE = "float32"
@@ -110,34 +111,47 @@ def keep_trainable_in_adapter_dtype(model, args=None) -> list[str]:
     return changed
 
 
-def _checkpointing_on(model, plugin, args) -> bool:
-    model_on = getattr(model, "is_activation_checkpointing", None)
-    if model_on is None:
-        model_on = getattr(model, "is_gradient_checkpointing", False)
-    args_on = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
-    return bool(model_on or args_on or getattr(plugin, "activation_checkpointing", False))
+def keep_lora_inputs_in_compute_dtype(model) -> int:
+    """FSDP1 with fp32 LoRA units: turn off peft's cast of each LoRA layer's input to ``lora_A.weight.dtype``.
+
+    peft reads that dtype *outside* the lora_A unit (without CUDA autocast, i.e. on CPU or with ``bf16=False``),
+    where FSDP1 shows either the fp32 sharded view or, once the unit is unsharded (a backward prefetch in the
+    recomputation of activation checkpointing), the bf16 gathered weight. So the forward saved fp32 dropout inputs
+    and the recomputation made bf16 ones: "CheckpointError: ... Recomputed values ... have different metadata"
+    (reproduced with ``backward_prefetch=BACKWARD_PRE``, the shipped FSDP1 config, and not without it). Every fp32
+    unit casts its own inputs to the compute dtype instead (``MixedPrecision(cast_forward_inputs=True)``, see
+    :func:`~hf_fsdp_qlora.train.fsdp.configure_plugin`), the same values either way. ``cast_input_dtype_enabled`` is
+    peft's public switch (``peft.helpers.disable_input_dtype_casting``).
+
+    Returns:
+        The number of LoRA layers changed.
+    """
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "cast_input_dtype_enabled", False) and hasattr(module, "lora_A"):
+            module.cast_input_dtype_enabled = False
+            changed += 1
+    return changed
 
 
-def fsdp1_adapter_dtype(model, plugin, args, version: int, adapter_dtype: torch.dtype, training_dtype: torch.dtype):
-    """The adapter dtype FSDP1 can train this model in: `training_dtype` where float32 does not work yet.
+def fsdp1_adapter_dtype(model, version: int, adapter_dtype: torch.dtype, training_dtype: torch.dtype):
+    """The adapter dtype FSDP1 can train this model in: `training_dtype` for DoRA, else `adapter_dtype`.
 
-    * DoRA runs each lora_A / lora_B unit twice per forward; with fp32 units cast to bf16 by FSDP1's mixed precision
-      they got no update at all (8 steps at lr 2e-4, tiny Llama: every element bit-identical to its start).
-    * Activation checkpointing (non-reentrant) with LoRA dropout and autocast: the recomputed forward gives bf16 where
-      the forward saved fp32 ("CheckpointError: ... Recomputed values ... have different metadata").
-    FSDP2 and no FSDP train both in float32. Follow-up: find both FSDP1 causes.
+    DoRA runs each lora_A / lora_B unit twice per forward (on an identity matrix for the weight norm, then on the
+    input); with fp32 units under a bf16 param_dtype, lora_A / lora_B got no gradient at all (``grad`` None after
+    backward; 8 steps at lr 2e-4, tiny Llama: every element unchanged; the magnitudes train). Running the identity
+    pass without autograd (so FSDP1 registers its post-backward hook on the second pass) did not change that.
+    FSDP2 and no FSDP train DoRA in float32. Follow-up: find the FSDP1 cause.
     """
     if version != 1 or adapter_dtype == training_dtype:
         return adapter_dtype
-    dora = any(type(m).__name__ == "DoraLinearLayer" for m in model.modules())
-    if not dora and not _checkpointing_on(model, plugin, args):
+    if not any(type(m).__name__ == "DoraLinearLayer" for m in model.modules()):
         return adapter_dtype
     import logging
 
     logging.getLogger(__name__).warning(
-        "hf_fsdp_qlora: under FSDP1 with %s the adapters train in %s, not float32 (small updates are rounded away). "
-        "Use FSDP2 (fsdp_version: 2) for float32 adapter weights.",
-        "DoRA" if dora else "activation checkpointing",
+        "hf_fsdp_qlora: under FSDP1 with DoRA the adapters train in %s, not float32 (small updates are rounded "
+        "away). Use FSDP2 (fsdp_version: 2) for float32 adapter weights.",
         training_dtype,
     )
     return training_dtype
