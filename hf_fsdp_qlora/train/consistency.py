@@ -15,7 +15,13 @@ from ..dtypes import harmonize_dtypes, training_dtype, view_packed_storage_as
 from ..loading.int8 import convert_int8_layers
 from ..rank_sync import agree_on_failure, broadcast_trainable_parameters
 from .fsdp import configure_plugin, fsdp_version
-from .precision import adapter_dtype_for, fsdp1_adapter_dtype, is_adapter_run, keep_lora_inputs_in_compute_dtype
+from .precision import (
+    adapter_dtype_for,
+    fsdp1_adapter_dtype,
+    is_adapter_run,
+    keep_lora_inputs_in_compute_dtype,
+    keep_shared_unit_trainables_in,
+)
 
 __all__ = ["ConsistencyReport", "follow_wrapping", "make_fsdp_consistent"]
 
@@ -101,6 +107,8 @@ def make_fsdp_consistent(model, plugin, args=None) -> ConsistencyReport:
             adapter_dtype,
             report.cast_parameters[0],
         )
+    if version == 1 and adapter_dtype != dtype:  # FSDP1 flattens a trainable tensor with its unit's frozen ones
+        report.cast_parameters += keep_shared_unit_trainables_in(model, dtype)
     report.plugin_changes = configure_plugin(plugin, model, dtype, reduce_dtype=adapter_dtype)
     if version == 1 and adapter_dtype != dtype:  # fp32 units cast their own inputs (cast_forward_inputs)
         keep_lora_inputs_in_compute_dtype(model)

@@ -38,6 +38,7 @@ __all__ = [
     "keep_trainable_in_adapter_dtype",
     "fsdp1_adapter_dtype",
     "keep_lora_inputs_in_compute_dtype",
+    "keep_shared_unit_trainables_in",
 ]
 
 DEFAULT_ADAPTER_DTYPE = "float32"
@@ -155,3 +156,47 @@ def fsdp1_adapter_dtype(model, version: int, adapter_dtype: torch.dtype, trainin
         training_dtype,
     )
     return training_dtype
+
+
+def _has_unit_of_its_own(module) -> bool:
+    """peft's FSDP1 wrap rule (``fsdp_auto_wrap_policy``, installed by transformers' Trainer): a leaf module whose
+    ``weight`` is trainable is a unit of its own - each lora_A / lora_B Linear, DoRA magnitude, modules_to_save copy."""
+    weight = getattr(module, "weight", None)
+    return next(module.children(), None) is None and weight is not None and weight.requires_grad
+
+
+@torch.no_grad()
+def keep_shared_unit_trainables_in(model, dtype: torch.dtype) -> list[str]:
+    """FSDP1 with float32 adapters: cast the trainable tensors that have no unit of their own to `dtype`.
+
+    A trainable tensor outside peft's per-leaf units is flattened with its unit's frozen `dtype` tensors: peft's
+    trainable tokens (``trainable_token_indices``: a ``trainable_tokens_delta`` beside the frozen embedding) would
+    fail "Must flatten tensors with uniform dtype but got torch.bfloat16 and torch.float32". They stay in the training
+    dtype; with mixed precision on (``bf16=True``) accelerate upcasts every trainable FlatParameter to float32 after
+    wrapping, so the optimizer still steps them in float32 there. FSDP2 keeps them float32 (one dtype per group is
+    required among the trainable parameters only).
+
+    Returns:
+        The names of the parameters cast.
+    """
+    changed = []
+    for module_name, module in model.named_modules():
+        if _has_unit_of_its_own(module):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+                changed.append(f"{module_name}.{name}" if module_name else name)
+    if changed:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "hf_fsdp_qlora: under FSDP1, %d trainable tensors share an FSDP unit with frozen %s weights (e.g. %s, "
+            "trainable tokens) and are kept in %s, not float32 (float32 again after wrapping when mixed precision "
+            "is on, bf16=True). FSDP2 (fsdp_version: 2) keeps them float32.",
+            len(changed),
+            dtype,
+            changed[0],
+            dtype,
+        )
+    return changed
