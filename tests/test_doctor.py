@@ -389,9 +389,13 @@ MEASURED = ("p1_ours", "p2_ours", "p1_bf16mp_stock", "p2_full_bf16mp_stock", "p2
 
 
 def _doctor_settings(spec: dict, trainer: str, training: dict) -> dict:
+    # The spec's adapter_dtype is the dtype the model is built with; our trainer casts the adapters to its own
+    # adapter_dtype argument (float32 master weights unless the scenario's training opts out), which the doctor's
+    # --adapter-dtype means with --trainer hf_fsdp_qlora.
+    adapter = training.get("adapter_dtype") if trainer == "hf_fsdp_qlora" else spec.get("adapter_dtype")
     return {
         "quantization": spec.get("quantization"), "full_finetune": spec.get("full_finetune", False),
-        "quant_storage": spec.get("quant_storage"), "adapter_dtype": spec.get("adapter_dtype"),
+        "quant_storage": spec.get("quant_storage"), "adapter_dtype": adapter,
         "norm_dtype": "float32" if spec.get("kbit_prep") else None, "device_map": spec.get("device_map"),
         "trainer": trainer, "gradient_checkpointing": training.get("activation_checkpointing", False), "lora_r": 4,
     }  # fmt: skip
