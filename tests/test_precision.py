@@ -131,6 +131,7 @@ def _check(version, key, launches, oracle, expect_equal=True):
         flat_theirs = torch.cat([theirs[n].flatten() for n in names])
         report[kind] = float((flat_ours - flat_theirs).norm() / flat_theirs.norm())
         report[f"{kind}_moved"] = min(float((ours[n] != 0).float().mean()) for n in names)
+    print(f"FSDP{version} {key} lr {lr}: {report}")  # the table (pytest -s)
     if expect_equal:
         assert report["lora_A"] <= TOL and report["lora_B"] <= TOL, report
         assert report["lora_A_moved"] >= MOVED, report
