@@ -348,9 +348,15 @@ def build_model(path, kind):
         "kbitprep": lambda: user_loaded(path, kbit_prep=True),
         "uint8": lambda: user_loaded(path, storage=torch.uint8),
         "int8": lambda: user_loaded(path, eight_bit=True),
-        # peft's own LoRA on 16-bit experts (quantize_experts=False): peft reads lora_A.weight outside its unit
+        # peft's own LoRA on 16-bit experts (quantize_experts=False): peft reads lora_A.weight outside its unit.
+        # bf16 adapters: fp32 ones under a stock Trainer without our callback (no per-unit input cast) would fail
+        # earlier, at the first LoRA matmul ("expected m1 and m2 to have the same dtype"), hiding peft's reshape.
         "expertlora16": lambda: load_qlora_model(
-            path, lora_config=expert_lora_config(), gradient_checkpointing=False, quantize_experts=False
+            path,
+            lora_config=expert_lora_config(),
+            gradient_checkpointing=False,
+            quantize_experts=False,
+            adapter_dtype=torch.bfloat16,
         ),
     }[problem]()
     return model, (Trainer if who == "stock" else LossRecorder), None
