@@ -1,15 +1,31 @@
 """The dtype rules, in one place.
 
 Under FSDP every parameter of one unit is flattened (FSDP1) or sharded and all-gathered (FSDP2)
-together, so one QLoRA model needs exactly one floating dtype:
+together, so one QLoRA model needs one floating dtype for its frozen tensors:
 
 * the 4-bit weights are stored packed inside a tensor of ``bnb_4bit_quant_storage`` dtype. That dtype
   must be floating (FSDP1 cannot flatten integers: "Cannot flatten integer dtype tensors"), and FSDP's
   mixed-precision ``param_dtype`` must equal it, or FSDP casts the packed bytes and corrupts them;
-* the compute dtype, the dtype of every other parameter (embeddings, norms, biases, heads) and the
-  LoRA adapters' dtype must be that same dtype. peft upcasts adapters to fp32 by default
-  (``autocast_adapter_dtype=True``) and ``prepare_model_for_kbit_training`` upcasts norms to fp32;
-  beside a bf16 base either gives "Must flatten tensors with uniform dtype".
+* the compute dtype and the dtype of every other frozen parameter (embeddings, norms, biases, heads) must
+  be that same dtype. ``prepare_model_for_kbit_training`` upcasts norms to fp32; beside a bf16 base that
+  gives "Must flatten tensors with uniform dtype".
+
+Per kind of tensor (storage / compute / what the optimizer steps):
+
+================================  ================  ==============  ==========================
+tensor                            storage           compute         optimizer
+================================  ================  ==============  ==========================
+packed 4-bit / int8 weights       training dtype    training dtype  frozen (bytes, never cast)
+other frozen (norms, embeddings)  training dtype    training dtype  frozen
+trainable (LoRA A/B, DoRA         float32           training dtype  float32 (and its states)
+magnitudes, modules_to_save)      (``adapter_dtype``: FSDP gathers them cast, or autocast casts)
+================================  ================  ==============  ==========================
+
+The trainable tensors are float32 by default because a bf16 weight rounds away Adam steps smaller than
+half its last place (:mod:`hf_fsdp_qlora.train.precision` owns this; ``adapter_dtype="bfloat16"`` opts
+out). FSDP still sees one dtype where it needs one: FSDP2 requires it among a group's *trainable*
+parameters only, and under FSDP1 every trainable leaf module is a unit of its own (peft's wrap policy).
+The saved adapter is peft's format in the adapter dtype (float32 by default, as stock peft's).
 
 Buffers (rotary ``inv_freq``) are not parameters and keep their dtype.
 """
@@ -155,8 +171,9 @@ def training_dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def harmonize_dtypes(model, dtype: torch.dtype) -> list[str]:
-    """Cast every floating, non-quantized parameter of `model` to `dtype`, in place.
+def harmonize_dtypes(model, dtype: torch.dtype, trainable_dtype: torch.dtype | None = None) -> list[str]:
+    """Cast every floating, non-quantized parameter of `model` to `dtype` (the trainable ones to `trainable_dtype`
+    when given: float32 master weights, see the table above), in place.
 
     Covers LoRA adapters upcast by peft, norms upcast by ``prepare_model_for_kbit_training``, biases,
     embeddings and heads. Packed 4-bit weights are never touched (their bytes are not values), and
@@ -172,8 +189,9 @@ def harmonize_dtypes(model, dtype: torch.dtype) -> list[str]:
             continue
         if is_int8_bytes(param):  # 8-bit weight bytes (loading/int8.py): a float cast corrupts them too
             continue
-        if param.dtype != dtype:
-            param.data = param.data.to(dtype)
+        target = trainable_dtype if trainable_dtype is not None and param.requires_grad else dtype
+        if param.dtype != target:
+            param.data = param.data.to(target)
             changed.append(name)
     for module in model.modules():
         if type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and hasattr(module, "compute_dtype"):

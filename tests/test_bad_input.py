@@ -68,13 +68,17 @@ def test_8bit_kwargs_refused(llama):
 
 
 def test_loader_one_dtype(llama):
-    """Storage = compute = adapters = every other parameter = the chosen dtype; norms not upcast."""
+    """Storage = compute = every frozen parameter = the chosen dtype (norms not upcast); the trainable adapters are
+    float32 master weights by default (as stock peft) and the chosen dtype with adapter_dtype= (the opt-out)."""
     model = load_qlora_model(str(llama), dtype=torch.float16)
-    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.float16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     q = model.base_model.model.config.quantization_config
     assert q.bnb_4bit_quant_storage == torch.float16 and q.bnb_4bit_compute_dtype == torch.float16
     assert any("lora_A" in n and p.requires_grad for n, p in model.named_parameters())
     assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    pure = load_qlora_model(str(llama), dtype=torch.float16, adapter_dtype=torch.float16)
+    assert {p.dtype for p in pure.parameters()} == {torch.float16}
 
 
 @pytest.mark.distributed

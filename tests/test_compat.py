@@ -561,3 +561,48 @@ def test_cli_shows_its_flags_for_the_parameters_library_errors_name():
         assert not missing, (func.__name__, missing)
     convert = {o for action in ConvertCommand().standalone_parser("convert")._actions for o in action.option_strings}
     assert {"--output", "--force", "--adapter-config"} <= convert
+
+
+_FSDP2_MIXED_DTYPES = """
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+class Layer(torch.nn.Module):
+    def __init__(self, lora_dtype):
+        super().__init__()
+        self.base = torch.nn.Linear(8, 8, dtype=torch.bfloat16).requires_grad_(False)
+        self.a, self.b = torch.nn.Linear(8, 2), torch.nn.Linear(2, 8, dtype=lora_dtype)
+    def forward(self, x):
+        return self.base(x) + self.b(self.a(x))
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+ok = fully_shard(Layer(torch.float32), mp_policy=policy)  # frozen bf16 + trainable fp32: one group
+x = torch.randn(2, 8, dtype=torch.bfloat16)
+ok(x).float().sum().backward()
+print("grad", ok.a.weight.grad.dtype)
+bad = fully_shard(Layer(torch.bfloat16), mp_policy=policy)  # trainable fp32 + bf16: refused
+try:
+    bad(x).float().sum().backward()
+except AssertionError as err:
+    print("refused", err)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_uniform_dtype_among_trainable_only():
+    """FSDP2 asks one original dtype among a group's trainable params only: fp32 adapters next to the frozen bf16
+    base in one fully_shard group (train/precision.py). Real FSDP2 on a 1-rank gloo group, in a subprocess."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", _FSDP2_MIXED_DTYPES.format(port=port)],
+        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "grad torch.float32" in proc.stdout  # the fp32 trainable shard got its fp32-reduced gradient
+    assert "refused FSDP expects uniform original parameter dtype" in proc.stdout, proc.stdout

@@ -149,7 +149,8 @@ def test_memory_plan_matches_a_loaded_model(tiny):
     for p in model.parameters():
         key = "params_trainable" if p.requires_grad else "params_quantized" if id(p) in quantized else "params_other"
         real[key] += p.numel() * p.element_size()
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}  # fp32 master weights
     d = diagnose(str(tiny / "llama"), accelerate_config=_yaml("fsdp2_qlora"), num_gpus=1, quantization="4bit")
     assert {k: d.plan.shard[k] for k in real} == real
     assert _weight_terms(d) == real  # each term function on its own
@@ -388,9 +389,13 @@ MEASURED = ("p1_ours", "p2_ours", "p1_bf16mp_stock", "p2_full_bf16mp_stock", "p2
 
 
 def _doctor_settings(spec: dict, trainer: str, training: dict) -> dict:
+    # The spec's adapter_dtype is the dtype the model is built with; our trainer casts the adapters to its own
+    # adapter_dtype argument (float32 master weights unless the scenario's training opts out), which the doctor's
+    # --adapter-dtype means with --trainer hf_fsdp_qlora.
+    adapter = training.get("adapter_dtype") if trainer == "hf_fsdp_qlora" else spec.get("adapter_dtype")
     return {
         "quantization": spec.get("quantization"), "full_finetune": spec.get("full_finetune", False),
-        "quant_storage": spec.get("quant_storage"), "adapter_dtype": spec.get("adapter_dtype"),
+        "quant_storage": spec.get("quant_storage"), "adapter_dtype": adapter,
         "norm_dtype": "float32" if spec.get("kbit_prep") else None, "device_map": spec.get("device_map"),
         "trainer": trainer, "gradient_checkpointing": training.get("activation_checkpointing", False), "lora_r": 4,
     }  # fmt: skip
@@ -784,8 +789,9 @@ def test_expert_lora_count_and_refusals_match_peft(tiny_moe, arch):
     adapted = diagnose(tiny_moe[arch], accelerate_config=F2Q, num_gpus=1, lora_dropout=0.0,
                        lora_target_parameters=EXPERT_TARGETS, **settings)  # fmt: skip
     assert not adapted.errors
-    assert adapted.plan.shard["params_trainable"] - plain.shard["params_trainable"] == 2 * (
-        expected - shape.lora_params(4))  # fmt: skip
+    assert adapted.plan.shard["params_trainable"] - plain.shard["params_trainable"] == 4 * (
+        expected - shape.lora_params(4)
+    )  # fmt: skip  (float32 master weights: 4 bytes each)
     with pytest.raises(ValueError) as real:
         peft_model(target_parameters=EXPERT_TARGETS, lora_dropout=0.05)
     found = diagnose(tiny_moe[arch], accelerate_config=F2Q, lora_target_parameters=EXPERT_TARGETS, **settings)

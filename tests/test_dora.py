@@ -23,16 +23,19 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 4
 ROUTES = ("ours", "sft", "callback", "ac")
-# |loss - single-process loss| at every step. Measured: 2.2e-4 (ours, the callback, checkpointing: bit-equal to
-# each other, and FSDP1 bit-equal to FSDP2), 2.5e-4 (sft). bf16 parameters, gradients reduced in bf16 over
-# 2 ranks vs summed in one process: the 4 steps at lr 1e-2 drift by a few bf16 roundings.
-TOL = 5e-4
-STEP0_TOL = 1e-5  # the first forward, before any update: measured 4.8e-7
 # trl's sft.py as users run it (bf16 autocast, trl's float32 dtype): single-process the adapters stay bfloat16,
 # under FSDP our pre-wrap pass trains them in the float32 compute dtype. Plain LoRA through the same route drifts as
 # much (lr 1e-2, 4 steps: 1.7e-2 plain, 5.2e-3 DoRA). Measured here (lr 1e-3): 4.6e-5 first, 3.2e-3 at most.
 TRL_STEP0_TOL = 1e-4
 TRL_TOL = 5e-3
+# Float32 master weights (issue 34): the loader's adapters are fp32. FSDP gathers them (and DoRA's magnitudes) cast
+# to bf16 (param_dtype), where the single-process oracle's autocast keeps DoRA's elementwise magnitude scale in fp32:
+# first loss 5.05e-5 off under FSDP1 and FSDP2 alike. DoRA under FSDP1 also keeps 16-bit adapters (its fallback,
+# train/precision.py: fsdp1_adapter_dtype): later losses measured 3.5e-4 (1.1e-3 sft) off the oracle, FSDP1 vs
+# FSDP2 5.5e-4 at most, so FSDP2 vs the oracle is within 1.7e-3.
+FP32_DORA_STEP0_TOL = 1e-4
+FP32_DORA_TOL = 2.5e-3
+FSDP1_VS_FSDP2_DORA_TOL = 1e-3
 
 
 def _launch(args, timeout=600):
@@ -106,16 +109,20 @@ def test_dora_trains_like_single_process(runs, version, route):
     # (the callback on a stock Trainer does nothing without FSDP): our loader's bf16 run is then the one to match.
     oracle = single["sft" if route == "sft" else "ours"]["losses"]
     losses = runs[version][1][0][route]["losses"]
-    assert abs(losses[0] - oracle[0]) <= STEP0_TOL, (losses[0], oracle[0])
-    _close(losses, oracle, TOL, f"FSDP{version} {route}")
+    step0_tol, tol = FP32_DORA_STEP0_TOL, FP32_DORA_TOL
+    assert abs(losses[0] - oracle[0]) <= step0_tol, (losses[0], oracle[0])
+    _close(losses, oracle, tol, f"FSDP{version} {route}")
     if route == "ac":
         assert runs[version][1][0]["ac"]["checkpointed"] > 0
 
 
 def test_fsdp1_and_fsdp2_train_dora_alike(runs):
-    """The two FSDP versions shard differently but compute the same: bit-equal losses for every route."""
+    """The two FSDP versions train DoRA alike for every route: FSDP1 in 16-bit adapters (its fallback), FSDP2 in
+    float32, so close but not bit-equal; the first loss is bit-equal (both gather the same bf16 values)."""
     for route in ROUTES:
-        assert runs[1][1][0][route]["losses"] == runs[2][1][0][route]["losses"], route
+        one, two = runs[1][1][0][route]["losses"], runs[2][1][0][route]["losses"]
+        assert one[0] == two[0], route
+        _close(one, two, FSDP1_VS_FSDP2_DORA_TOL, f"FSDP1 vs 2 {route}")
 
 
 @pytest.mark.parametrize("version", [1, 2])

@@ -476,7 +476,8 @@ def test_fsdp_trains_lora_on_4bit_experts(moe_models, shared_launch, version, na
         assert r["distributed_type"] == "DistributedType.FSDP"
         engaged = r["engagement"]
         assert engaged["flat_params"] > 0 if version == 1 else engaged["dtensor_params"] > 0, engaged
-        assert r["dtypes_before_wrap"] == ["torch.bfloat16"]
+        assert r["frozen_dtypes_before_wrap"] == ["torch.bfloat16"]
+        assert r["trainable_dtypes_before_wrap"] == ["torch.float32"]  # float32 master weights (train/precision.py)
     assert r0["init_checksum"] == r1["init_checksum"]
     full, local = r0["expert_bytes_before_wrap"], [r0["expert_bytes_local"], r1["expert_bytes_local"]]
     assert sum(local) == full and all(0 < b < full for b in local), local

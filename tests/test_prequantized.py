@@ -54,7 +54,8 @@ def test_loads_bit_equal_in_one_dtype(checkpoints, arch):
     saved = load_file(str(path / "model.safetensors"))
     model = load_qlora_model(path, dtype=torch.bfloat16, gradient_checkpointing=False)
     # The one-dtype rule holds: the packed weights too are bf16 (transformers alone leaves them uint8).
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}  # master weights
     packed = _packed(model)
     assert len(packed) == 14
     quant_type, double_quant = PREQUANTIZED[arch]
@@ -152,7 +153,8 @@ def test_trains_under_fsdp_as_single_process(shared_launch, version, name):
     for rank in (0, 1):
         found = results[rank][name]
         assert_scenario_trained_under_fsdp(found, version)
-        assert found["dtypes_before_wrap"] == ["torch.bfloat16"] == found["packed_dtypes"]
+        assert found["frozen_dtypes_before_wrap"] == ["torch.bfloat16"] == found["packed_dtypes"]
+        assert found["trainable_dtypes_before_wrap"] == ["torch.float32"]  # float32 master weights
         if version == 2:  # every 4-bit weight sharded: half its bytes on each rank
             assert found["packed_dtensor"] == found["packed_count"] == 14
             assert found["packed_local_bytes"] * 2 == found["packed_full_bytes"]

@@ -67,13 +67,17 @@ def test_evaluation_leaves_training_unchanged(launched):
         assert found["eval_losses"] == found["plain_losses"]
 
 
-def _oracle(models, weights):
-    """The tokens model unsharded, holding the weights gathered (independently of hf_fsdp_qlora) after training."""
+def _oracle(models, weights, keep_dtype=False):
+    """The tokens model unsharded, holding the weights gathered (independently of hf_fsdp_qlora) after training:
+    in the dtype they trained in (keep_dtype: float32 master weights, what the saved adapter holds) or in bf16 (the
+    compute dtype, what a reload with autocast_adapter_dtype=False holds)."""
     model = _worker().tokens_model(str(models / "llama"))
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
     assert trainable == set(weights), trainable ^ set(weights)
-    result = model.load_state_dict({n: v.to(torch.bfloat16) for n, v in weights.items()}, strict=False)
-    assert not result.unexpected_keys
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].data = value.clone() if keep_dtype else value.to(torch.bfloat16)
     return model.eval()
 
 
@@ -89,15 +93,17 @@ def test_added_tokens_adapter_equals_peft_save_and_reloads(launched, models, tmp
     weights = torch.load(out / "tokens_weights.pt")
     for name, value in weights["A"].items():
         assert torch.equal(value, weights["B"][name]), name
+    # The adapter holds the trained weights in the dtype they trained in (float32 master weights).
+    expected = get_peft_model_state_dict(_oracle(models, weights["A"], keep_dtype=True), save_embedding_layers="auto")
     oracle = _oracle(models, weights["A"])
-    expected = get_peft_model_state_dict(oracle, save_embedding_layers="auto")
     assert any("embed_tokens.token_adapter.base_layer" in k for k in expected)  # peft saves the resized vocab
     for folder in ("final", "checkpoint-2"):
         ours = load_file(str(out / "tokens_A" / folder / "adapter_model.safetensors"))
         assert set(ours) == set(expected), (folder, set(ours) ^ set(expected))
     ours = load_file(str(out / "tokens_A" / "final" / "adapter_model.safetensors"))
-    for key, value in expected.items():
-        assert torch.equal(ours[key], value), key
+    for key, value in expected.items():  # the oracle gather is float32: values compared, dtypes below
+        assert torch.equal(ours[key].float(), value.float()), key
+    assert {v.dtype for k, v in ours.items() if "lora_" in k or "modules_to_save" in k} == {torch.float32}
 
     # A user's reload: a fresh base resized for the same tokens (its new rows drawn anew), the adapter on top.
     ids = torch.tensor([[5, 256, 9, 257, 258, 40, 259, 7]])
@@ -111,7 +117,7 @@ def test_added_tokens_adapter_equals_peft_save_and_reloads(launched, models, tmp
         torch.manual_seed(123)
         base.resize_token_embeddings(worker.BASE_VOCAB + worker.NEW_TOKENS)
         with torch.no_grad():
-            # autocast_adapter_dtype=False: the adapters stay bf16 as they were trained (peft would upcast them).
+            # autocast_adapter_dtype=False: the saved fp32 adapters load into bf16 ones, as they computed in training.
             model = PeftModel.from_pretrained(base, str(adapter_dir), autocast_adapter_dtype=False)
             return model.eval()(input_ids=ids).logits
 

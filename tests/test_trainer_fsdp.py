@@ -127,7 +127,10 @@ def _assert_trained_scenario(name, results, out, models, version, arch, exact_lo
         else:
             assert eng["fsdp2_modules"] > 0 and eng["dtensor_params"] > 0, eng
             assert r["is_fsdp2"] and r["dtensor_lora"] > 0
-        assert r["dtypes_before_wrap"] == ["torch.bfloat16"], "one dtype per FSDP unit"
+        # one dtype per FSDP unit: frozen tensors bf16, an adapter run's trainable ones fp32 (master weights)
+        assert r["frozen_dtypes_before_wrap"] in (["torch.bfloat16"], []), r["frozen_dtypes_before_wrap"]
+        trainable = ["torch.float32"] if r["adapter_run"] else ["torch.bfloat16"]
+        assert r["trainable_dtypes_before_wrap"] == trainable
     # Identical start on every rank, from our broadcast.
     assert r0["init_checksum"] == r1["init_checksum"]
     weights = torch.load(out / name / "weights.pt")

@@ -9,6 +9,15 @@ __all__ = ["WORKAROUNDS"]
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
+        key="fsdp2_uniform_dtype_among_trainable",
+        upstream="torch 2.13 FSDP2 (_fsdp_param_group.FSDPParamGroup._init_mp_dtypes)",
+        works_around="fp32 adapters share their decoder layer's fully_shard group with the bf16 base: FSDP2 asks one "
+        'dtype only among requires_grad params ("FSDP expects uniform original parameter dtype" otherwise)',
+        where=("hf_fsdp_qlora.dtypes.harmonize_dtypes", "hf_fsdp_qlora.train.fsdp.configure_plugin"),
+        remove_when="never: if FSDP2 checks every param, fp32 adapters need their own fully_shard groups",
+        canary=CANARIES + "test_fsdp2_uniform_dtype_among_trainable_only",
+    ),
+    Workaround(
         key="fsdp1_plain_cpu_device",
         upstream="torch 2.13 FSDP1 (_init_utils)",
         works_around='FSDP1 refuses device_id cpu:0: "Inconsistent compute device and `device_id` on rank 0"',

@@ -156,8 +156,8 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
         parser.add_argument(
             "--adapter-dtype",
             type=_dtype,
-            help="LoRA weights' dtype (default: --dtype with --trainer hf_fsdp_qlora, else float32: "
-            "peft's autocast_adapter_dtype=True)",
+            help="LoRA weights' dtype (default float32: peft's autocast_adapter_dtype=True; with --trainer "
+            "hf_fsdp_qlora the dtype they train in: float32 master weights, or --dtype for adapter_dtype='bfloat16')",
         )
         parser.add_argument(
             "--kbit-prep", action="store_true", help="prepare_model_for_kbit_training is called (fp32 norms)"

@@ -248,7 +248,14 @@ def _odd_dtype_beside_base(s: RunSetup):
             if kind == "adapters"
             else ("prepare_model_for_kbit_training", "not called (freeze the base and enable checkpointing yourself)")
         )
-        if ours:
+        if ours and kind == "adapters" and dtype == "float32":
+            yield _finding(
+                rule_id, "info",
+                f"Adapters in float32 beside a {base} base: hf_fsdp_qlora keeps them float32 (master weights, stepped in "
+                f"float32) in FSDP units of their own dtype and computes in {base}.",
+                "adapter_dtype", "float32 (default), or bfloat16 for pure 16-bit adapters",
+            )  # fmt: skip
+        elif ours:
             yield _finding(
                 rule_id, "info",
                 f"{kind.capitalize()} in {dtype} beside a {base} base ({cause}); hf_fsdp_qlora casts them to {base} "

@@ -156,13 +156,22 @@ def _trainable(ctx: PlanContext) -> None:
     ctx.trainable = trainable
     # accelerate upcasts trainable parameters to fp32: FSDP2 with mixed precision and no 4-bit weights; FSDP1 with
     # mixed precision.
-    adapter_dtype = ctx.base_dtype if s.trainer == "hf_fsdp_qlora" else s.adapter
+    adapter_dtype = _trained_adapter_dtype(ctx) if s.trainer == "hf_fsdp_qlora" else s.adapter
     master = adapter_dtype if ctx.lora else s.dtype
     if s.fsdp.version == 2 and ctx.mixed and ctx.quant != "4bit":
         master = "float32"
     if s.fsdp.version == 1 and ctx.mixed:
         master = "float32"
     ctx.master_b = dtype_bytes(master)
+
+
+def _trained_adapter_dtype(ctx: PlanContext) -> str:
+    """Our trainer's adapter dtype (hf_fsdp_qlora.train.precision): float32 master weights, or the base dtype where
+    asked (``adapter_dtype="bfloat16"``, ``--adapter-dtype bfloat16``) and for DoRA under FSDP1 (its fallback)."""
+    s = ctx.setup
+    if s.adapter_dtype not in (None, "float32") or (s.use_dora and s.fsdp.version == 1):
+        return ctx.base_dtype
+    return "float32"
 
 
 def _base_sharding(ctx: PlanContext) -> None:

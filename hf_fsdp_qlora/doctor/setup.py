@@ -66,8 +66,10 @@ class RunSetup:
     """One planned run, as plain values. Field names are the keyword arguments of :func:`check_setup`.
 
     Dtypes are names (``"bfloat16"``, ``"uint8"``). ``None`` for ``quant_storage``/``compute_dtype`` means "same
-    as ``dtype``" (what :func:`~hf_fsdp_qlora.load_qlora_model` does); for ``adapter_dtype`` it means ``dtype``
-    with our trainer and ``float32`` otherwise (peft's default ``autocast_adapter_dtype=True``).
+    as ``dtype``" (what :func:`~hf_fsdp_qlora.load_qlora_model` does). ``adapter_dtype``: the adapters' dtype as
+    loaded (``None``: ``dtype`` with our trainer, which casts them anyway, ``float32`` otherwise: peft's default
+    ``autocast_adapter_dtype=True``); with our trainer the memory plan trains them in float32 (master weights)
+    unless it is a 16-bit dtype (``adapter_dtype="bfloat16"``), see ``plan_context._trained_adapter_dtype``.
     """
 
     model: str | None = None

@@ -65,6 +65,7 @@ class _Load:
     is_trainable: bool = True  # _continue_adapter: the loaded adapter trains (False: inference)
     skip_modules: tuple = ()  # layers kept 16-bit besides transformers' own (output head ...); the quantization record's
     model: Any = None  # _build_base; the PeftModel from _attach_adapter / _continue_adapter on
+    adapter_dtype: Any = torch.float32  # the trainable tensors' dtype (the last step)
 
 
 def load_qlora_model(
@@ -82,12 +83,14 @@ def load_qlora_model(
     adapter=None,
     is_trainable: bool = True,
     skip_modules=None,
+    adapter_dtype=torch.float32,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM in 4 bits (or 8) and add LoRA adapters, with one dtype driving everything.
 
-    ``bnb_4bit_quant_storage`` = ``bnb_4bit_compute_dtype`` = model dtype = adapter dtype = `dtype`, so
-    every FSDP unit (FSDP1 FlatParameter or FSDP2 group) holds one floating dtype and FSDP's
+    ``bnb_4bit_quant_storage`` = ``bnb_4bit_compute_dtype`` = model dtype = `dtype`, and the trainable adapter
+    tensors in `adapter_dtype` (float32 master weights, as stock peft), so every FSDP unit (FSDP1 FlatParameter or
+    the trainable parameters of an FSDP2 group) holds one floating dtype and FSDP's
     mixed-precision param dtype can equal the storage dtype without touching the packed bytes. Norms
     stay in `dtype` (no fp32 upcast) and gradient checkpointing uses ``use_reentrant=False``.
 
@@ -127,6 +130,9 @@ def load_qlora_model(
         skip_modules: names of linear layers to keep 16-bit (e.g. ``["down_proj"]``; transformers' rule: a suffix at a
             dot, or a regex), added to the layers transformers keeps 16-bit itself (the output head, tied weights).
             Not for a pre-quantized checkpoint (its own list applies). Merge with ``merge-adapters --skip-modules``.
+        adapter_dtype: the dtype the trainable tensors (LoRA A/B, DoRA magnitudes) are kept and stepped in:
+            ``torch.float32`` (default: small updates are not rounded away) or `dtype` (pure 16-bit adapters, half
+            the adapter memory; see docs/dtypes.md).
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
@@ -152,6 +158,7 @@ def load_qlora_model(
         adapter=adapter,
         is_trainable=is_trainable,
         skip_modules=tuple(skip_modules or ()),
+        adapter_dtype=resolve_dtype(adapter_dtype),
     )
     _check_arguments(load, lora_config)
     _read_config(load)
@@ -170,7 +177,8 @@ def load_qlora_model(
     continue_adapter(load)
     _convert_int8(load)
     _record_quantization(load)  # after every quantizing step; load.model is the PeftModel
-    harmonize_dtypes(load.model, load.dtype)  # one floating dtype in every FSDP unit: adapters, norms, heads
+    # One floating dtype among the frozen tensors (norms, heads) and one among the trainable ones (the adapters).
+    harmonize_dtypes(load.model, load.dtype, trainable_dtype=load.adapter_dtype)
     return load.model
 
 
@@ -190,6 +198,11 @@ def _check_arguments(load: _Load, lora_config) -> None:
     if load.bits not in (4, 8):
         raise ValueError(
             f"bits={load.bits!r} is not supported: use 4 (NF4/FP4, the default) or 8 (bitsandbytes int8)."
+        )
+    if load.adapter_dtype not in (torch.float32, load.dtype):
+        raise ValueError(
+            f"adapter_dtype={load.adapter_dtype} is not supported with dtype={load.dtype}: use torch.float32 "
+            f"(default: float32 master weights) or {load.dtype} (16-bit adapters)."
         )
     for key in ("load_in_8bit", "load_in_4bit", "quantization_config", "torch_dtype", "dtype"):
         if key in load.from_pretrained_kwargs:

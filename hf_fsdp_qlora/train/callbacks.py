@@ -27,6 +27,7 @@ from .fsdp import (
     skip_frozen_embedding_backward_gather,
 )
 from .packing import check_padding_free
+from .precision import keep_trainable_in_adapter_dtype
 
 __all__ = ["FSDPQLoRACallback"]
 
@@ -87,9 +88,10 @@ class FSDPQLoRACallback(TrainerCallback):
     """Make a QLoRA model FSDP-consistent before `prepare()` wraps it, and check FSDP engaged.
 
     * ``on_init_end`` (end of ``Trainer.__init__``, before the model is wrapped): refuses what cannot
-      work, casts adapters and other floating parameters to the 4-bit storage dtype, sets FSDP's mixed
-      precision to it (FSDP1 and FSDP2) and ``use_orig_params`` for FSDP1, and broadcasts the adapters
-      from rank 0 so every rank starts identical;
+      work, casts frozen floating parameters to the 4-bit storage dtype and the adapters to ``adapter_dtype``
+      (float32 master weights by default), sets FSDP's mixed precision (FSDP1 and FSDP2) and ``use_orig_params``
+      for FSDP1, and broadcasts the adapters from rank 0 so every rank starts identical; without FSDP it casts
+      the adapters to ``adapter_dtype`` only;
     * ``on_train_begin`` (after wrapping): raises :class:`~hf_fsdp_qlora.FSDPNotEngagedError` if FSDP
       was requested but the model is not FSDP-wrapped.
 
@@ -118,10 +120,12 @@ class FSDPQLoRACallback(TrainerCallback):
                     "TrainingArguments and launch with a CPU rehearsal config: accelerate launch "
                     "--config_file $(hf-fsdp-qlora config cpu_fsdp2_rehearsal) train.py"
                 )
+            if model is not None:  # no FSDP: fp32 master weights all the same (train/precision.py)
+                keep_trainable_in_adapter_dtype(model, args)
             return
         self._version = fsdp_version(plugin)
         if model is not None:
-            self.report = make_fsdp_consistent(model, plugin)
+            self.report = make_fsdp_consistent(model, plugin, args)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         check_padding_free(model, kwargs.get("train_dataloader"))  # packed sequences must not see each other

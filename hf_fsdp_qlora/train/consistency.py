@@ -13,8 +13,15 @@ import torch
 from ..doctor.checks import check_setup, raise_for_errors
 from ..dtypes import harmonize_dtypes, training_dtype, view_packed_storage_as
 from ..loading.int8 import convert_int8_layers
-from .fsdp import configure_plugin, fsdp_version
 from ..rank_sync import agree_on_failure, broadcast_trainable_parameters
+from .fsdp import configure_plugin, fsdp_version
+from .precision import (
+    adapter_dtype_for,
+    fsdp1_adapter_dtype,
+    is_adapter_run,
+    keep_lora_inputs_in_compute_dtype,
+    keep_shared_unit_trainables_in,
+)
 
 __all__ = ["ConsistencyReport", "follow_wrapping", "make_fsdp_consistent"]
 
@@ -32,9 +39,11 @@ class ConsistencyReport:
     broadcast_parameters: int = 0
     viewed_storage: int = 0
     int8_layers: int = 0
+    # What the optimizer steps: float32 master weights by default (train/precision.py), or `dtype` (opt-out).
+    adapter_dtype: torch.dtype = torch.float32
 
 
-def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
+def make_fsdp_consistent(model, plugin, args=None) -> ConsistencyReport:
     """Prepare `model` and accelerate's FSDP `plugin` for wrapping. Collective (call on every rank).
 
     1. view integer-stored 4-bit weights as the training dtype (same bytes), turn bitsandbytes' 8-bit layers into
@@ -42,9 +51,11 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
        (:func:`hf_fsdp_qlora.check_setup`, the same ones ``hf-fsdp-qlora doctor`` runs) on the live model and
        plugin, and refuse their errors (8-bit base, a spreading device_map, a missing wrap class, ...) on every
        rank before any collective - if any rank refuses, every rank raises;
-    2. cast every non-quantized floating parameter (adapters, norms, biases, embeddings) to the one
-       training dtype, the 4-bit storage dtype;
-    3. set FSDP's mixed precision to that dtype and, for FSDP1, ``use_orig_params=True``;
+    2. cast every frozen non-quantized floating parameter (norms, biases, embeddings) to the one training dtype,
+       the 4-bit storage dtype, and an adapter run's trainable tensors to the adapter dtype (`args.adapter_dtype`:
+       float32 master weights by default, :mod:`hf_fsdp_qlora.train.precision`);
+    3. set FSDP's mixed precision (param_dtype: that training dtype; reduce_dtype: the adapter dtype) and, for
+       FSDP1, ``use_orig_params=True``;
     4. broadcast trainable parameters from rank 0, so every rank starts from the same adapters.
 
     Raises:
@@ -66,6 +77,8 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
         findings = check_setup(model, fsdp_plugin=plugin)
         raise_for_errors(findings)
         dtype = training_dtype(model)
+        adapter_dtype = adapter_dtype_for(args, dtype) if is_adapter_run(model) else dtype
+        adapter_dtype = fsdp1_adapter_dtype(model, version, adapter_dtype, dtype)
     except Exception as err:  # noqa: BLE001 - re-raised on this rank by agree_on_failure
         error = err
     agree_on_failure(error)
@@ -73,7 +86,9 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
         level = logging.WARNING if finding.severity == "warning" else logging.INFO
         logger.log(level, "hf_fsdp_qlora: [%s] %s", finding.id, finding.message)
 
-    report = ConsistencyReport(fsdp_version=version, dtype=dtype, viewed_storage=viewed, int8_layers=int8_layers)
+    report = ConsistencyReport(
+        fsdp_version=version, dtype=dtype, viewed_storage=viewed, int8_layers=int8_layers, adapter_dtype=adapter_dtype
+    )
     if viewed:
         logger.info(
             "hf_fsdp_qlora: viewed %d integer-stored 4-bit weights as %s so FSDP%d can %s them (bytes unchanged)",
@@ -82,22 +97,29 @@ def make_fsdp_consistent(model, plugin) -> ConsistencyReport:
             version,
             "flatten" if version == 1 else "shard",
         )
-    report.cast_parameters = harmonize_dtypes(model, dtype)
+    report.cast_parameters = harmonize_dtypes(model, dtype, trainable_dtype=adapter_dtype)
     if report.cast_parameters:
         logger.info(
-            "hf_fsdp_qlora: cast %d parameters to %s so each FSDP unit has one dtype (e.g. %s)",
+            "hf_fsdp_qlora: cast %d parameters (frozen to %s, trainable to %s) so each FSDP unit has one dtype "
+            "(e.g. %s)",
             len(report.cast_parameters),
             dtype,
+            adapter_dtype,
             report.cast_parameters[0],
         )
-    report.plugin_changes = configure_plugin(plugin, model, dtype)
+    if version == 1 and adapter_dtype != dtype:  # FSDP1 flattens a trainable tensor with its unit's frozen ones
+        report.cast_parameters += keep_shared_unit_trainables_in(model, dtype)
+    report.plugin_changes = configure_plugin(plugin, model, dtype, reduce_dtype=adapter_dtype)
+    if version == 1 and adapter_dtype != dtype:  # fp32 units cast their own inputs (cast_forward_inputs)
+        keep_lora_inputs_in_compute_dtype(model)
     report.broadcast_parameters = broadcast_trainable_parameters(model)
     return report
 
 
 @torch.no_grad()
 def keep_trainable_in_training_dtype(model, dtype: torch.dtype) -> int:
-    """Undo accelerate's fp32 upcast of FSDP1's trainable FlatParameters, so every tensor keeps the one training dtype.
+    """Undo accelerate's fp32 upcast of FSDP1's trainable FlatParameters when the adapters train in `dtype`, a 16-bit
+    dtype (``adapter_dtype="bfloat16"``); with float32 adapters (the default) there is nothing to undo.
 
     With mixed precision on (``bf16=True``, trl's default), accelerate (<= 1.15) upcasts each FSDP1 FlatParameter
     that requires grad to float32 right after wrapping. FSDP2 keeps them as they are. Under FSDP1 the LoRA weights
@@ -144,7 +166,7 @@ def follow_wrapping(trainer) -> None:
         callback = trainer.fsdp_callback
         report = getattr(callback, "report", None)
         if report is not None and report.fsdp_version == 1:
-            keep_trainable_in_training_dtype(wrapped, report.dtype)
+            keep_trainable_in_training_dtype(wrapped, report.adapter_dtype)
         return wrapped
 
     # An instance attribute: only this trainer's accelerator is affected.

@@ -28,17 +28,25 @@ def fsdp_version(plugin) -> int:
     return int(getattr(plugin, "fsdp_version", 1) or 1)
 
 
-def _mixed_precision_policy(version: int, dtype: torch.dtype):
+def _mixed_precision_policy(version: int, dtype: torch.dtype, reduce_dtype: torch.dtype | None = None):
+    # reduce_dtype: the trainable tensors' dtype (float32 master weights, train/precision.py): their gradients
+    # are reduced in it, as a single process accumulates them in the fp32 .grad of fp32 adapters.
+    reduce_dtype = dtype if reduce_dtype is None else reduce_dtype
     if version == 1:
         from torch.distributed.fsdp import MixedPrecision
 
         # buffer_dtype=None keeps buffers (rotary inv_freq) in their own dtype: FSDP1 would cast them
         # to bf16 and shift every output by ~1e-3 relative to an unsharded run.
-        return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=None)
+        # cast_forward_inputs: every fp32 lora_A / lora_B is a unit of its own, and peft casts the layer input to
+        # `lora_A.weight.dtype` read outside that unit (the fp32 shard): the unit casts it back to `dtype`, or the
+        # matmul fails without autocast ("expected m1 and m2 to have the same dtype").
+        return MixedPrecision(
+            param_dtype=dtype, reduce_dtype=reduce_dtype, buffer_dtype=None, cast_forward_inputs=reduce_dtype != dtype
+        )
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     # No output_dtype: casting the model's outputs would round the fp32 loss transformers computes to bf16.
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
 
 
 def match_amp_forward(model, mixed_precision: str | None = None) -> bool:
@@ -83,11 +91,12 @@ def match_amp_forward(model, mixed_precision: str | None = None) -> bool:
     return True
 
 
-def configure_plugin(plugin, model, dtype: torch.dtype) -> list[str]:
+def configure_plugin(plugin, model, dtype: torch.dtype, reduce_dtype: torch.dtype | None = None) -> list[str]:
     """Make accelerate's FSDP plugin agree with the model's one training dtype.
 
-    * mixed precision ``param_dtype`` = ``reduce_dtype`` = the 4-bit storage dtype: any other
-      param_dtype casts the packed 4-bit bytes and corrupts the weights. transformers sets this under
+    * mixed precision ``param_dtype`` = the 4-bit storage dtype: any other param_dtype casts the packed 4-bit
+      bytes and corrupts the weights; ``reduce_dtype`` = the trainable tensors' dtype (`reduce_dtype`, float32 by
+      default: :mod:`hf_fsdp_qlora.train.precision`). transformers sets this under
       FSDP1 only (and casts buffers too); under FSDP2 nothing does. Later calls of
       ``plugin.set_mixed_precision`` (transformers' ``update_fsdp_plugin_peft``) are routed to the same
       rule, so the policy cannot be undone between here and wrapping;
@@ -101,7 +110,7 @@ def configure_plugin(plugin, model, dtype: torch.dtype) -> list[str]:
     """
     version = fsdp_version(plugin)
     notes = []
-    policy = _mixed_precision_policy(version, dtype)
+    policy = _mixed_precision_policy(version, dtype, reduce_dtype)
     old = plugin.mixed_precision_policy
     if getattr(old, "param_dtype", None) != dtype:
         old_dtype = getattr(old, "param_dtype", None)
@@ -109,7 +118,7 @@ def configure_plugin(plugin, model, dtype: torch.dtype) -> list[str]:
     plugin.mixed_precision_policy = policy
 
     def set_mixed_precision(mixed_precision, buffer_autocast=False, override=False):
-        plugin.mixed_precision_policy = _mixed_precision_policy(version, dtype)
+        plugin.mixed_precision_policy = _mixed_precision_policy(version, dtype, reduce_dtype)
 
     # An instance attribute, not a patch of the class: only this run's plugin follows our rule.
     plugin.set_mixed_precision = set_mixed_precision

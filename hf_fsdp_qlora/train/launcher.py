@@ -26,6 +26,7 @@ import traceback
 AUTO_RESUME_ENV = "HF_FSDP_QLORA_AUTO_RESUME"
 STOP_AFTER_ENV = "HF_FSDP_QLORA_STOP_AFTER"
 QUANTIZE_EXPERTS_ENV = "HF_FSDP_QLORA_QUANTIZE_EXPERTS"
+ADAPTER_DTYPE_ENV = "HF_FSDP_QLORA_ADAPTER_DTYPE"
 
 USAGE = """usage: python -m hf_fsdp_qlora.run SCRIPT.py [SCRIPT_ARGS...]
        python -m hf_fsdp_qlora.run -m MODULE [SCRIPT_ARGS...]
@@ -43,6 +44,8 @@ and exits with status 75 (and leaves OUTPUT_DIR/preempted.json). Environment:
   HF_FSDP_QLORA_STOP_AFTER=HH:MM:SS  checkpoint and exit the same way after this much wall-clock time
   HF_FSDP_QLORA_QUANTIZE_EXPERTS=0   keep a mixture-of-experts model's experts 16-bit under --load_in_4bit
                                      (default: quantized to 4 bits like the linear layers, before peft and FSDP)
+  HF_FSDP_QLORA_ADAPTER_DTYPE=bfloat16  keep the adapters in bf16 (default float32: fp32 master weights, as stock
+                                     peft; compute stays bf16)
 """
 
 
@@ -89,6 +92,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as err:
         print(f"hf_fsdp_qlora.run: {STOP_AFTER_ENV}: {err}", file=sys.stderr)
+        sys.exit(2)
+    from .precision import set_launch_adapter_dtype
+
+    try:
+        set_launch_adapter_dtype(os.environ.get(ADAPTER_DTYPE_ENV) or None)
+    except ValueError as err:
+        print(f"hf_fsdp_qlora.run: {ADAPTER_DTYPE_ENV}: {err}", file=sys.stderr)
         sys.exit(2)
 
     from ..cpu_rehearsal import enable_cpu_fsdp

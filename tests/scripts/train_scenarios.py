@@ -348,9 +348,15 @@ def build_model(path, kind):
         "kbitprep": lambda: user_loaded(path, kbit_prep=True),
         "uint8": lambda: user_loaded(path, storage=torch.uint8),
         "int8": lambda: user_loaded(path, eight_bit=True),
-        # peft's own LoRA on 16-bit experts (quantize_experts=False): peft reads lora_A.weight outside its unit
+        # peft's own LoRA on 16-bit experts (quantize_experts=False): peft reads lora_A.weight outside its unit.
+        # bf16 adapters: fp32 ones under a stock Trainer without our callback (no per-unit input cast) would fail
+        # earlier, at the first LoRA matmul ("expected m1 and m2 to have the same dtype"), hiding peft's reshape.
         "expertlora16": lambda: load_qlora_model(
-            path, lora_config=expert_lora_config(), gradient_checkpointing=False, quantize_experts=False
+            path,
+            lora_config=expert_lora_config(),
+            gradient_checkpointing=False,
+            quantize_experts=False,
+            adapter_dtype=torch.bfloat16,
         ),
     }[problem]()
     return model, (Trainer if who == "stock" else LossRecorder), None
@@ -361,6 +367,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         import packing_scenarios
 
         return packing_scenarios.run(name, path, out, version, arch, kind)
+    if kind.startswith("precision_"):  # float32 master weights (tests/test_precision.py)
+        import precision_scenarios
+
+        return precision_scenarios.run(name, path, out, version, arch, kind)
     if kind == "expertresume":  # LoRA on 4-bit experts: checkpoint and exact resume (tests/test_moe.py)
         import resume_scenarios
 
@@ -384,6 +394,14 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
     init = trainable_snapshot(trainer.model)
     result["init_checksum"] = checksum(init)
     result["dtypes_before_wrap"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
+    # float32 master weights (train/precision.py): an adapter run's trainable tensors fp32, the frozen ones bf16
+    result["frozen_dtypes_before_wrap"] = sorted(
+        {str(p.dtype) for p in trainer.model.parameters() if not p.requires_grad}
+    )
+    result["trainable_dtypes_before_wrap"] = sorted(
+        {str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}
+    )
+    result["adapter_run"] = hasattr(trainer.model, "peft_config")
     trainer.train()
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FSDPQLoRACallback)), None)
     result["engagement"] = cb.engagement if cb else None
