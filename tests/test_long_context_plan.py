@@ -84,4 +84,6 @@ def test_doctor_cli_longest(capsys):
                  "--gpu-memory", "24GB", "--num-gpus", "1", "--tiled-mlp", "--longest"])  # fmt: skip
     out = capsys.readouterr().out
     assert code in (0, 1)
-    assert "longest sequence that fits: 27,622 tokens per sample" in out and "tiled MLP on" in out
+    diagnosis = _diagnose(gpu_memory=24 * GB, num_gpus=1, tiled_mlp_tokens=1024)  # the CLI's default tile
+    expected = longest_sequence(diagnosis.shape, diagnosis.setup)
+    assert f"longest sequence that fits: {expected:,} tokens per sample" in out and "tiled MLP on" in out
