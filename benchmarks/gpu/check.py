@@ -7,9 +7,9 @@
 Stages (docs/gpu-check.md), in order of value (budget.PLAN): the fast CUDA tests, correctness (Llama 3.1 8B shape,
 each shipped GPU config and no FSDP, merge against peft), memory (the doctor's plan against CUDA's peak), speed
 (against the stock recipe), fp32 against bf16 adapters, MoE expert speed and our longest sequence (these three
-in the resumed call), capacity (largest shape, longest sequence) and the rest of the CUDA tests. ``gpu_report.json`` and ``gpu_report.md`` are rewritten as each stage ends. The run keeps
-to ``--budget`` seconds (one device call): each stage has its deadline (budget.deadlines) and every launch is
-killed at it.
+in the resumed call), capacity (largest shape, longest sequence) and the rest of the CUDA tests. ``gpu_report.json``
+and ``gpu_report.md`` are rewritten as each stage ends. The run keeps to ``--budget`` seconds (one device call):
+each stage has its deadline (budget.deadlines) and every launch is killed at it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ TEST_STAGES = ("tests", "tests_rest")  # they run pytest (stages.start_tests)
 # Stages whose runs need nothing of each other (no adapter passed on, no chain): a resumed call keeps their runs
 # that ended "ok" and runs only the rest (speed's rounds do not fit one call).
 RUNS_KEPT = ("memory", "speed")
-STAGES = {  # name -> (scenarios, summary) of the stages that launch the worker (budget.PLAN's slots: none)
+STAGES = {  # name -> (scenarios, summary): every stage of budget.PLAN that launches the worker (all but TEST_STAGES)
     "correctness": (stages.correctness_scenarios, stages.correctness_summary),
     "memory": (stages.memory_scenarios, stages.memory_summary),
     "speed": (stages_speed.speed_scenarios, stages_speed.speed_summary),
@@ -227,6 +227,10 @@ def _dry_pool(ctx: Context, plan: list[Stage], end: float) -> dict:
     return pooled
 
 
+def _share_text(share: float | None) -> str:
+    return "rest" if share is None else f"{share:g}"
+
+
 def _header(args, argv, profile: dict, budget: float, plan: list[Stage]) -> dict:
     import torch
 
@@ -235,8 +239,7 @@ def _header(args, argv, profile: dict, budget: float, plan: list[Stage]) -> dict
             or "cpu", "python": platform.python_version(), "shape": profile["shape_name"], "budget_s": budget,
             "command": " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])]),
             "resumed_from": args.resume_from,
-            "plan": [f"{s.name}: {'rest' if s.share(r) is None else s.share(r)} s" for s in plan
-                     for r in [bool(args.resume_from)]],
+            "plan": [f"{s.name}: {_share_text(s.share(bool(args.resume_from)))} s" for s in plan],
             "versions": {k: _version(k) for k in PACKAGES}}  # fmt: skip
 
 

@@ -82,7 +82,8 @@ def moe_summary(ctx, results: dict) -> dict:
              f"{'met' if calls['grouped'] < calls['loop'] else 'MISSED'}"]  # fmt: skip
     notes = [f"one layer's experts: hidden {shape['hidden_size']}, {shape['num_experts']} experts, width "
              f"{shape['moe_intermediate_size']}, top {shape['num_experts_per_tok']}, {ctx.profile['moe']['tokens']} "
-             f"tokens ({f.get('routed_experts')} experts routed), bf16, NF4 + double quantization, on {f.get('device')}"]  # fmt: skip
+             f"tokens ({f.get('routed_experts')} experts routed), bf16, NF4 + double quantization, on "
+             f"{f.get('device')}"]  # fmt: skip
     if ctx.dry:
         notes.append("dry run on CPU: the times prove the plumbing; CPU grouped_mm runs one matmul per group inside")
     return {"status": "ok", "rows": rows, "grouped_vs_loop": ratio, "grouped_vs_stock": vs_stock,
