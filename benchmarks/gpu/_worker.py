@@ -9,7 +9,8 @@ launch killed by its timeout (or by a CUDA error that poisons the process) still
 out-of-memory error is caught and reported as ``"status": "oom"``. Scenario kinds: ``ours`` (load_qlora_model +
 FSDPQLoRATrainer), ``stock`` (benchmarks/_throughput_worker.py's stock recipe + transformers.Trainer), ``merge``
 (merge_adapters against peft's merge), ``built`` (a Llama shape quantized in memory, too big for the disk as bf16),
-``seq_capacity`` (bisection of the longest sequence) and ``torchtune`` (its single-device QLoRA, when installed).
+``seq_capacity`` (bisection of the longest sequence), ``torchtune`` (its single-device QLoRA, when installed), and
+``adapter_dtype`` / ``moe_layer`` (_worker_stages.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(ROOT / "benchmarks"), str(ROOT)]
 
+import _worker_stages  # benchmarks/gpu/ is on sys.path (above)
 import torch
 from _throughput_worker import _vm_kib  # benchmarks/ is on sys.path (above)
 
@@ -80,8 +82,9 @@ def load(sc: dict, spec: dict):
     from hf_fsdp_qlora import load_qlora_model
 
     torch.manual_seed(0)
+    extra = {"adapter_dtype": sc["adapter_dtype"]} if sc.get("adapter_dtype") else {}  # _worker_stages.py checks it
     return load_qlora_model(spec["model"], dtype=torch.bfloat16, lora_config=lora_config(sc["lora_r"]),
-                            gradient_checkpointing=sc.get("checkpointing", True))  # fmt: skip
+                            gradient_checkpointing=sc.get("checkpointing", True), **extra)  # fmt: skip
 
 
 class SavedBytes:
@@ -324,7 +327,9 @@ def run_torchtune(sc: dict, spec: dict) -> dict:
 
 
 RUNNERS = {"build": run_build, "ours": run_ours, "callback": run_ours, "stock": run_stock, "merge": run_merge, "built": run_ours,
-           "seq_capacity": run_seq_capacity, "torchtune": run_torchtune}  # fmt: skip
+           "seq_capacity": run_seq_capacity, "torchtune": run_torchtune,
+           "adapter_dtype": lambda sc, spec: _worker_stages.run_adapter_dtype(sc, spec, load, train),
+           "moe_layer": lambda sc, spec: _worker_stages.run_moe_layer(sc, spec, DEVICE)}  # fmt: skip
 
 
 def main(spec_path: str) -> None:

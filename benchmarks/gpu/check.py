@@ -6,10 +6,10 @@
 
 Stages (docs/gpu-check.md), in order of value (budget.PLAN): the fast CUDA tests, correctness (Llama 3.1 8B shape,
 each shipped GPU config and no FSDP, merge against peft), memory (the doctor's plan against CUDA's peak), speed
-(against the stock recipe), the slots of checks still to land, capacity (largest shape, longest sequence) and the
-rest of the CUDA tests. ``gpu_report.json`` and ``gpu_report.md`` are rewritten as each stage ends. The run keeps
-to ``--budget`` seconds (one device call): each stage has its deadline (budget.deadlines) and every launch is
-killed at it.
+(against the stock recipe), fp32 against bf16 adapters, MoE expert speed and our longest sequence (these three
+in the resumed call), capacity (largest shape, longest sequence) and the rest of the CUDA tests. ``gpu_report.json``
+and ``gpu_report.md`` are rewritten as each stage ends. The run keeps to ``--budget`` seconds (one device call):
+each stage has its deadline (budget.deadlines) and every launch is killed at it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import stages, stages_speed
+from . import stages, stages_new, stages_speed
 from .budget import DEVICE_TIMEOUT_S, MARGIN_S, NAMES, Stage, deadlines, plan_for
 from .launch import launch
 from .profiles import PROFILES
@@ -37,10 +37,13 @@ TEST_STAGES = ("tests", "tests_rest")  # they run pytest (stages.start_tests)
 # Stages whose runs need nothing of each other (no adapter passed on, no chain): a resumed call keeps their runs
 # that ended "ok" and runs only the rest (speed's rounds do not fit one call).
 RUNS_KEPT = ("memory", "speed")
-STAGES = {  # name -> (scenarios, summary) of the stages that launch the worker; budget.PLAN's slots run nothing yet
+STAGES = {  # name -> (scenarios, summary): every stage of budget.PLAN that launches the worker (all but TEST_STAGES)
     "correctness": (stages.correctness_scenarios, stages.correctness_summary),
     "memory": (stages.memory_scenarios, stages.memory_summary),
     "speed": (stages_speed.speed_scenarios, stages_speed.speed_summary),
+    "fp32_vs_bf16": (stages_new.fp32_scenarios, stages_new.fp32_summary),
+    "moe_speed": (stages_new.moe_scenarios, stages_new.moe_summary),
+    "longest_seq": (stages_new.longest_scenarios, stages_new.longest_summary),
     "capacity": (stages_speed.capacity_scenarios, stages_speed.capacity_summary),
 }
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "trl", "datasets", "hf-fsdp-qlora")
@@ -178,15 +181,16 @@ def _stage_result(ctx: Context, stage: Stage, deadline: float, pooled: dict, tes
 
 
 def run_stages(ctx: Context, report: Report, plan: list[Stage], end: float, pooled=None, tests=None,
-               kept=None) -> None:  # fmt: skip
-    """Each stage of `plan` in order, cut at its deadline, its result written to the report the moment it ends."""
-    for stage, deadline in zip(plan, deadlines(plan, time.monotonic(), end).values()):
+               kept=None, resumed: bool = False) -> None:  # fmt: skip
+    """Each stage of `plan` in order, cut at its deadline (a resumed call's shares when `resumed`), its result
+    written to the report the moment it ends."""
+    for stage, deadline in zip(plan, deadlines(plan, time.monotonic(), end, resumed).values()):
         t = time.monotonic()
         try:
             result = _stage_result(ctx, stage, deadline, pooled or {}, tests or {}, (kept or {}).get(stage.name, {}))
         except Exception as e:  # noqa: BLE001  (the report says which stage broke; later stages still run)
             result = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-        result.update(seconds=time.monotonic() - t, share_s=stage.share_s, deadline_in_s=deadline - t)
+        result.update(seconds=time.monotonic() - t, share_s=stage.share(resumed), deadline_in_s=deadline - t)
         report.add(stage.name, result)
         print(f"stage {stage.name}: {result['status']} ({result['seconds']:.0f} s)", flush=True)
 
@@ -223,6 +227,10 @@ def _dry_pool(ctx: Context, plan: list[Stage], end: float) -> dict:
     return pooled
 
 
+def _share_text(share: float | None) -> str:
+    return "rest" if share is None else f"{share:g}"
+
+
 def _header(args, argv, profile: dict, budget: float, plan: list[Stage]) -> dict:
     import torch
 
@@ -231,7 +239,7 @@ def _header(args, argv, profile: dict, budget: float, plan: list[Stage]) -> dict
             or "cpu", "python": platform.python_version(), "shape": profile["shape_name"], "budget_s": budget,
             "command": " ".join(["python -m benchmarks.gpu", *(argv if argv is not None else sys.argv[1:])]),
             "resumed_from": args.resume_from,
-            "plan": [f"{s.name}: {'rest' if s.share_s is None else s.share_s} s" for s in plan],
+            "plan": [f"{s.name}: {_share_text(s.share(bool(args.resume_from)))} s" for s in plan],
             "versions": {k: _version(k) for k in PACKAGES}}  # fmt: skip
 
 
@@ -290,7 +298,8 @@ def main(argv=None) -> int:
         for proc in tests.values():  # no stage will wait for them
             os.killpg(proc.pid, signal.SIGKILL)
         return 1
-    run_stages(ctx, report, plan, end, _dry_pool(ctx, plan, end) if ctx.dry else None, tests, kept)
+    run_stages(ctx, report, plan, end, _dry_pool(ctx, plan, end) if ctx.dry else None, tests, kept,
+               resumed=bool(args.resume_from))
     report.data["total_s"] = time.monotonic() - started
     report.write()
     print(f"report: {out / 'gpu_report.md'}")
