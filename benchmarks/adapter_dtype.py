@@ -1,7 +1,7 @@
 """Float32 adapters (the default, issue 34) against the bf16 opt-out: memory and step time, side by side.
 
     python benchmarks/adapter_dtype.py                       # Llama hidden 512, 4 layers, 2 gloo ranks, FSDP2
-    python benchmarks/adapter_dtype.py --steps 3 --warmup 1 --json   # the smoke form (tests/test_adapter_dtype_benchmark.py)
+    python benchmarks/adapter_dtype.py --steps 2 --warmup 1 --seq 16 --batch 1 --one-launch --json   # the smoke form (tests/test_adapter_dtype_benchmark.py)
 
 Both contestants train the same workload under FSDP2 on 2 CPU ranks (accelerate launch with
 accelerate_configs/cpu_fsdp2_rehearsal.yaml): a Llama built locally from a config (random weights, saved in bf16
@@ -73,14 +73,28 @@ def _tracked(model, optimizer) -> dict:
 
 
 def worker(args) -> None:
+    """Train each contestant of --worker in turn in this launch; each rank writes OUT/NAME/rankR.json."""
+    import torch
+
+    for name in args.worker.split(","):
+        found = train_one(name, args)
+        out = Path(args.out) / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{found['rank']}.json").write_text(json.dumps(found))
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # gloo/FSDP teardown at interpreter exit sometimes aborts after the work is done; the JSON is written
+
+
+def train_one(name: str, args) -> dict:
     import torch
     from transformers import TrainerCallback
 
     from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    model = load_qlora_model(args.model, adapter_dtype=getattr(torch, args.worker), gradient_checkpointing=False)
-    found = {"contestant": args.worker, "rank": rank, "world": world}
+    model = load_qlora_model(args.model, adapter_dtype=getattr(torch, name), gradient_checkpointing=False)
+    found = {"contestant": name, "rank": rank, "world": world}
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, SHAPE["vocab_size"], (args.steps * args.batch * world, args.seq), generator=gen)
     data = [{"input_ids": r.tolist(), "labels": r.tolist()} for r in ids]
@@ -109,7 +123,7 @@ def worker(args) -> None:
     targs = FSDPQLoRATrainingArguments(
         output_dir=str(Path(args.out) / "trainer"), max_steps=args.steps, learning_rate=1e-4, seed=0,
         per_device_train_batch_size=args.batch, report_to=[], save_strategy="no", bf16=True, use_cpu=True,
-        disable_tqdm=True, logging_steps=args.steps, remove_unused_columns=False, adapter_dtype=args.worker,
+        disable_tqdm=True, logging_steps=args.steps, remove_unused_columns=False, adapter_dtype=name,
     )  # fmt: skip
     trainer = FSDPQLoRATrainer(model=model, args=targs, train_dataset=data, callbacks=[Measure()])
     found["distributed_type"] = str(trainer.accelerator.state.distributed_type)
@@ -119,16 +133,13 @@ def worker(args) -> None:
     found["fsdp2_modules"] = sum(isinstance(m, FSDPModule) for m in trainer.model.modules())
     found["step_s"] = statistics.median(s for s, _ in steps)
     found["step_cpu_s"] = statistics.median(c for _, c in steps)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(found))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # gloo/FSDP teardown at interpreter exit sometimes aborts after the work is done; the JSON is written
+    return found
 
 
-def launch(name: str, model: Path, out: Path, args) -> list[dict]:
-    """One 2-rank launch of contestant `name`; returns every rank's findings."""
+def launch(names: list[str], model: Path, out: Path, args) -> dict[str, list[dict]]:
+    """One 2-rank launch training the contestants `names` in turn; returns every rank's findings per contestant."""
     shutil.rmtree(out, ignore_errors=True)
+    name = ",".join(names)
     config = ROOT / "accelerate_configs" / "cpu_fsdp2_rehearsal.yaml"
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), "--num_processes",
            "2", "--main_process_port", str(_port()), str(Path(__file__).resolve()), "--worker", name,
@@ -138,11 +149,15 @@ def launch(name: str, model: Path, out: Path, args) -> list[dict]:
     env.pop("ACCELERATE_USE_FSDP", None)
     env.pop("HF_FSDP_QLORA_ADAPTER_DTYPE", None)
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-    ranks = [out / f"rank{r}.json" for r in range(2)]
+    ranks = [out / n / f"rank{r}.json" for n in names for r in range(2)]
     if proc.returncode != 0 or not all(p.exists() for p in ranks):
         tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
-        raise RuntimeError(f"contestant {name!r} failed (exit {proc.returncode}):\n{tail}")
-    found = [json.loads(p.read_text()) for p in ranks]
+        raise RuntimeError(f"contestant(s) {name!r} failed (exit {proc.returncode}):\n{tail}")
+    return {n: checked(n, [json.loads((out / n / f"rank{r}.json").read_text()) for r in range(2)]) for n in names}
+
+
+def checked(name: str, found: list[dict]) -> list[dict]:
+    """Refuse a contestant whose run did not engage FSDP2 or trained other adapters than it claims."""
     if "FSDP" not in found[0]["distributed_type"] or not found[0]["fsdp2_modules"]:
         raise RuntimeError(f"contestant {name!r}: FSDP2 not engaged ({found[0]['distributed_type']})")
     if found[0]["trainable_dtypes"] != [f"torch.{name}"]:
@@ -182,7 +197,10 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     p.add_argument("--json", action="store_true", help="print the result as JSON after the table")
     p.add_argument("--keep", help="build the model and write the runs here instead of a temporary folder")
-    p.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)
+    p.add_argument("--one-launch", action="store_true",
+                   help="train both contestants in turn in one launch (the smoke test's: saves a launch's imports; "
+                   "VmHWM is reset before each one's steady steps)")  # fmt: skip
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # comma-separated contestants, set by launch()
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -196,10 +214,13 @@ def main(argv=None) -> int:
         model = work / "llama-512x4"
         if not (model / "config.json").exists():
             build_model(model)
-        runs = {name: launch(name, model, work / f"run-{name}", args) for name in CONTESTANTS}
+        if args.one_launch:
+            runs = launch(list(CONTESTANTS), model, work / "run", args)
+        else:
+            runs = {n: launch([n], model, work / f"run-{n}", args)[n] for n in CONTESTANTS}
     result = summarize(runs)
     result["workload"] = {**SHAPE, "seq": args.seq, "batch": args.batch, "ranks": 2, "steps": args.steps,
-                          "warmup": args.warmup, "lora_r": 16}  # fmt: skip
+                          "warmup": args.warmup, "lora_r": 16, "one_launch": args.one_launch}  # fmt: skip
     print_table(result)
     if args.json:
         print(json.dumps(result, indent=1))

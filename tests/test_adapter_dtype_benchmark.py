@@ -23,7 +23,8 @@ BENCH = REPO / "benchmarks" / "adapter_dtype.py"
 def test_smoke_fp32_bytes_twice_bf16(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("ACCELERATE_USE_FSDP", None)
-    proc = subprocess.run([sys.executable, str(BENCH), "--steps", "3", "--warmup", "1", "--seq", "32", "--json",
+    proc = subprocess.run([sys.executable, str(BENCH), "--steps", "2", "--warmup", "1", "--seq", "16", "--batch", "1",
+                           "--one-launch", "--json",
                            "--keep", str(tmp_path)], check=False, capture_output=True, text=True, timeout=500, env=env,
                           cwd=str(REPO))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
