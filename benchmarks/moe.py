@@ -1,7 +1,7 @@
 """Mixture of experts: per-rank bytes, peak RSS and step time of 4-bit experts against the stock 4-bit load.
 
     python benchmarks/moe.py                          # Qwen3-MoE "cpu" shape, 2 gloo ranks, FSDP2, ~2 minutes
-    python benchmarks/moe.py --shape small --steps 3 --warmup 1 --json   # the CI smoke form (tests/test_moe_benchmark.py)
+    python benchmarks/moe.py --shape small --steps 2 --warmup 1 --seq 16 --batch 1 --one-launch --json   # the CI smoke form (tests/test_moe_benchmark.py)
     python benchmarks/moe.py --profile                # adds each rank's share of time in the experts' dequantization
     python benchmarks/moe.py --layer [--tokens 2048]  # one layer's experts, one process: grouped vs loop vs stock
                                                       # time and operator calls (benchmarks/moe_layer.py)
@@ -131,6 +131,20 @@ def _vm_hwm() -> int:
 
 
 def worker(args) -> None:
+    """Train each contestant of --worker in turn in this launch; each rank writes OUT/NAME/rankR.json."""
+    import torch
+
+    for name in args.worker.split(","):
+        found = train_one(name, args)
+        out = Path(args.out) / name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{found['rank']}.json").write_text(json.dumps(found))
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # gloo/FSDP teardown at interpreter exit sometimes aborts after the work is done; the JSON is written
+
+
+def train_one(name: str, args) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -138,8 +152,8 @@ def worker(args) -> None:
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     started = time.perf_counter()
-    model = _load(args.worker, args.model, args.lora_r)
-    found = {"contestant": args.worker, "rank": rank, "world": world, "load_s": time.perf_counter() - started}
+    model = _load(name, args.model, args.lora_r)
+    found = {"contestant": name, "rank": rank, "world": world, "load_s": time.perf_counter() - started}
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, model.config.vocab_size, (args.steps * args.batch * world, args.seq), generator=gen)
     data = [{"input_ids": r.tolist(), "labels": r.tolist()} for r in ids]
@@ -178,7 +192,7 @@ def worker(args) -> None:
                               per_device_train_batch_size=args.batch, report_to=[], save_strategy="no", seed=0,
                               bf16=True, use_cpu=True, disable_tqdm=True, logging_steps=args.steps,
                               remove_unused_columns=False)  # fmt: skip
-    if args.worker == "ours":
+    if name == "ours":
         from hf_fsdp_qlora import FSDPQLoRATrainer as trainer_cls
     else:
         trainer_cls = Trainer
@@ -189,19 +203,16 @@ def worker(args) -> None:
     found["step_cpu_s"] = statistics.median(c for _, c in steps)
     found["steps_s"] = [round(s, 3) for s, _ in steps]
     found["peak_rss"] = max(found["peak_rss_load"], found["peak_rss_train"])
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(found))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # gloo/FSDP teardown at interpreter exit sometimes aborts after the work is done; the JSON is written
+    return found
 
 
 # --- the driver -------------------------------------------------------------------------------------------------
 
 
-def launch(name: str, model: Path, out: Path, args) -> list[dict]:
-    """One 2-rank launch of contestant `name`; returns every rank's findings."""
+def launch(names: list[str], model: Path, out: Path, args) -> dict[str, list[dict]]:
+    """One launch training the contestants `names` in turn; returns every rank's findings per contestant."""
     shutil.rmtree(out, ignore_errors=True)  # never read an earlier run's files
+    name = ",".join(names)
     config = ROOT / "accelerate_configs" / "cpu_fsdp2_rehearsal.yaml"
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), "--num_processes",
            str(args.nproc), "--main_process_port", str(_port()), str(Path(__file__).resolve()), "--worker", name,
@@ -211,11 +222,11 @@ def launch(name: str, model: Path, out: Path, args) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("ACCELERATE_USE_FSDP", None)
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-    ranks = [out / f"rank{r}.json" for r in range(args.nproc)]
-    if proc.returncode != 0 or not all(p.exists() for p in ranks):
+    ranks = {n: [out / n / f"rank{r}.json" for r in range(args.nproc)] for n in names}
+    if proc.returncode != 0 or not all(p.exists() for n in names for p in ranks[n]):
         tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
-        raise RuntimeError(f"contestant {name!r} failed (exit {proc.returncode}):\n{tail}")
-    return [json.loads(p.read_text()) for p in ranks]
+        raise RuntimeError(f"contestant(s) {name!r} failed (exit {proc.returncode}):\n{tail}")
+    return {n: [json.loads(p.read_text()) for p in ranks[n]] for n in names}
 
 
 def check_engaged(name: str, ranks: list[dict], nproc: int) -> None:
@@ -308,7 +319,10 @@ def main(argv=None) -> int:
     p.add_argument("--keep", help="build the model and write the runs here instead of a temporary folder")
     p.add_argument("--layer", action="store_true", help="one layer's experts instead: benchmarks/moe_layer.py")
     p.add_argument("--tokens", type=int, default=2048, help="--layer: tokens per forward")
-    p.add_argument("--worker", choices=CONTESTANTS, help=argparse.SUPPRESS)  # set by the driver's launches
+    p.add_argument("--one-launch", action="store_true",
+                   help="train both contestants in turn in one launch, stock first (the smoke test's: saves a "
+                   "launch's imports; VmHWM is reset before each one's steady steps)")  # fmt: skip
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # comma-separated contestants, set by the driver's launches
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -329,15 +343,16 @@ def main(argv=None) -> int:
             counts = build_model(model, args.shape)
             (model / "counts.json").write_text(json.dumps(counts))
         counts = json.loads((model / "counts.json").read_text())
-        runs = {}
+        runs = launch(list(CONTESTANTS)[::-1], model, work / "run", args) if args.one_launch else {}
         for name in CONTESTANTS:
-            runs[name] = launch(name, model, work / f"run-{name}", args)
+            if not args.one_launch:
+                runs[name] = launch([name], model, work / f"run-{name}", args)[name]
             check_engaged(name, runs[name], args.nproc)
             print(f"{name}: step {runs[name][0]['step_s']:.3f} s", flush=True)
     result = summarize(runs)
     result["workload"] = {"shape": args.shape, **counts, **SHAPES[args.shape], "seq": args.seq, "batch": args.batch,
                           "ranks": args.nproc, "steps": args.steps, "warmup": args.warmup, "lora_r": args.lora_r,
-                          "threads_per_rank": args.threads}  # fmt: skip
+                          "threads_per_rank": args.threads, "one_launch": args.one_launch}  # fmt: skip
     result["versions"] = {k: metadata.version(k) for k in PACKAGES}
     r = result["ratios"]
     result["goal"] = (
