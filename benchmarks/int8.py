@@ -30,33 +30,37 @@ import hf_fsdp_qlora
 from hf_fsdp_qlora import FSDPQLoRATrainer, load_qlora_model
 from peft import LoraConfig
 from transformers import TrainerCallback, TrainingArguments
-path, out, bits, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+path, outs, bitss, steps = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(","), int(sys.argv[4])
 lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-model = load_qlora_model(path, bits=bits, lora_config=lora, gradient_checkpointing=False)
-found = {"step_s": []}
-class Measure(TrainerCallback):
-    def on_train_begin(self, args, state, control, model=None, **kw):
-        base = [p for n, p in model.named_parameters() if n.endswith("base_layer.weight")]
-        local = lambda p: (p.to_local() if hasattr(p, "to_local") else p)
-        found["base_local"] = sum(local(p).numel() * p.element_size() for p in base)
-        found["base_full"] = sum(p.numel() * p.element_size() for p in base)
-        found["base_sharded"] = sum(type(p).__name__ == "DTensor" for p in base)
-        found["params_local"] = sum(local(p).numel() * p.element_size() for p in model.parameters())
-    def on_step_begin(self, *a, **kw):
-        self.t = time.perf_counter()
-    def on_step_end(self, *a, **kw):
-        found["step_s"].append(time.perf_counter() - self.t)
-ids = torch.randint(3, 1000, (16, 128), generator=torch.Generator().manual_seed(0))
-data = [{"input_ids": r, "labels": r, "attention_mask": torch.ones_like(r)} for r in ids]
-args = TrainingArguments(output_dir=out + "-o", max_steps=steps, per_device_train_batch_size=int(sys.argv[5]),
-                         report_to=[], save_strategy="no", use_cpu=True, learning_rate=1e-4)
-trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=data, callbacks=[Measure()])
-found["distributed_type"] = str(trainer.accelerator.state.distributed_type)
-trainer.train()
-rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-open(f"{out}-rank{rank}.json", "w").write(json.dumps(found))
+def run(out, bits):
+    model = load_qlora_model(path, bits=bits, lora_config=lora, gradient_checkpointing=False)
+    found = {"step_s": []}
+    class Measure(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            base = [p for n, p in model.named_parameters() if n.endswith("base_layer.weight")]
+            local = lambda p: (p.to_local() if hasattr(p, "to_local") else p)
+            found["base_local"] = sum(local(p).numel() * p.element_size() for p in base)
+            found["base_full"] = sum(p.numel() * p.element_size() for p in base)
+            found["base_sharded"] = sum(type(p).__name__ == "DTensor" for p in base)
+            found["params_local"] = sum(local(p).numel() * p.element_size() for p in model.parameters())
+        def on_step_begin(self, *a, **kw):
+            self.t = time.perf_counter()
+        def on_step_end(self, *a, **kw):
+            found["step_s"].append(time.perf_counter() - self.t)
+    ids = torch.randint(3, 1000, (16, 128), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": r, "labels": r, "attention_mask": torch.ones_like(r)} for r in ids]
+    args = TrainingArguments(output_dir=out + "-o", max_steps=steps, per_device_train_batch_size=int(sys.argv[5]),
+                             report_to=[], save_strategy="no", use_cpu=True, learning_rate=1e-4)
+    trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=data, callbacks=[Measure()])
+    found["distributed_type"] = str(trainer.accelerator.state.distributed_type)
+    trainer.train()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    open(f"{out}-rank{rank}.json", "w").write(json.dumps(found))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+for out, bits in zip(outs, bitss):  # contestants in turn (--one-launch); one by default
+    run(out, int(bits))
 if torch.distributed.is_initialized():
-    torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # a gloo job left without it aborts at exit about one run in four
 """
 
@@ -82,13 +86,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(name: str, model: Path, work: Path, args) -> list[dict]:
-    bits, ranks = CONTESTANTS[name]
+def launch(names: list[str], model: Path, work: Path, args) -> dict[str, list[dict]]:
+    """One launch training the contestants `names` (same rank count) in turn; every rank's findings per contestant."""
+    ranks = CONTESTANTS[names[0]][1]
     worker = work / "worker.py"
     worker.write_text(WORKER)
-    out = work / name
+    outs, bits = ",".join(str(work / n) for n in names), ",".join(str(CONTESTANTS[n][0]) for n in names)
     # 2 ranks x batch b and 1 process x batch 2b: the same global batch.
-    tail = [str(worker), str(model), str(out), str(bits), str(args.steps), str(args.batch * (3 - ranks))]
+    tail = [str(worker), str(model), outs, bits, str(args.steps), str(args.batch * (3 - ranks))]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("ACCELERATE_USE_FSDP", None)
     if ranks == 1:
@@ -99,11 +104,12 @@ def launch(name: str, model: Path, work: Path, args) -> list[dict]:
                "--num_processes", str(ranks), "--main_process_port", str(_free_port()), *tail]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    found = [json.loads((work / f"{name}-rank{r}.json").read_text()) for r in range(ranks)]
-    if ranks > 1 and not all(f["distributed_type"].endswith("FSDP") and f["base_sharded"] for f in found):
-        raise SystemExit(f"{name} did not shard its base under FSDP2: {found[0]}")
-    return found
+        raise SystemExit(f"{names} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    runs = {n: [json.loads((work / f"{n}-rank{r}.json").read_text()) for r in range(ranks)] for n in names}
+    for name, found in runs.items():
+        if ranks > 1 and not all(f["distributed_type"].endswith("FSDP") and f["base_sharded"] for f in found):
+            raise SystemExit(f"{name} did not shard its base under FSDP2: {found[0]}")
+    return runs
 
 
 def summarize(name: str, found: list[dict], warmup: int) -> dict:
@@ -126,13 +132,19 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step (one process: twice that)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    p.add_argument("--one-launch", action="store_true",
+                   help="the 2-rank contestants in turn in one launch (the smoke test's: saves a launch's imports)")  # fmt: skip
     args = p.parse_args(argv)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = build_model(work / "model", args.hidden, args.layers)
+        groups = [[n for n in CONTESTANTS if CONTESTANTS[n][1] == r] for r in (2, 1)] if args.one_launch else None
+        runs = {}
+        for names in groups or [[n] for n in CONTESTANTS]:
+            runs.update(launch(names, model, work, args))
         for name in CONTESTANTS:
-            rows[name] = summarize(name, launch(name, model, work, args), args.warmup)
+            rows[name] = summarize(name, runs[name], args.warmup)
     single = rows["int8_single"]
     print(f"{'contestant':<12} {'ranks':>5} {'base MB/rank':>13} {'base MB all':>12} {'params MB/rank':>15} "
           f"{'step s':>8} {'step vs 1 proc':>15}")  # fmt: skip

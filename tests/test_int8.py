@@ -331,8 +331,8 @@ def test_benchmark_smoke():
     from dist_utils import REPO
 
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "int8.py"), "--hidden", "64", "--layers", "2", "--steps", "3",
-         "--warmup", "1", "--json"],
+        [sys.executable, str(REPO / "benchmarks" / "int8.py"), "--hidden", "64", "--layers", "2", "--steps", "2",
+         "--warmup", "1", "--batch", "1", "--one-launch", "--json"],
         capture_output=True, text=True, timeout=600, check=False, cwd=str(REPO),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
