@@ -1,7 +1,7 @@
 """Training throughput and peak memory of ours against the recipes users would pick instead.
 
     python benchmarks/throughput.py                      # moderate CPU shape, 2 gloo ranks, 3 rounds
-    python benchmarks/throughput.py --shape tiny --rounds 1 --steps 4 --warmup 2 --json   # the CI smoke form
+    python benchmarks/throughput.py --shape tiny --rounds 1 --steps 2 --warmup 1 --seq 16 --batch 1 --json   # the CI smoke form
     python benchmarks/throughput.py --packed             # variable-length examples packed with position_ids
     python benchmarks/throughput.py --shape llama3-8b --device cuda   # one GPU (not run on CPU machines)
 

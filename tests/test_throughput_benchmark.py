@@ -26,8 +26,8 @@ def _run(*args, timeout=240):
 
 def test_smoke_every_contestant_trains_and_reports(tmp_path):
     # The three contestants of the issue (ours_ddp reuses stock's launch and ours' trainer; it costs a launch).
-    proc = _run("--shape", "tiny", "--rounds", "1", "--steps", "3", "--warmup", "1", "--json", "--keep", str(tmp_path),
-                "--contestants", "ours,stock,accel_fsdp2")  # fmt: skip
+    proc = _run("--shape", "tiny", "--rounds", "1", "--steps", "2", "--warmup", "1", "--seq", "16", "--batch", "1",
+                "--json", "--keep", str(tmp_path), "--contestants", "ours,stock,accel_fsdp2")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = proc.stdout
     result = json.loads(out[out.index("\n{\n") :])
