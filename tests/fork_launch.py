@@ -14,6 +14,7 @@ tests/dist_utils.py. In the suite this parent is itself forked from a per-pytest
 the third-party stack once (tests/fork_server.py); run as a command, it imports for itself.
 
     python tests/fork_launch.py --nproc 2 --master-port P [--accelerate-config FILE] SCRIPT [ARGS...]
+    python tests/fork_launch.py ... -m MODULE SCRIPT [ARGS...]   (the ranks run `python -m MODULE SCRIPT ARGS`)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--accelerate-config", help="an accelerate config file whose launch environment to give")
     parser.add_argument("--num-processes", type=int, help="override the config's num_processes (as --num_processes)")
     parser.add_argument("--timeout", type=float, default=600.0, help="kill the ranks after this many seconds")
+    parser.add_argument("-m", dest="module", help="run this module as __main__ with SCRIPT ARGS as its arguments")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     return parser.parse_args(argv)
@@ -82,6 +84,14 @@ def preload(script: Path) -> None:
                 continue
 
 
+def preload_module(name: str) -> None:
+    """Import `name` (as `python -m PACKAGE.MODULE` imports PACKAGE first); a failure is left for the ranks."""
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001,S110 - the rank re-imports and reports the error itself
+        pass
+
+
 def assert_single_threaded() -> None:
     """Refuse to fork a parent that runs other threads (a forked child would inherit their locks held)."""
     tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["main"]
@@ -113,8 +123,9 @@ def _fresh_seeds() -> None:
         sys.modules["numpy"].random.seed()
 
 
-def run_rank(rank: int, world: int, script: Path, args: list[str]) -> None:
-    """In the forked child: become rank `rank`, run `script` as __main__, and leave with its exit status."""
+def run_rank(rank: int, world: int, script: Path, args: list[str], module: str | None = None) -> None:
+    """In the forked child: become rank `rank`, run `script` (or `module`, given `script` as its first argument)
+    as __main__, and leave with its exit status."""
     _die_with_parent()
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), WORLD_SIZE=str(world),
@@ -126,9 +137,14 @@ def run_rank(rank: int, world: int, script: Path, args: list[str]) -> None:
         _fresh_seeds()
         import runpy
 
-        sys.argv = [str(script), *args]
-        sys.path[0] = str(script.parent)
-        runpy.run_path(str(script), run_name="__main__")
+        if module:  # as `python -m MODULE SCRIPT ARGS`: the module's path in argv[0], the working directory first
+            sys.argv = [module, str(script), *args]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [str(script), *args]
+            sys.path[0] = str(script.parent)
+            runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
             code = exit_.code or 0
@@ -185,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(opts.master_port))
     sys.path.insert(0, str(script.parent))
     preload(script)
+    if opts.module:  # what the module imports (our run module: our package), inherited by the ranks
+        preload_module(opts.module.rpartition(".")[0] or opts.module)
     assert_single_threaded()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -192,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            run_rank(rank, world, script, opts.args)
+            run_rank(rank, world, script, opts.args, opts.module)
         pids[pid] = rank
     return wait_ranks(pids, opts.timeout)
 

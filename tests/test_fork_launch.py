@@ -175,3 +175,29 @@ def test_a_dead_server_falls_back_and_leaves_no_process(tmp_path, monkeypatch):
     proc = torchrun(_script(tmp_path, "where.py", _WHERE), str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert client.broken and via() == ["subprocess: server failed"]
+
+
+def test_module_mode_runs_as_python_m(tmp_path):
+    """`fork_launch.py -m MODULE SCRIPT ARGS` (how the recipes' resumes run `-m hf_fsdp_qlora.run`): each rank runs
+    MODULE as __main__ with argv [its file, SCRIPT, ARGS], as `python -m` gives it, and its exit status counts."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "dumpmod.py").write_text(
+        "import json, os, sys\n"
+        "found = {'argv': sys.argv, 'name': __name__, 'path0': sys.path[0]}\n"
+        "json.dump(found, open(os.path.join(sys.argv[2], 'rank' + os.environ['RANK'] + '.json'), 'w'))\n"
+        "sys.exit(int(os.environ['RANK']) * 4)\n"
+    )
+    cmd = [sys.executable, str(REPO / "tests" / "fork_launch.py"), "--master-port", "1", "-m", "dumpmod"]
+    first = tmp_path / "first.py"
+    first.write_text("import json\n")  # the module's first argument (what the launch parent preloads from)
+    proc = _run([*cmd, str(first), str(out)], 60, {"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 4 and "rank 1 exited with status 4" in proc.stderr, proc.stderr[-2000:]
+    found = read_results(out)
+    assert sorted(found) == [0, 1]
+    for r in found.values():
+        assert r == {
+            "argv": [str(tmp_path / "dumpmod.py"), str(first), str(out)],
+            "name": "__main__",
+            "path0": str(REPO),
+        }

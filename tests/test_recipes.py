@@ -9,9 +9,12 @@ Each cell asserts: FSDP engaged; activation checkpointing applied exactly once (
 saved adapter (final and checkpoint) equal bit for bit to the trained weights gathered independently (FSDP2
 `full_tensor`, FSDP1 `summon_full_params`); checkpoints holding adapter + optimizer state; resume == uninterrupted.
 
-Launches (each costs ~15 CPU s of launcher and imports before any work): one per FSDP version for the matrix, which
-then runs one trl script (sft.py under FSDP1, dpo.py under FSDP2) through the function behind
-`-m hf_fsdp_qlora.run`; the other two trl scripts and their resumes as users launch them.
+Launches (each costs ~15 CPU s of launcher and imports before any work, ~6 forked from the tests' fork server): one
+per FSDP version for the matrix (forked ranks), which then runs trl's dpo.py through the function behind
+`-m hf_fsdp_qlora.run`; trl's sft.py under each FSDP version as users launch it (`accelerate launch ...
+-m hf_fsdp_qlora.run sft.py`): the real launcher of each FSDP version; the two resumes through the same
+`-m hf_fsdp_qlora.run` with forked ranks (tests/fork_launch.py: accelerate's launch environment, the stack imported
+once).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import BIN, CONFIGS, REPO, SCRIPTS, _run, accelerate_launch, check, free_port, read_results
+from dist_utils import BIN, CONFIGS, SCRIPTS, _fork_cmd, _run, accelerate_launch, check, free_port, read_results
 from recipe_fixtures import TRL_MARKER, build_chat_dataset, build_preference_dataset, build_recipe_model
 
 sys.path.insert(0, str(SCRIPTS))
@@ -41,9 +44,9 @@ def models(tmp_path_factory):
     return root
 
 
-# trl's own scripts, unchanged: (sft, FSDP1) and (dpo, FSDP2) run at the end of the matrix launches, through the
-# function behind `-m hf_fsdp_qlora.run` (one launch each fewer); the others, and the resumes, as users launch them.
-IN_MATRIX = {1: "sft", 2: "dpo"}
+# trl's own scripts, unchanged: dpo.py runs at the end of the matrix launches, through the function behind
+# `-m hf_fsdp_qlora.run` (one launch each fewer); sft.py as users launch it, under each FSDP version.
+IN_MATRIX = {1: "dpo", 2: "dpo"}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,9 @@ def _split_at_marker(proc):
 @pytest.fixture(scope="module")
 def matrices(models, trl_data, tmp_path_factory):
     """{version: (routes' out dir, trl script's output_dir, the launch)}; checked by the fixtures that read it, so
-    a failure of the trl script fails its tests and leaves the routes' (results written before it) standing."""
+    a failure of the trl script fails its tests and leaves the routes' (results written before it) standing.
+    Forked ranks (tests/fork_launch.py, accelerate's launch environment for the config): the real `accelerate
+    launch` of each FSDP version is trl's sft.py's, in :func:`script_runs`."""
     done = {}
     for version, script in IN_MATRIX.items():
         root = tmp_path_factory.mktemp(f"recipes_fsdp{version}")
@@ -70,7 +75,7 @@ def matrices(models, trl_data, tmp_path_factory):
         done[version] = out, trl_out, accelerate_launch(
             f"cpu_fsdp{version}_rehearsal.yaml", "recipe_scenarios.py",
             "--models", str(models), "--out", str(out), "--fsdp-version", str(version),
-            "--trl", script, *_script_args(models / "recipe", trl_data[script], trl_out), timeout=600, fork=False,
+            "--trl", script, *_script_args(models / "recipe", trl_data[script], trl_out), timeout=600,
         )  # fmt: skip
     return done
 
@@ -141,7 +146,13 @@ def _trl_script(name):
     return str(Path(importlib.import_module(f"trl.scripts.{name}").__file__))
 
 
-def _launch_script(config, script, *args, timeout=420):
+def _launch_script(config, script, *args, timeout=420, fork=False):
+    """`accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run trl/scripts/SCRIPT.py ARGS`, as users launch it;
+    `fork`: the same module and arguments run by ranks forked with that launch's environment (tests/fork_launch.py)."""
+    if fork:
+        cmd = _fork_cmd(_trl_script(script), args, timeout, config=CONFIGS / config)
+        at = len(cmd) - len(args) - 1  # before the script: fork_launch's `-m MODULE SCRIPT ARGS`
+        return _run([*cmd[:at], "-m", "hf_fsdp_qlora.run", *cmd[at:]], timeout, None)
     cmd = [
         str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / config),
         "--main_process_port", str(free_port()), "-m", "hf_fsdp_qlora.run", _trl_script(script), *args,
@@ -177,21 +188,22 @@ def script_runs(models, trl_data, matrices, tmp_path_factory):
         _, out, proc = matrices[version]
         check(proc)
         runs[(script, version)] = (out, _split_at_marker(proc)[1])
-    for script, version in (("sft", 2), ("dpo", 1)):
+    for script, version in (("sft", 1), ("sft", 2)):
         out = root / f"{script}_fsdp{version}"
         proc = _launch_script(
             f"cpu_fsdp{version}_rehearsal.yaml", script, *_script_args(models / "recipe", trl_data[script], out)
         )
         check(proc)
         runs[(script, version)] = (out, proc.stdout + proc.stderr)
-    # Resume, as a user would after a crash: the same command with --resume_from_checkpoint.
+    # Resume, as a user would after a crash: the same command with --resume_from_checkpoint (forked ranks: the
+    # launcher itself is proven by the launches above).
     for script, version in (("sft", 2), ("dpo", 1)):
-        out = root / f"{script}_fsdp{version}"
+        out = runs[(script, version)][0]
         resumed = root / f"{script}_fsdp{version}_resumed"
         args = _script_args(
             models / "recipe", trl_data[script], resumed, "--resume_from_checkpoint", str(out / "checkpoint-2")
         )
-        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", script, *args)
+        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", script, *args, fork=True)
         check(proc)
         runs[(script, version, "resumed")] = (resumed, proc.stdout + proc.stderr)
     return runs
@@ -257,7 +269,9 @@ def test_run_passes_the_scripts_exit_status(tmp_path):
 
 
 def test_bare_import_rehearses_fsdp(tmp_path):
-    """`import hf_fsdp_qlora` alone, then a stock accelerate script, under the CPU FSDP2 config: FSDP engages."""
+    """`import hf_fsdp_qlora` alone, then a stock accelerate script, under the CPU FSDP2 config: FSDP engages.
+    Launched with forked ranks (the environment `accelerate launch` gives them, tests/test_fork_launch.py): the
+    claim is the import's, the real launcher's is test_run_exits_zero_every_time's and the trl scripts'."""
     script = tmp_path / "bare.py"
     script.write_text(
         "import json, sys, torch\n"
@@ -273,11 +287,7 @@ def test_bare_import_rehearses_fsdp(tmp_path):
         "acc.end_training()\n"
         "import os; os._exit(0)  # skip gloo's teardown at exit, which sometimes aborts\n"
     )
-    cmd = [
-        str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "cpu_fsdp2_rehearsal.yaml"),
-        "--main_process_port", str(free_port()), str(script), str(tmp_path),
-    ]  # fmt: skip
-    check(_run(cmd, 180, {"PYTHONPATH": str(REPO)}))
+    check(accelerate_launch("cpu_fsdp2_rehearsal.yaml", str(script), str(tmp_path), timeout=180, fork=True))
     results = read_results(tmp_path)
     assert sorted(results) == [0, 1]
     assert all(r["type"] == "DistributedType.FSDP" and r["fsdp2"] > 0 for r in results.values())
@@ -286,7 +296,9 @@ def test_bare_import_rehearses_fsdp(tmp_path):
 def test_run_exits_zero_every_time(tmp_path):
     """A gloo script that ends without destroying its process group aborted at exit about one run in four
     ("terminate called without an active exception"); through `-m hf_fsdp_qlora.run` it exits 0 every time.
-    Six launches: without the fix at least one aborts with probability 1 - 0.75**6 = 82%."""
+    The abort is a rank's, at its interpreter's exit: 12 rank exits (three launches of 4 ranks, each launcher's
+    imports paid once per 4 ranks, not 2): without the fix at least one aborts with probability
+    1 - 0.75**6 = 82%, as with six 2-rank launches."""
     script = tmp_path / "no_teardown.py"
     script.write_text(
         "import torch\n"
@@ -298,13 +310,13 @@ def test_run_exits_zero_every_time(tmp_path):
         "opt.step()\n"
         "print('fsdp2' if acc.is_fsdp2 else str(acc.state.distributed_type))\n"
     )
-    for attempt in range(6):
+    for attempt in range(3):
         cmd = [
             str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "cpu_fsdp2_rehearsal.yaml"),
-            "--main_process_port", str(free_port()), "-m", "hf_fsdp_qlora.run", str(script),
+            "--main_process_port", str(free_port()), "--num_processes", "4", "-m", "hf_fsdp_qlora.run", str(script),
         ]  # fmt: skip
-        proc = _run(cmd, 120, None)
-        assert proc.returncode == 0 and proc.stdout.count("fsdp2") == 2, (
+        proc = _run(cmd, 180, None)
+        assert proc.returncode == 0 and proc.stdout.count("fsdp2") == 4, (
             attempt,
             proc.returncode,
             proc.stderr[-2000:],
