@@ -74,16 +74,9 @@ def _tracked(model, optimizer) -> dict:
 
 def worker(args) -> None:
     """Train each contestant of --worker in turn in this launch; each rank writes OUT/NAME/rankR.json."""
-    import torch
+    from _contestants import run_contestants  # benchmarks/, the script's own folder, is first on sys.path
 
-    for name in args.worker.split(","):
-        found = train_one(name, args)
-        out = Path(args.out) / name
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{found['rank']}.json").write_text(json.dumps(found))
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # gloo/FSDP teardown at interpreter exit sometimes aborts after the work is done; the JSON is written
+    run_contestants(args.worker, train_one, args, args.out)
 
 
 def train_one(name: str, args) -> dict:
