@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from .errors import SetupInputError
 from .loss_paths import LOGIT_TRANSFORMS
 from .model_config import load_model_config
+from .sp_rules import local_attention_kinds
 
 __all__ = [
     "ExpertsShape",
@@ -90,6 +91,9 @@ class ModelShape:
     experts_per_token: int = 0
     expert_width: int = 0  # moe_intermediate_size (intermediate_size where the family has no other)
     shared_expert_width: int = 0  # the always-on shared experts' total width (Qwen2-MoE, DeepSeek)
+    # attention layers that are not full causal attention (sliding-window, linear): sequence parallelism refuses them
+    local_attention: tuple[str, ...] = ()
+    sliding_window: int | None = None
 
     @property
     def expert_params(self) -> int:
@@ -286,6 +290,8 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         max_positions=_position_limit(text),
         rotary=any(getattr(text, name, None) is not None for name in ("rope_parameters", "rope_theta", "rotary_dim")),
         logit_transforms={k: getattr(text, k) for k in LOGIT_TRANSFORMS if getattr(text, k, None) is not None},
+        local_attention=local_attention_kinds(text),
+        sliding_window=getattr(text, "sliding_window", None),
     )
 
 

@@ -87,3 +87,35 @@ def test_doctor_cli_longest(capsys):
     diagnosis = _diagnose(gpu_memory=24 * GB, num_gpus=1, tiled_mlp_tokens=1024)  # the CLI's default tile
     expected = longest_sequence(diagnosis.shape, diagnosis.setup)
     assert f"longest sequence that fits: {expected:,} tokens per sample" in out and "tiled MLP on" in out
+
+
+def _sp_findings(tmp_path, sp_size, num_gpus, **config_changes):
+    import json
+
+    config = json.loads((DATA / MODELS["Llama-3.1-8B"]).read_text())
+    config.update(config_changes)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    found = diagnose(tmp_path / "config.json", accelerate_config="fsdp2_qlora", quantization="4bit",
+                     gpu_memory=80 * GB, seq_len=8192, sp_size=sp_size, num_gpus=num_gpus)  # fmt: skip
+    return [f for f in found.findings if f.id == "sequence-parallel-refused"]
+
+
+@pytest.mark.parametrize(
+    "sp_size, num_gpus, changes, says",
+    [
+        (2, 8, {}, None),  # Llama-3.1-8B: 32 heads, full attention: trains
+        (3, 8, {}, "sp_size must divide the number of processes"),
+        (3, 3, {}, "num_attention_heads=32, not divisible by sp_size"),
+        (2, 2, {"layer_types": ["sliding_attention", "full_attention"] * 16, "sliding_window": 4096},
+         "sliding_attention layers (sliding_window=4096)"),
+    ],
+)  # fmt: skip
+def test_doctor_says_what_the_trainer_refuses_under_sp_size(tmp_path, sp_size, num_gpus, changes, says):
+    """The same config-level refusals as the trainer's (hf_fsdp_qlora.sp_rules), before launch, with the fix."""
+    found = _sp_findings(tmp_path, sp_size, num_gpus, **changes)
+    if says is None:
+        assert not found
+        return
+    assert len(found) == 1 and found[0].severity == "error", found
+    assert says in found[0].problem and f"sp_size={sp_size}" in found[0].problem, found[0]
+    assert found[0].value.startswith(("Use an sp_size", "Train this model with sp_size=1")), found[0]

@@ -65,7 +65,7 @@ Finding ids: ``8bit-under-fsdp``, ``8bit-moe-experts``, ``experts-not-quantizabl
 ``fsdp1-use-orig-params``, ``device-map-under-fsdp``, ``cpu-ram-efficient-loading-without-sync``,
 ``cpu-rehearsal-needs-gpu``, ``not-fsdp``, ``wrap-class-missing``, ``no-auto-wrap``,
 ``activation-checkpointing-twice``, ``activation-checkpointing-off``, ``checkpointing-unsupported``,
-``load-does-not-fit``, ``memory-plan``,
+``sequence-parallel-refused``, ``load-does-not-fit``, ``memory-plan``,
 ``memory-tight``, ``memory-does-not-fit``, ``checkpoint-timeout``, ``optimizer-in-checkpoint``,
 ``padding-to-max-length``, ``eval-batch-too-large``.
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from ..sp_rules import sequence_parallel_problem
 from ._rules import _SPREADING_MAPS, OURS, Context, _finding
 from .advice import combined, ranked_levers
 from .memory import FIT_FRACTION, MemoryPlan, format_size, verdict
@@ -250,4 +251,20 @@ def data_rules(ctx: Context):
             f"per_device_eval_batch_size={s.eval_batch_size}: the evaluation logits alone take "
             f"{format_size(eval_logits)} ({shape.vocab_size}-token vocabulary), {format_size(total)} per GPU in all.",
             "TrainingArguments.per_device_eval_batch_size", str(s.batch_size),
+        )  # fmt: skip
+
+
+def sequence_parallel_rule(ctx: Context):
+    """What the trainers refuse under sp_size > 1 before the first step (hf_fsdp_qlora.sp_rules), said before launch."""
+    s, shape = ctx.setup, ctx.shape
+    if s.sp_size <= 1 or shape is None:
+        return
+    found = sequence_parallel_problem(
+        s.sp_size, s.world_size, shape.num_heads, s.attn_implementation, shape.local_attention, shape.sliding_window
+    )
+    if found is not None:
+        yield _finding(
+            "sequence-parallel-refused", "error",
+            f"sp_size={s.sp_size}{found.problem} The trainer refuses this before the first step.",
+            "FSDPQLoRATrainingArguments.sp_size (doctor --sp-size)", found.fix,
         )  # fmt: skip

@@ -25,6 +25,7 @@ from ._launch_rules import (
     device_map_rule,
     launcher_rules,
     memory_rules,
+    sequence_parallel_rule,
     wrap_rules,
 )
 from ._rules import Context, dtype_rules, experts_rule, quantization_rules, requires_grad_rule
@@ -48,6 +49,7 @@ RULES = (
     device_map_rule,
     wrap_rules,
     checkpointing_rules,
+    sequence_parallel_rule,
     memory_rules,
     checkpoint_rules,
     data_rules,
