@@ -25,23 +25,24 @@ from hf_fsdp_qlora.merge._base_model import (
     INDEX_NAME,
     base_entries,
     check_base_name,
-    conv1d_modules,
-    is_input_embedding,
-    meta_model_or_none,
-    quantized_keys,
-    task_model,
-    tied_map,
 )
-from hf_fsdp_qlora.merge._experts import read_param_targets
-from hf_fsdp_qlora.merge._key_map import checkpoint_places, follow_checkpoint_keys, quantized_places
+from hf_fsdp_qlora.merge._job import (
+    adapter_updates,
+    check_skip_modules,
+    no_space,
+    output_with_room,
+    planned_items,
+    quantized_layout,
+    read_base_config,
+    update_config,
+)
 from hf_fsdp_qlora.merge._lora_math import (
     apply_update_into,
-    collect_updates,
     quantize_roundtrip,
 )
-from hf_fsdp_qlora.merge._plan import Item, plan, torch_dtype
-from hf_fsdp_qlora.merge.adapter_io import load_adapter, read_quant_record
-from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir, check_output
+from hf_fsdp_qlora.merge._plan import Item, torch_dtype
+from hf_fsdp_qlora.merge.adapter_io import load_adapter
+from hf_fsdp_qlora.merge.output_dir import check_output
 from hf_fsdp_qlora.safetensors_io import (
     OrderedWorker,
     ShardWriter,
@@ -323,77 +324,26 @@ def merge_adapters(
     output, device, max_bytes = _check_usage(
         base, adapter, output, force, dtype, device, dequantize, max_shard_size, quant_blocksize, adapter_config
     )
-    if skip_modules and not dequantize:
-        raise MergeUsageError(
-            f"`skip_modules` {list(skip_modules)} only applies with `dequantize` (the layers training kept 16-bit): "
-            "pass dequantize='int8' (or nf4/fp4) too, or leave skip_modules out"
-        )
+    check_skip_modules(skip_modules, dequantize)
     out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     try:
-        config = json.loads((base / "config.json").read_text())
-        if config.get("quantization_config"):
-            raise MergeError(
-                f"{base} is a quantized checkpoint (config.json has quantization_config): merging needs the 16-bit "
-                "base the quantized model was made from; pass that as `base` (and `dequantize='nf4'` to match QLoRA)."
-            )
+        config = read_base_config(base)
         entries = base_entries(base)
         loaded = load_adapter(adapter, config_path=adapter_config)
-        base_model = loaded.config.get("base_model_name_or_path")
-        params = read_param_targets(base, loaded.config, entries) if loaded.config.get("target_parameters") else None
-        skeleton = meta_model_or_none(base)  # what only the model's classes say: Conv1D, key conversions
-        conv1d = conv1d_modules(skeleton)
-        places = checkpoint_places(skeleton, entries) if skeleton is not None else {}  # renamed or split on load
-        updates = collect_updates(loaded.config, loaded.tensors, params, transposed=conv1d)
-        updates = follow_checkpoint_keys(updates, places, entries)
-        tied = tied_map(base, config, entries)
-        record = read_quant_record(loaded.folder, dequantize)
-        quantized, groups, chunks = set(), {}, {}
-        if record is not None:  # what training quantized, recorded by load_qlora_model: exactly those
-            quantized, groups, chunks = quantized_places(base, record.names, entries, places)
-            double_quant, quant_blocksize = record.double_quant, record.blocksize or quant_blocksize
-        elif dequantize:  # stock peft: transformers' rule; experts (4-bit only) by the experts table
-            quantized, groups, chunks = quantized_places(
-                base,
-                quantized_keys(base, experts=dequantize_experts and dequantize != "int8", skip_modules=skip_modules),
-                entries,
-                places,
-            )
-        heads = {
-            k: tuple(u.replacement.shape)
-            for k, u in updates.items()
-            if k not in entries and k not in tied and u.replacement is not None and u.lora is None
-        }
-        task = task_model(base, config, loaded.config, heads) if heads else None
-        items, untied = plan(entries, updates, tied, out_dtype, quantized, untie_embeddings, device, base_model, task)
-        for item in items:
-            item.group = groups.get(item.name)
-            item.transposed = item.name.removesuffix(".weight") in conv1d
-            item.chunks = chunks.get(item.name)
-        if task is not None:  # e.g. a reward model: loads with AutoModelForSequenceClassification
-            config.update(task[2])
-        vocab = next((item.shape[0] for item in items if item.resized and is_input_embedding(item.name)), None)
-        if vocab is not None:  # embeddings resized for added tokens (e.g. ChatML) and saved whole with the adapter
-            for cfg in (config, config.get("text_config")):
-                if isinstance(cfg, dict) and ("vocab_size" in cfg or cfg is config):
-                    cfg["vocab_size"] = vocab
+        updates, conv1d, places = adapter_updates(base, loaded, entries)
+        *layout, double_quant, quant_blocksize = quantized_layout(
+            base, loaded, entries, places, dequantize=dequantize, dequantize_experts=dequantize_experts,
+            skip_modules=skip_modules, double_quant=double_quant, blocksize=quant_blocksize,
+        )  # fmt: skip
+        items, untied, task = planned_items(
+            base, config, loaded, entries, updates, layout, conv1d,
+            out_dtype=out_dtype, untie_embeddings=untie_embeddings, device=device,
+        )  # fmt: skip
+        update_config(config, items, task, out_dtype, untied)
         check_base_name(loaded.config, base, config, allow_other=allow_other_base)
         needed = sum(item.nbytes for item in items)
-        # Leftovers of killed runs go first: on a tight disk they may hold the room this merge needs.
-        atomic = AtomicOutputDir(output, "merge-adapters")
-        existing = next(p for p in output.absolute().parents if p.exists())
-        free = shutil.disk_usage(existing).free
-        if needed > free:
-            raise _no_space(output, needed, free)
-        if out_dtype is not None:
-            config["dtype"] = str(out_dtype).removeprefix("torch.")
-            if "torch_dtype" in config:
-                config["torch_dtype"] = config["dtype"]
-        if untied:
-            for cfg in (config, config.get("text_config")):
-                if isinstance(cfg, dict):
-                    cfg["tie_word_embeddings"] = False
         quant = (dequantize, quant_blocksize, double_quant) if dequantize else None
-        with atomic as tmp:
+        with output_with_room(output, needed) as tmp:
             with _leave_a_core_for_writes(device):
                 weight_map = _write_shards(items, tmp, max_bytes, device, quant, progress)
             if len(set(weight_map.values())) > 1:
@@ -402,16 +352,8 @@ def merge_adapters(
             _copy_side_files(base, loaded.folder, tmp, config)
     except OSError as err:
         if err.errno == errno.ENOSPC:
-            raise _no_space(output, None, None) from None
+            raise no_space(output, None, None) from None
         raise MergeError(
             f"{err.strerror or err}: {err.filename or output}. Check the path and its permissions."
         ) from None
     return output
-
-
-def _no_space(output: Path, needed: int | None, free: int | None) -> MergeError:
-    sizes = f" (the merged model needs {needed / 1e9:.2f} GB, {free / 1e9:.2f} GB are free)" if needed else ""
-    return MergeError(
-        f"no space left on the device for `output` {output}{sizes}; nothing was written. Free disk space, or pass "
-        "an `output` on a disk with room for the merged model."
-    )
