@@ -1,11 +1,12 @@
 """trl's own ``sft.py`` (from the installed trl package, unchanged), once per learning rate in one launch, recorded so
 that tests/test_precision_trl.py can replay each run in one process with stock peft.
 
-    accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run tests/scripts/trl_sft_recorder.py RECORD LRS PORTS ARGS...
+    accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run trl_sft_recorder.py RECORD LRS PORTS ARGS...
 
 (the tests fork the ranks with that launch's environment: tests/fork_launch.py ``-m hf_fsdp_qlora.run``). For each
-learning rate of the comma-separated LRS (and port of PORTS), sft.py runs as ``__main__`` with ``ARGS --learning_rate LR --output_dir
-RECORD/lrLR`` and every Trainer it builds gets a recording callback, which writes ``RECORD/lrLR/record_rank{N}.pt``:
+learning rate of the comma-separated LRS, sft.py runs as ``__main__`` with ``ARGS --learning_rate LR --output_dir
+RECORD/lrLR``, its ranks meeting on the next port of PORTS, and every Trainer it builds gets a recording callback,
+which writes ``RECORD/lrLR/record_rank{N}.pt``:
 
 * ``init``: the trainable weights the run starts from, gathered on train begin from the wrapped model (FSDP2
   ``full_tensor``, FSDP1 ``summon_full_params``; train_scenarios.full_trainable, independent of hf_fsdp_qlora);
