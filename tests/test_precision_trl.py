@@ -151,7 +151,7 @@ def _stock_sft(model, data, lr, init, micro_batches, out):
 
 @pytest.fixture(scope="module")
 def oracle(inputs, launches, tmp_path_factory):
-    """`get(record, lr)`: stock's trained weights from `record`'s start and batches at `lr`; once per distinct triple."""
+    """`get(record, lr)`: stock's trained weights from `record`'s start and batches at `lr`, once per distinct one."""
     done = {}
 
     def get(record, lr):
