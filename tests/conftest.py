@@ -34,6 +34,7 @@ _SECONDS = {
     "test_moe_stream.py": 240,
     "test_recipes_docs.py": 90,
     "test_families.py": 120,
+    "test_precision_trl.py": 40,
 }  # fmt: skip
 
 

@@ -222,6 +222,7 @@ def test_trl_script_unchanged_through_run(script_runs, models, script, version):
     assert all(v.abs().sum() > 0 for k, v in final.items() if "lora_B" in k)
     # float32 master weights (issue 34) under trl's defaults (bf16, gradient checkpointing, LoRA dropout): saved in
     # fp32, and steps 3-4 at lr 1e-3 move nearly every lora_A element (16-bit adapters round most such steps away)
+    # (with trl's uint8 storage and fp32 model dtype; the update against stock peft: tests/test_precision_trl.py)
     assert {str(v.dtype) for v in final.values()} == {"torch.float32"}
     middle = _adapter(out / "checkpoint-2")
     lora_a = [k for k in final if "lora_A" in k]
