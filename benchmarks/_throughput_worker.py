@@ -35,7 +35,7 @@ CONTESTANTS = ("ours", "stock", "accel_fsdp2", "ours_ddp")
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contestant", choices=CONTESTANTS, required=True)
+    p.add_argument("--contestant", required=True, help="one contestant, or several trained in turn (A,B)")
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True, help="directory for rank{R}.json")
     p.add_argument("--seq", type=int, default=128)
@@ -47,7 +47,11 @@ def parse(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--no-bf16", action="store_true", help="TrainingArguments(bf16=False): no autocast")
     p.add_argument("--profile", action="store_true", help="torch.profiler over the steady steps: top ops to --out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    unknown = [c for c in args.contestant.split(",") if c not in CONTESTANTS]
+    if unknown:
+        p.error(f"--contestant: unknown {unknown}; choose from {', '.join(CONTESTANTS)}")
+    return args
 
 
 def _vm_kib(key: str) -> int:
@@ -127,6 +131,27 @@ def _same_kernel_path(model) -> int:
 
 def main(argv=None):
     args = parse(argv)
+    if "," in args.contestant:  # several in turn in this launch (throughput.py --one-launch): OUT/NAME/rankR.json
+        from _contestants import run_contestants  # benchmarks/, the script's own folder, is first on sys.path
+
+        def one(name, a):
+            return train_one(argparse.Namespace(**{**vars(a), "contestant": name}))
+
+        run_contestants(args.contestant, one, args, args.out)  # exits when done
+    found = train_one(args)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"rank{found['rank']}.json").write_text(json.dumps(found))
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    # gloo/FSDP teardown at interpreter exit sometimes aborts after the work is done; the JSON is on disk.
+    os._exit(0)
+
+
+def train_one(args) -> dict:
+    """Train `args.contestant` on this rank; returns what was measured."""
     import torch
 
     if args.contestant in ("ours", "accel_fsdp2") and args.device == "cpu":
@@ -217,13 +242,7 @@ def main(argv=None):
     found["cpu_s"] = found["cpu1"] - found["cpu0"]
     found["tokens_per_cpu_s"] = steady * args.batch * args.seq / found["cpu_s"]  # this rank's tokens
     found["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(found))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    # gloo/FSDP teardown at interpreter exit sometimes aborts after the work is done; the JSON is on disk.
-    os._exit(0)
+    return found
 
 
 if __name__ == "__main__":

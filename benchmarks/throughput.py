@@ -1,7 +1,7 @@
 """Training throughput and peak memory of ours against the recipes users would pick instead.
 
     python benchmarks/throughput.py                      # moderate CPU shape, 2 gloo ranks, 3 rounds
-    python benchmarks/throughput.py --shape tiny --rounds 1 --steps 2 --warmup 1 --seq 16 --batch 1 --json   # the CI smoke form
+    python benchmarks/throughput.py --shape tiny --rounds 1 --steps 2 --warmup 1 --seq 16 --batch 1 --one-launch --json   # the CI smoke form
     python benchmarks/throughput.py --packed             # variable-length examples packed with position_ids
     python benchmarks/throughput.py --shape llama3-8b --device cuda   # one GPU (not run on CPU machines)
 
@@ -18,8 +18,9 @@ all linear layers, activation checkpointing, the same sequence length, per-devic
     ours_ddp     ours launched like `stock` (DDP, no FSDP): same engine as `stock`, so ours_ddp / stock is the
                  cost of our loader, callbacks and checks alone, without FSDP2's per-layer all-gathers.
 
-Each contestant is its own launch of benchmarks/_throughput_worker.py; rounds interleave the contestants (the
-order rotates each round) so machine noise falls on all of them alike. Tokens per second are global (every
+Each contestant is its own launch of benchmarks/_throughput_worker.py (--one-launch, the smoke's form: the FSDP2
+ones share one); rounds interleave the contestants (the order rotates each round) so machine noise falls on all
+of them alike. Tokens per second are global (every
 rank's tokens) over the steps after the warm-up; peak memory is per rank: peak RSS during those steps on CPU
 (VmHWM reset at the end of warm-up), CUDA max allocated on GPU. Figures are medians over rounds. All
 contestants run the same bitsandbytes CPU kernel path (the in-place repack for AVX512-BF16 is off on every
@@ -75,8 +76,9 @@ def build_model(path: Path, shape: str, seq: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def launch(contestant: str, model: Path, out: Path, args) -> list[dict]:
-    """One launch of the worker for `contestant`; returns every rank's findings."""
+def launch(contestant: str, model: Path, out: Path, args) -> dict[str, list[dict]]:
+    """One launch of the worker for `contestant` (or several of the same launch kind, comma-separated, trained in
+    turn); returns every rank's findings per contestant."""
     bin_dir = Path(sys.executable).parent
     shutil.rmtree(out, ignore_errors=True)  # a failed launch must not be read from an earlier run's files
     worker_args = [
@@ -85,7 +87,7 @@ def launch(contestant: str, model: Path, out: Path, args) -> list[dict]:
         "--lora-r", str(args.lora_r), "--device", args.device, *(["--packed"] if args.packed else []),
         *(["--no-bf16"] if args.no_bf16 else []), *(["--profile"] if args.profile else []),
     ]  # fmt: skip
-    if contestant in ("stock", "ours_ddp"):
+    if contestant.split(",")[0] in ("stock", "ours_ddp"):
         if args.device == "cuda" and args.nproc == 1:
             cmd = [sys.executable, *worker_args]  # the single-GPU user's plain `python train.py`
         else:  # torchrun + TrainingArguments(use_cpu=True): accelerate picks DDP over gloo on CPU
@@ -102,11 +104,22 @@ def launch(contestant: str, model: Path, out: Path, args) -> list[dict]:
     proc = subprocess.run(
         cmd, check=False, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=str(ROOT)
     )
-    ranks = [out / f"rank{r}.json" for r in range(args.nproc)]
-    if proc.returncode != 0 or not all(p.exists() for p in ranks):
+    names = contestant.split(",")
+    folders = {name: out / name if len(names) > 1 else out for name in names}  # the worker's layout for several
+    ranks = {name: [folder / f"rank{r}.json" for r in range(args.nproc)] for name, folder in folders.items()}
+    if proc.returncode != 0 or not all(p.exists() for paths in ranks.values() for p in paths):
         tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
         raise RuntimeError(f"contestant {contestant!r} failed (exit {proc.returncode}):\n{tail}")
-    return [json.loads(p.read_text()) for p in ranks]
+    return {name: [json.loads(p.read_text()) for p in paths] for name, paths in ranks.items()}
+
+
+def launch_groups(order: list[str], one_launch: bool) -> list[list[str]]:
+    """Each contestant its own launch; with `one_launch` the FSDP2 ones (same `accelerate launch`) share one,
+    accel_fsdp2 first so that it trains before anything of ours but the rehearsal hook has run in the process."""
+    if not one_launch:
+        return [[name] for name in order]
+    fsdp = sorted((n for n in order if n in ("ours", "accel_fsdp2")), key=lambda n: n != "accel_fsdp2")
+    return [fsdp] + [[n] for n in order if n not in fsdp]
 
 
 def check_engaged(contestant: str, ranks: list[dict], args) -> None:
@@ -207,6 +220,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="write each rank's torch.profiler top ops (needs --keep)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per launch")
     p.add_argument("--json", action="store_true", help="print the result as JSON after the table")
+    p.add_argument("--one-launch", action="store_true",
+                   help="train the FSDP2 contestants in turn in one launch (the smoke test's: saves a launch's "
+                   "imports; not for timing, since the second shares the first's process)")  # fmt: skip
     p.add_argument("--keep", help="build the model and write runs here instead of a temporary folder")
     args = p.parse_args(argv)
     names = [c for c in args.contestants.split(",") if c]
@@ -234,11 +250,11 @@ def main(argv=None) -> int:
         runs = {name: [] for name in names}
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]  # rotate: no contestant always goes first
-            for name in order:
-                ranks = launch(name, model, work / f"round{r}-{name}", args)
-                check_engaged(name, ranks, args)
-                runs[name].append(ranks)
-                print(f"round {r + 1}/{args.rounds} {name}: {ranks[0]['tokens_per_s']:.1f} tokens/s", flush=True)
+            for group in launch_groups(order, args.one_launch):
+                for name, ranks in launch(",".join(group), model, work / f"round{r}-{'-'.join(group)}", args).items():
+                    check_engaged(name, ranks, args)
+                    runs[name].append(ranks)
+                    print(f"round {r + 1}/{args.rounds} {name}: {ranks[0]['tokens_per_s']:.1f} tokens/s", flush=True)
     rows = summarize(runs, args)
     notes = ["torchtune's QLoRA recipe is a GPU contestant and is not run by this benchmark yet"]
     if args.device == "cpu" and "accel_fsdp2" in names:
@@ -256,7 +272,8 @@ def main(argv=None) -> int:
         "rounds": args.rounds,
         "workload": {"shape": args.shape, "parameters": params, "seq": args.seq, "batch": args.batch,
                      "ranks": args.nproc, "steps": args.steps, "warmup": args.warmup, "lora_r": args.lora_r,
-                     "packed": args.packed, "threads_per_rank": args.threads, **SHAPES[args.shape]},
+                     "packed": args.packed, "threads_per_rank": args.threads, "one_launch": args.one_launch,
+                     **SHAPES[args.shape]},
         "versions": {k: metadata.version(k) for k in PACKAGES},
         "contestants": rows,
         "notes": notes,

@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # less per such launch (~8.5 CPU-s of imports spared each, on a machine whose 2 cores both work), and those forked
 # from the fork server (tests/fork_server.py: the stack imported once per pytest process) another ~4 s less.
 _SECONDS = {
-    "test_recipes.py": 175, "test_trainer_fsdp.py": 48, "test_throughput_benchmark.py": 60,
+    "test_recipes.py": 175, "test_trainer_fsdp.py": 48, "test_throughput_benchmark.py": 42,
     "test_speed_options.py": 51, "test_semantics_dist.py": 37, "test_checkpoints.py": 20,
     "test_semantics_pref.py": 28, "test_doctor.py": 31, "test_cpu_rehearsal.py": 25, "test_eval_generate.py": 17,
     "test_low_ram.py": 20, "test_sharding.py": 20, "test_multinode.py": 20, "test_bad_input.py": 8,
@@ -33,7 +33,7 @@ _SECONDS = {
     "test_moe_load.py": 10,
     "test_moe_stream.py": 240,
     "test_recipes_docs.py": 90,
-    "test_families.py": 120,
+    "test_families.py": 90,
     "test_precision_trl.py": 40,
 }  # fmt: skip
 

@@ -1,7 +1,7 @@
 """The family sweep's worker: for every tiny family (tests/family_build.py), on a 4-bit base, what works.
 
-Run as ``python tests/family_sweep.py OUT.json [--shard i/n]``; tests/test_families.py runs it once per session (two
-shards, one per core) and reads the JSON. Per family, one record of steps, each ``{"ok": bool, "detail": str}``:
+Run as ``python tests/family_sweep.py OUT.json [--shard i/n]``; tests/test_families.py runs it once per session (one
+process: tests/make_families_table.py SHARDS) and reads the JSON. Per family, one record of steps, each ``{"ok": bool, "detail": str}``:
 
 - ``build``: the tiny model builds, runs a forward and saves (else the family "could not be built", with the reason);
 - ``load``: ``load_qlora_model(all-linear LoRA)``; a refusal is ``UnsupportedSetupError``, recorded with its text;
@@ -102,10 +102,14 @@ def _load16(path, dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
-def _peft_merge(base: Path, adapter: Path, replace: dict) -> dict:
+def _peft_merge(base32, adapter: Path, replace: dict) -> dict:
+    """peft's merge_and_unload of `adapter` on a copy of the float32 base `base32` (its weights replaced by
+    `replace` first, where given)."""
+    import copy
+
     from peft import PeftModel
 
-    model = _load16(base, torch.float32)
+    model = copy.deepcopy(base32)  # one load per family; peft merges into the model it is given
     if replace:
         model.load_state_dict({k: v.float() for k, v in replace.items()}, strict=False)
     # peft 0.21 remaps an adapter's gate_proj/up_proj/down_proj targets onto routed experts when it loads one on an
@@ -146,17 +150,19 @@ def _compare(ours: dict, ref: dict, before: dict, quantized: dict) -> str:
 def _merge_checks(path: Path, adapter: Path, quantized: dict, work: Path, record: dict) -> None:
     from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
-    base16 = _load16(path, torch.bfloat16)
-    before = base16.state_dict()
+    # The base in float32, loaded once: the oracle's model (copied per step) and, rounded back to bfloat16, the
+    # saved bf16 weights exactly (every value came from the bf16 checkpoint), which untouched tensors must keep.
+    base32 = _load16(path, torch.float32)
+    before = {key: value.to(torch.bfloat16) for key, value in base32.state_dict().items()}
     # GPT-2's Conv1D stores (in, out); bitsandbytes quantized the (out, in) transpose training saw: back to (in, out)
-    conv1d = {f"{n}.weight" for n, m in base16.named_modules() if type(m).__name__ == "Conv1D"}
+    conv1d = {f"{n}.weight" for n, m in base32.named_modules() if type(m).__name__ == "Conv1D"}
     quantized = {k: v.T if k in conv1d else v for k, v in quantized.items()}
     for step, kwargs, replace in (("merge", {}, {}), ("merge_nf4", {"dequantize": "nf4"}, quantized)):
 
         def check(step=step, kwargs=kwargs, replace=replace):
             out = merge_adapters(path, adapter, work / step, progress=False, **kwargs)
             ours = _load16(out, torch.bfloat16).state_dict()
-            return _compare(ours, _peft_merge(path, adapter, replace), before, replace)
+            return _compare(ours, _peft_merge(base32, adapter, replace), before, replace)
 
         run(record, step, check)
 

@@ -1,7 +1,7 @@
 """The family sweep (issue 35): every causal-LM family transformers ships either works on a 4-bit base or is refused
 by name; docs/families.md says which, and equals what the sweep finds.
 
-The sweep (tests/family_sweep.py) runs once per session in two worker processes (one per core) and writes JSON;
+The sweep (tests/family_sweep.py) runs once per session in one worker process and writes JSON;
 the tests here only read it. What each step checks, and its oracle (peft's `merge_and_unload` on the 16-bit base, and
 on the weights training saw for `dequantize="nf4"`), is in the worker's docstring. Families the generic shrink cannot
 build are listed in the page with the reason and not asserted on.

@@ -25,9 +25,10 @@ def _run(*args, timeout=240):
 
 
 def test_smoke_every_contestant_trains_and_reports(tmp_path):
-    # The three contestants of the issue (ours_ddp reuses stock's launch and ours' trainer; it costs a launch).
+    # The three contestants of the issue (ours_ddp reuses stock's launch and ours' trainer; it costs a launch), in
+    # two launches: the FSDP2 ones (accel_fsdp2, then ours) share one (--one-launch), stock's DDP is its own.
     proc = _run("--shape", "tiny", "--rounds", "1", "--steps", "2", "--warmup", "1", "--seq", "16", "--batch", "1",
-                "--json", "--keep", str(tmp_path), "--contestants", "ours,stock,accel_fsdp2")  # fmt: skip
+                "--json", "--keep", str(tmp_path), "--contestants", "ours,stock,accel_fsdp2", "--one-launch")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = proc.stdout
     result = json.loads(out[out.index("\n{\n") :])
@@ -46,6 +47,8 @@ def test_smoke_every_contestant_trains_and_reports(tmp_path):
     assert result["workload"]["ranks"] == 2 and result["workload"]["lora_r"] == 16
     assert "goal: ours >= 0.98x the stock recipe's tokens/s on CPU" in out
     assert any("rehearsal hook" in note for note in result["notes"])
+    assert result["workload"]["one_launch"] and sorted(p.name for p in tmp_path.glob("round0-*")) == [
+        "round0-accel_fsdp2-ours", "round0-stock"]  # fmt: skip
 
 
 def test_bad_contestant_list_is_refused_before_any_launch():
