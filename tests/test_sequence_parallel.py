@@ -167,7 +167,8 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
 
 def test_resume_under_sp2_is_bit_exact(runs):
     """A run with sp_size=2 under FSDP2 checkpointed at step 2 (AdamW) and resumed by a fresh trainer: steps 3 and 4
-    log the uninterrupted run's losses and end with its adapter, bit for bit."""
+    log the uninterrupted run's losses and end with its adapter, bit for bit. The same after a preemption: SIGUSR1 on
+    every rank after step 2, every rank saves checkpoint-3 and stops; the resumed run runs step 4 only."""
     out, ranks, _, _ = runs
     for found in ranks.values():
         got = found["resume"]
@@ -175,10 +176,14 @@ def test_resume_under_sp2_is_bit_exact(runs):
         # the resumed trainer's history: steps 1-2 read from the checkpoint, steps 3-4 computed after the resume
         assert len(got["whole"]) == 4 and got["resumed"] == got["whole"]
         assert got["whole_steps_run"] == [1, 2, 3, 4] and got["resumed_steps_run"] == [3, 4]  # it did resume
-    whole, resumed = torch.load(out / "resume_whole.pt"), torch.load(out / "resume_resumed.pt")
-    assert set(whole) == set(resumed) and whole
-    for key, value in whole.items():
-        assert torch.equal(resumed[key], value), key
+        assert got["preempted_steps_run"] == [1, 2, 3] and got["preempted_checkpoints"] == ["checkpoint-3"]
+        assert got["preempt_resumed_steps_run"] == [4] and got["preempt_resumed"] == got["whole"]
+    whole = torch.load(out / "resume_whole.pt")
+    for resumed in ("resume_resumed.pt", "resume_preempt_resumed.pt"):
+        resumed = torch.load(out / resumed)
+        assert set(whole) == set(resumed) and whole
+        for key, value in whole.items():
+            assert torch.equal(resumed[key], value), key
 
 
 def test_stock_sequence_parallelism_is_deepspeed_only():
@@ -249,6 +254,7 @@ def test_sp2_under_fsdp1_equals_one_process(runs, tmp_path):
         assert got["eval_loss"] == pytest.approx(oracle["eval_loss"], rel=LOSS_RTOL)
         resume = found["resume"]
         assert resume["resumed"] == resume["whole"] and resume["resumed_steps_run"] == [3, 4], resume
+        assert resume["preempt_resumed"] == resume["whole"] and resume["preempt_resumed_steps_run"] == [4], resume
 
 
 # --- trl's sft.py, unchanged, through `-m hf_fsdp_qlora.run`, sp_size=2 from the accelerate config -----------------
