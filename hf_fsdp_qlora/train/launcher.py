@@ -10,6 +10,12 @@ fall back to DDP) and gives every ``transformers.Trainer`` the script builds - S
 subclass - the behaviour of :class:`~hf_fsdp_qlora.FSDPQLoRATrainer` (see :mod:`hf_fsdp_qlora.train.trainer_hook`).
 The script then runs as ``__main__`` with ``sys.argv`` = ``[SCRIPT, ARGS...]``.
 
+The launch settings such scripts cannot pass are read here, from the environment (see ``USAGE``): among them
+sequence parallelism, ``HF_FSDP_QLORA_SP_SIZE`` or accelerate's own ``parallelism_config_sp_size`` in the accelerate
+config, which this takes over from accelerate (it runs sp_size under DeepSpeed only) before the script builds
+accelerate's state, and gives to every trainer's arguments
+(:func:`~hf_fsdp_qlora.train.sequence_parallel.adopt_launch_sp_size`).
+
 Afterwards the process group is destroyed (without waiting for the other ranks), and the process exits with the
 script's status without the interpreter's teardown: torch's gloo teardown at exit sometimes aborts ("terminate
 called without an active exception") after a successful run, and ``accelerate launch`` would report a failure.
@@ -86,8 +92,8 @@ def sp_size_from_env(environ=os.environ) -> tuple[int, str | None]:
     if deepspeed:
         if ours is not None and ours > 1:
             raise ValueError(
-                f"{SP_SIZE_ENV}={ours} under a DeepSpeed launch: hf_fsdp_qlora's sequence parallelism runs under FSDP. "
-                "Use accelerate's own parallelism_config_sp_size (sp_backend: deepspeed), or an FSDP config."
+                f"{SP_SIZE_ENV}={ours} under a DeepSpeed launch: hf_fsdp_qlora's sequence parallelism runs under "
+                "FSDP. Use accelerate's own parallelism_config_sp_size (sp_backend: deepspeed), or an FSDP config."
             )
         return 1, None
     theirs = environ.get(_ACCELERATE_SP_ENV, "").strip()
