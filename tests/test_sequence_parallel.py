@@ -7,11 +7,18 @@ sequence_parallel_scenarios.py with sp_size=2, against the same scenarios run by
 Measured (float32 compute, 4-bit NF4 base, LoRA r=4 on every linear layer, random lora_B): the first-step loss equal
 (difference 0), every LoRA gradient within 2.0e-6 of its largest element (summation order only: the attention
 runs on the same tokens, the partial gradients of the two ranks are summed by FSDP's reduce-scatter); the 8 logged
-losses of the run within 1.7e-7 relative. Asserted with a 10x margin.
+losses of the run within 1.7e-7 relative. Asserted with a 10x margin. A second launch runs the plain scenario and the
+resume under FSDP1.
+
+trl's sft.py: ONE forked 2-rank FSDP2 launch of trl's installed script, unchanged (tests/scripts/sequence_parallel_sft.py
+runs it by runpy and records), through `-m hf_fsdp_qlora.run` with `parallelism_config_sp_size: 2` in the accelerate
+config, against one process running trl's loss in this test process (see the test for the figures). The launcher's
+settings and their refusals are checked without a launch.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -160,7 +167,8 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
 
 def test_resume_under_sp2_is_bit_exact(runs):
     """A run with sp_size=2 under FSDP2 checkpointed at step 2 (AdamW) and resumed by a fresh trainer: steps 3 and 4
-    log the uninterrupted run's losses and end with its adapter, bit for bit."""
+    log the uninterrupted run's losses and end with its adapter, bit for bit. The same after a preemption: SIGUSR1 on
+    every rank after step 2, every rank saves checkpoint-3 and stops; the resumed run runs step 4 only."""
     out, ranks, _, _ = runs
     for found in ranks.values():
         got = found["resume"]
@@ -168,10 +176,14 @@ def test_resume_under_sp2_is_bit_exact(runs):
         # the resumed trainer's history: steps 1-2 read from the checkpoint, steps 3-4 computed after the resume
         assert len(got["whole"]) == 4 and got["resumed"] == got["whole"]
         assert got["whole_steps_run"] == [1, 2, 3, 4] and got["resumed_steps_run"] == [3, 4]  # it did resume
-    whole, resumed = torch.load(out / "resume_whole.pt"), torch.load(out / "resume_resumed.pt")
-    assert set(whole) == set(resumed) and whole
-    for key, value in whole.items():
-        assert torch.equal(resumed[key], value), key
+        assert got["preempted_steps_run"] == [1, 2, 3] and got["preempted_checkpoints"] == ["checkpoint-3"]
+        assert got["preempt_resumed_steps_run"] == [4] and got["preempt_resumed"] == got["whole"]
+    whole = torch.load(out / "resume_whole.pt")
+    for resumed in ("resume_resumed.pt", "resume_preempt_resumed.pt"):
+        resumed = torch.load(out / resumed)
+        assert set(whole) == set(resumed) and whole
+        for key, value in whole.items():
+            assert torch.equal(resumed[key], value), key
 
 
 def test_stock_sequence_parallelism_is_deepspeed_only():
@@ -183,24 +195,33 @@ def test_stock_sequence_parallelism_is_deepspeed_only():
         ParallelismConfig(sp_size=2, sp_backend="fsdp")
 
 
-@pytest.mark.parametrize("route", ["ours", "stock", "sft"])
+@pytest.mark.parametrize("route", ["ours", "stock", "sft", "own_loss"])
 def test_sp_size_is_never_ignored(tmp_path, route):
     """sp_size > 1 works through our trainer mixin's hooks only: a stock Trainer given it adopts the mixin (so the
-    setting is honoured or refused, never ignored), and a trainer with its own loss (trl's SFT) is refused by name."""
+    setting is honoured or refused, never ignored); trl's SFTTrainer takes it (here refused only for running in one
+    process); a trainer with another loss of its own is refused by name."""
     from transformers import Trainer
 
     from hf_fsdp_qlora import FSDPQLoRASFTTrainer, FSDPQLoRATrainer, FSDPQLoRATrainingArguments
 
     common = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[], sp_size=2)  # noqa: C408
+    match = r"sp_size=2\) in a single process"
     if route == "sft":
         from trl import SFTConfig
 
         args = SFTConfig(**{k: v for k, v in common.items() if k != "sp_size"}, bf16=False)
         args.sp_size = 2
-        kind, match = FSDPQLoRASFTTrainer, "with SFTTrainer, which computes its own loss"
+        kind = FSDPQLoRASFTTrainer
     else:
         args = FSDPQLoRATrainingArguments(**common)
-        kind, match = (FSDPQLoRATrainer if route == "ours" else Trainer), r"sp_size=2\) in a single process"
+        kind = {"ours": FSDPQLoRATrainer, "stock": Trainer}.get(route)
+    if route == "own_loss":
+
+        class OwnLoss(Trainer):
+            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        kind, match = OwnLoss, "with OwnLoss, which computes its own loss"
     from datasets import Dataset
 
     data = Dataset.from_dict({"input_ids": [[5, 6, 7, 8]] * 2})
@@ -233,3 +254,173 @@ def test_sp2_under_fsdp1_equals_one_process(runs, tmp_path):
         assert got["eval_loss"] == pytest.approx(oracle["eval_loss"], rel=LOSS_RTOL)
         resume = found["resume"]
         assert resume["resumed"] == resume["whole"] and resume["resumed_steps_run"] == [3, 4], resume
+        assert resume["preempt_resumed"] == resume["whole"] and resume["preempt_resumed_steps_run"] == [4], resume
+
+
+# --- trl's sft.py, unchanged, through `-m hf_fsdp_qlora.run`, sp_size=2 from the accelerate config -----------------
+
+SFT_STEPS = 8
+# Measured over the 8 steps (two runs): loss 1.08e-7, entropy 1.05e-7, gradient norm 1.13e-7 relative, token accuracy
+# equal, every LoRA gradient within 5.2e-7 of its largest element. Asserted with about a 10x margin.
+SFT_RTOL = 1e-6
+SFT_GRAD_TOL = 5e-6
+
+
+def test_launcher_reads_sp_size_by_name():
+    """The launcher's two forms (HF_FSDP_QLORA_SP_SIZE, the accelerate config's parallelism_config_sp_size as accelerate
+    launch exports it), and each bad value refused by name (hf_fsdp_qlora.run exits 2 with the message)."""
+    from hf_fsdp_qlora.train.launcher import hand_over_accelerate_sp_size, sp_size_from_env
+
+    assert sp_size_from_env({}) == (1, None)
+    assert sp_size_from_env({"HF_FSDP_QLORA_SP_SIZE": "2"}) == (
+        2,
+        "HF_FSDP_QLORA_SP_SIZE=2 (read by hf_fsdp_qlora.run)",
+    )
+    accelerate = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2",
+                  "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "1"}  # fmt: skip
+    assert sp_size_from_env(accelerate)[0] == 2
+    hand_over_accelerate_sp_size(accelerate)  # ours from here on: accelerate builds no mesh and refuses nothing
+    assert (
+        accelerate["PARALLELISM_CONFIG_SP_SIZE"] == "1" and accelerate["ACCELERATE_USE_PARALLELISM_CONFIG"] == "false"
+    )
+    hsdp = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "2",
+            "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}  # fmt: skip
+    hand_over_accelerate_sp_size(hsdp)  # the HSDP mesh stays accelerate's
+    assert hsdp["PARALLELISM_CONFIG_SP_SIZE"] == "1" and hsdp["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+    assert sp_size_from_env({"ACCELERATE_USE_DEEPSPEED": "true", "PARALLELISM_CONFIG_SP_SIZE": "2"}) == (1, None)
+    for env, match in [
+        ({"HF_FSDP_QLORA_SP_SIZE": "two"}, r"HF_FSDP_QLORA_SP_SIZE='two': sp_size must be a whole number >= 1"),
+        ({"HF_FSDP_QLORA_SP_SIZE": "0"}, r"HF_FSDP_QLORA_SP_SIZE='0'"),
+        ({"PARALLELISM_CONFIG_SP_SIZE": "-2"}, r"parallelism_config_sp_size='-2'"),
+        ({"HF_FSDP_QLORA_SP_SIZE": "2", "PARALLELISM_CONFIG_SP_SIZE": "4"}, "disagree: set one"),
+        ({"PARALLELISM_CONFIG_SP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "2"}, "parallelism_config_cp_size=2"),
+        ({"HF_FSDP_QLORA_SP_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"}, "under a DeepSpeed launch"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            sp_size_from_env(env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_fsdp_qlora.run", __file__], env={**_clean_env(), "HF_FSDP_QLORA_SP_SIZE": "x"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "hf_fsdp_qlora.run: HF_FSDP_QLORA_SP_SIZE='x'" in proc.stderr, proc.stderr[-2000:]
+
+
+def _clean_env():
+    from dist_utils import _env
+
+    return _env()
+
+
+def _sft_args(model, data, out):
+    # float32 compute and no LoRA dropout, so one process on the whole sequence is an exact oracle; trl's packing
+    # (padding-free rows of up to 81 tokens: three 27-token conversations, so an odd length the split pads); lr 1e-3 so lora_B leaves zero after the first step.
+    return [
+        "--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out),
+        "--use_peft", "--load_in_4bit", "--dtype", "float32", "--bf16", "False", "--lora_dropout", "0",
+        "--lora_target_modules", "all-linear", "--packing", "--max_length", "81", "--per_device_train_batch_size", "1",
+        "--max_steps", str(SFT_STEPS), "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none",
+        "--save_strategy", "no", "--seed", "0",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """One forked 2-rank FSDP2 launch: `-m hf_fsdp_qlora.run` of tests/scripts/sequence_parallel_sft.py (trl's sft.py
+    via runpy), the accelerate config being the CPU FSDP2 rehearsal plus `parallelism_config_sp_size: 2`."""
+    from dist_utils import CONFIGS, _fork_cmd, _run, check
+    from recipe_fixtures import build_chat_dataset, build_recipe_model
+
+    root = tmp_path_factory.mktemp("sp_sft")
+    model, data = build_recipe_model(root / "model"), build_chat_dataset(root / "chat")
+    config = root / "cpu_fsdp2_sp2.yaml"
+    config.write_text(
+        (CONFIGS / "cpu_fsdp2_rehearsal.yaml").read_text().rstrip("\n")
+        + "\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
+    )
+    out = root / "record"
+    args = [str(out), *_sft_args(model, data, root / "sft")]
+    cmd = _fork_cmd("sequence_parallel_sft.py", args, 400, config=config)
+    at = len(cmd) - len(args) - 1  # fork_launch's `-m MODULE SCRIPT ARGS`
+    proc = _run([*cmd[:at], "-m", "hf_fsdp_qlora.run", *cmd[at:]], 400, None)
+    check(proc)
+    ranks = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return model, root / "sft", ranks, torch.load(out / "steps.pt"), proc.stdout + proc.stderr
+
+
+def _sft_oracle(model_dir, steps):
+    """One process, no FSDP, no sequence parallelism, trl's own loss path (its fused LM head) on each recorded step:
+    the same base (same 4-bit quantization of the same checkpoint), the LoRA weights that step ran with, the whole
+    batch. Returns, per step, the loss, entropy and token accuracy as trl computes them, the gradient norm before
+    clipping, and the gradients after the Trainer's clipping (max_grad_norm=1.0, trl's default)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl import ModelConfig, get_peft_config, get_quantization_config
+    from trl.trainer.utils import add_fused_lm_head
+
+    margs = ModelConfig(
+        model_name_or_path=str(model_dir), dtype="float32", load_in_4bit=True, use_peft=True, lora_dropout=0.0,
+        lora_target_modules=["all-linear"],
+    )  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), quantization_config=get_quantization_config(margs), dtype=torch.float32
+    )
+    model = get_peft_model(base, get_peft_config(margs))
+    add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
+    model.train()
+    params = dict(model.named_parameters())
+    found = []
+    for step in steps:
+        for name, value in step["weights"].items():
+            params[name].data.copy_(value)
+            params[name].grad = None
+        out = model(**step["batch"], use_cache=False, fused_lm_head=True)
+        out.loss.backward()
+        trainable = [params[n] for n in step["weights"]]
+        norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        valid = out.label_mask.sum()
+        found.append({
+            "loss": float(out.loss.detach()), "entropy": float(out.entropy.detach().sum() / valid),
+            "accuracy": float(out.is_top1.sum() / valid), "grad_norm": float(norm),
+            "grads": {n: params[n].grad.detach().clone() for n in step["weights"]},
+        })  # fmt: skip
+    return found
+
+
+def test_trl_sft_py_under_sp2_equals_one_process(sft_run):
+    """trl's sft.py, unchanged, through `-m hf_fsdp_qlora.run` with `parallelism_config_sp_size: 2` in the accelerate
+    config (2 ranks, gloo, FSDP2): every one of the 8 steps' loss, entropy, token accuracy, gradient norm and every LoRA
+    gradient equal one process running trl's loss on the whole batch from the same weights; FSDP2 and sequence
+    parallelism engaged (each rank embedded half of each batch's tokens)."""
+    model_dir, sft_out, ranks, steps, text = sft_run
+    assert "hf_fsdp_qlora: FSDP2 engaged on 2 rank(s)" in text
+    for rank, found in ranks.items():
+        assert found["trainer"] == "SFTTrainer" and found["sp_size"] == 2 and found["world"] == 2
+        assert found["distributed_type"] == "DistributedType.FSDP" and found["parallelism_config"] == "None"
+        assert found["engaged"]["fsdp2_modules"] > 0 and found["dtensor_params"] > 0, found["engaged"]
+        whole, local = found["whole_tokens"], found["local_tokens"]
+        assert len(whole) == len(local) == SFT_STEPS, (whole, local)
+        assert local == [(n + n % 2) // 2 for n in whole], (whole, local)  # half of each (padded) batch
+    assert ranks[0]["whole_tokens"] == ranks[1]["whole_tokens"]  # the group's two ranks shared each batch
+    assert any(n % 2 for n in ranks[0]["whole_tokens"])  # a row padded for the split
+    logged = {e["step"]: e for e in ranks[0]["log_history"] if "loss" in e}
+    assert sorted(logged) == list(range(1, SFT_STEPS + 1)) and len(steps) == SFT_STEPS
+    assert any((steps[0]["batch"]["position_ids"][0, 1:] == 0).tolist())  # packed: two conversations per row
+    oracle = _sft_oracle(model_dir, steps)
+    report = {"loss": 0.0, "entropy": 0.0, "accuracy": 0.0, "grad_norm": 0.0, "grad": 0.0}
+    for index, (step, want) in enumerate(zip(steps, oracle), start=1):
+        got = logged[index]
+        for key, name in (("loss", "loss"), ("entropy", "entropy"), ("accuracy", "mean_token_accuracy"),
+                          ("grad_norm", "grad_norm")):  # fmt: skip
+            report[key] = max(report[key], abs(got[name] - want[key]) / max(abs(want[key]), 1e-12))
+        assert set(step["grads"]) == set(want["grads"]) and len(want["grads"]) == 2 * 7 * 2
+        for name, ref in want["grads"].items():
+            scale = float(ref.abs().max())
+            assert scale > 0 or index == 1, name  # lora_B starts at zero: lora_A's first gradient is zero
+            error = float((step["grads"][name] - ref).abs().max())
+            report["grad"] = max(report["grad"], error / max(scale, 1e-30) if scale else error)
+    print("trl sft.py sp_size=2 vs one process:", report)
+    assert max(report["loss"], report["entropy"], report["grad_norm"]) <= SFT_RTOL and report["accuracy"] == 0.0, (
+        report
+    )
+    assert report["grad"] <= SFT_GRAD_TOL, report
+    assert (sft_out / "adapter_model.safetensors").is_file()

@@ -215,6 +215,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             f"{MIXIN}.get_train_dataloader",
             "hf_fsdp_qlora.train.sequence_parallel.check_sequence_parallel",
             "hf_fsdp_qlora.train.sequence_parallel._select_attention",
+            "hf_fsdp_qlora.train.launcher.hand_over_accelerate_sp_size",
         ),
         remove_when="accelerate's ParallelismConfig offers an sp_backend for FSDP2 that transformers' Trainer runs",
         canary="tests/test_sequence_parallel.py::test_stock_sequence_parallelism_is_deepspeed_only",

@@ -10,6 +10,12 @@ fall back to DDP) and gives every ``transformers.Trainer`` the script builds - S
 subclass - the behaviour of :class:`~hf_fsdp_qlora.FSDPQLoRATrainer` (see :mod:`hf_fsdp_qlora.train.trainer_hook`).
 The script then runs as ``__main__`` with ``sys.argv`` = ``[SCRIPT, ARGS...]``.
 
+The launch settings such scripts cannot pass are read here, from the environment (see ``USAGE``): among them
+sequence parallelism, ``HF_FSDP_QLORA_SP_SIZE`` or accelerate's own ``parallelism_config_sp_size`` in the accelerate
+config, which this takes over from accelerate (it runs sp_size under DeepSpeed only) before the script builds
+accelerate's state, and gives to every trainer's arguments
+(:func:`~hf_fsdp_qlora.train.sequence_parallel.adopt_launch_sp_size`).
+
 Afterwards the process group is destroyed (without waiting for the other ranks), and the process exits with the
 script's status without the interpreter's teardown: torch's gloo teardown at exit sometimes aborts ("terminate
 called without an active exception") after a successful run, and ``accelerate launch`` would report a failure.
@@ -27,6 +33,8 @@ AUTO_RESUME_ENV = "HF_FSDP_QLORA_AUTO_RESUME"
 STOP_AFTER_ENV = "HF_FSDP_QLORA_STOP_AFTER"
 QUANTIZE_EXPERTS_ENV = "HF_FSDP_QLORA_QUANTIZE_EXPERTS"
 ADAPTER_DTYPE_ENV = "HF_FSDP_QLORA_ADAPTER_DTYPE"
+SP_SIZE_ENV = "HF_FSDP_QLORA_SP_SIZE"
+_ACCELERATE_SP_ENV = "PARALLELISM_CONFIG_SP_SIZE"  # what accelerate launch exports for parallelism_config_sp_size
 
 USAGE = """usage: python -m hf_fsdp_qlora.run SCRIPT.py [SCRIPT_ARGS...]
        python -m hf_fsdp_qlora.run -m MODULE [SCRIPT_ARGS...]
@@ -46,12 +54,78 @@ and exits with status 75 (and leaves OUTPUT_DIR/preempted.json). Environment:
                                      (default: quantized to 4 bits like the linear layers, before peft and FSDP)
   HF_FSDP_QLORA_ADAPTER_DTYPE=bfloat16  keep the adapters in bf16 (default float32: fp32 master weights, as stock
                                      peft; compute stays bf16)
+  HF_FSDP_QLORA_SP_SIZE=2            Ulysses sequence parallelism for every trainer the script builds (trl's SFTTrainer
+                                     included; docs/long-context.md): groups of 2 ranks share each sequence. Or, in
+                                     an FSDP2 accelerate config, accelerate's name: parallelism_config:
+                                     {parallelism_config_sp_size: 2} (accelerate alone runs it under DeepSpeed only)
 """
 
 
 def quantize_experts_from_env(environ=os.environ) -> bool:
     """HF_FSDP_QLORA_QUANTIZE_EXPERTS: on unless set to 0/false/no (case and spaces ignored)."""
     return environ.get(QUANTIZE_EXPERTS_ENV, "1").strip().lower() not in ("0", "false", "no")
+
+
+def _whole_number(name: str, value: str) -> int:
+    try:
+        number = int(value.strip())
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name}={value!r}: sp_size must be a whole number >= 1 (1: no sequence parallelism), e.g. 2")
+    return number
+
+
+def sp_size_from_env(environ=os.environ) -> tuple[int, str | None]:
+    """(sp_size, the setting that asked for it) of Ulysses sequence parallelism for every trainer the script builds:
+    HF_FSDP_QLORA_SP_SIZE, or the accelerate config's ``parallelism_config: {parallelism_config_sp_size: N}``, which
+    ``accelerate launch`` exports as PARALLELISM_CONFIG_SP_SIZE (accelerate itself runs that only under DeepSpeed;
+    under a DeepSpeed launch it is left to accelerate). (1, None) when neither asks.
+
+    Raises:
+        ValueError: a value that is not a whole number >= 1, the two settings disagreeing, HF_FSDP_QLORA_SP_SIZE
+            under DeepSpeed, or sp_size beside accelerate's tp_size/cp_size (each named).
+    """
+    ours = environ.get(SP_SIZE_ENV, "").strip()
+    ours = _whole_number(SP_SIZE_ENV, ours) if ours else None
+    deepspeed = environ.get("ACCELERATE_USE_DEEPSPEED", "").strip().lower() in ("1", "true")
+    if deepspeed:
+        if ours is not None and ours > 1:
+            raise ValueError(
+                f"{SP_SIZE_ENV}={ours} under a DeepSpeed launch: hf_fsdp_qlora's sequence parallelism runs under "
+                "FSDP. Use accelerate's own parallelism_config_sp_size (sp_backend: deepspeed), or an FSDP config."
+            )
+        return 1, None
+    theirs = environ.get(_ACCELERATE_SP_ENV, "").strip()
+    theirs = _whole_number("parallelism_config_sp_size", theirs) if theirs else None
+    if ours is not None and theirs not in (None, 1, ours):
+        raise ValueError(
+            f"{SP_SIZE_ENV}={ours} and the accelerate config's parallelism_config_sp_size={theirs} disagree: set one."
+        )
+    sp_size = ours if ours is not None else (theirs or 1)
+    source = f"{SP_SIZE_ENV}={sp_size}" if ours is not None else f"parallelism_config_sp_size={sp_size}"
+    for dim in ("tp", "cp"):
+        other = environ.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", "1").strip()
+        if sp_size > 1 and other not in ("", "1"):
+            raise ValueError(
+                f"{source} with parallelism_config_{dim}_size={other}: sequence parallelism runs beside FSDP's data "
+                f"parallelism only. Set parallelism_config_{dim}_size to 1, or sp_size to 1."
+            )
+    return sp_size, (f"{source} (read by hf_fsdp_qlora.run)" if sp_size > 1 else None)
+
+
+def hand_over_accelerate_sp_size(environ=os.environ) -> None:
+    """Take sp_size out of accelerate's parallelism config in this process (the setting is ours from here on), so
+    accelerate neither refuses it under FSDP nor builds a mesh for it; a config with nothing else in it (no HSDP
+    dp_replicate/dp_shard sizes) is then off, as without a parallelism_config."""
+    if environ.get(_ACCELERATE_SP_ENV, "1").strip() == "1":
+        return
+    environ[_ACCELERATE_SP_ENV] = "1"
+    sizes = [
+        environ.get(f"PARALLELISM_CONFIG_{d}_SIZE", "1").strip() for d in ("DP_REPLICATE", "DP_SHARD", "TP", "CP")
+    ]
+    if all(s in ("", "1") for s in sizes):
+        environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"
 
 
 def _finish(code: int) -> None:
@@ -80,6 +154,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"hf_fsdp_qlora.run: no such script: {target!r}\n\n" + USAGE, file=sys.stderr)
             sys.exit(2)
 
+    try:  # a bad value is refused before anything is imported or loaded
+        sp_size, sp_source = sp_size_from_env()
+    except ValueError as err:
+        print(f"hf_fsdp_qlora.run: {err}", file=sys.stderr)
+        sys.exit(2)
+
     from .preemption import remember_early_signals, set_launch_defaults
 
     # First, before the heavy imports and the model loading: a scheduler's SIGUSR1 from here on is remembered and
@@ -100,6 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         print(f"hf_fsdp_qlora.run: {ADAPTER_DTYPE_ENV}: {err}", file=sys.stderr)
         sys.exit(2)
+    if sp_size > 1:  # before the script builds accelerate's state, which would refuse sp_size without DeepSpeed
+        from .sequence_parallel import set_launch_sp_size
+
+        hand_over_accelerate_sp_size()
+        set_launch_sp_size(sp_size, sp_source)
 
     from ..cpu_rehearsal import enable_cpu_fsdp
     from ..loading.expert_lora import quantize_experts_before_peft

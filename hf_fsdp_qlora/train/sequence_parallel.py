@@ -1,12 +1,16 @@
 """Ulysses sequence parallelism under FSDP: ``sp_size`` ranks share each sequence, each holding 1/sp_size of its
 tokens. ``FSDPQLoRATrainingArguments(sp_size=N)`` (accelerate's ``ParallelismConfig`` name; accelerate's own
-``sp_backend`` is DeepSpeed only, so the setting lives in our arguments).
+``sp_backend`` is DeepSpeed only, so the setting lives in our arguments), or, for unchanged scripts run by
+``python -m hf_fsdp_qlora.run`` (trl's ``sft.py``), the launcher's setting (:func:`set_launch_sp_size`: the accelerate
+config's ``parallelism_config_sp_size`` or ``HF_FSDP_QLORA_SP_SIZE``), given to every trainer the script builds.
 
 The layout: ranks ``[0, sp)``, ``[sp, 2 sp)``, ... form sequence-parallel groups; FSDP still shards the 4-bit base
 over every rank. What this module owns, each a function below:
 
 * the refusals, before the first step (:func:`check_sequence_parallel`): heads not divisible by ``sp_size``, an
   attention implementation other than SDPA, sliding-window or linear-attention layers, a world size not divisible;
+  a trainer whose own loss the split is not proven with (:func:`_refuse_own_loss`: anything but transformers' causal-LM
+  loss and trl's ``SFTTrainer`` loss);
 * the setup (:func:`setup_sequence_parallel`): the process groups, the attention function of
   :mod:`hf_fsdp_qlora.train.ulysses` registered and selected;
 * the data (:func:`shard_by_group`): the ranks of a group receive the same batches (the sampler shards over the
@@ -17,7 +21,9 @@ over every rank. What this module owns, each a function below:
 * the loss scale (:func:`compute_loss`): each rank's loss is the sum over its tokens divided by the whole batch's
   labelled-token count, times ``sp_size``: FSDP averages gradients over all ranks, and a group's ``sp_size`` ranks
   together hold one sequence, so the factor makes the average over data-parallel groups right for any
-  ``sp_size`` up to the world size.
+  ``sp_size`` up to the world size. trl's ``SFTTrainer`` normalises its loss like transformers' (by
+  ``num_items_in_batch``, else its micro-batch's labelled tokens), so the same scale applies to it; its metrics
+  (entropy, token accuracy) are sums over tokens and counts gathered over every rank, so they come out whole.
 """
 
 from __future__ import annotations
@@ -31,13 +37,61 @@ import torch.nn.functional as F
 from ..errors import UnsupportedSetupError
 from . import ulysses
 
-__all__ = ["check_sequence_parallel", "compute_loss", "setup_sequence_parallel", "shard_by_group", "split_batch"]
+__all__ = [
+    "adopt_launch_sp_size",
+    "check_sequence_parallel",
+    "compute_loss",
+    "set_launch_sp_size",
+    "setup_sequence_parallel",
+    "shard_by_group",
+    "split_batch",
+]
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 _SUPPORTED_INNER = ("sdpa",)
 _SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
+# trl's padding-free collator describes the packed documents of the whole row for varlen kernels (flash attention's
+# cu_seq_lens, linear attention's per-token seq_idx). Neither kernel runs under sp_size (SDPA only; linear-attention
+# layers are refused), and the Ulysses attention finds the documents from the global position ids: dropped.
+_WHOLE_ROW_ONLY = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_SFT_TRAINER = ("trl.trainer.sft_trainer", "SFTTrainer")  # the one trainer with its own loss proven under sp_size
+
+# The launcher's setting (hf_fsdp_qlora.run): sp_size and the words that name where it came from.
+_LAUNCH = {"sp_size": 1, "source": None}
+
+
+def set_launch_sp_size(sp_size: int, source: str | None = None) -> None:
+    """The sp_size ``python -m hf_fsdp_qlora.run`` read (`source` names the setting, for the errors)."""
+    _LAUNCH.update(sp_size=int(sp_size), source=source if sp_size > 1 else None)
+
+
+def setting_name(sp_size: int) -> str:
+    """The setting that asked for `sp_size`, as errors name it."""
+    if _LAUNCH["source"] and _LAUNCH["sp_size"] == sp_size:
+        return _LAUNCH["source"]
+    return f"FSDPQLoRATrainingArguments(sp_size={sp_size})"
+
+
+def adopt_launch_sp_size(args) -> None:
+    """Give a trainer's arguments the launcher's sp_size (trl's SFTConfig has no such field), at the start of
+    ``Trainer.__init__``, so every reader of ``args.sp_size`` sees it. Refuses a different sp_size > 1 set in the
+    script's own arguments, and a trainer built without arguments (its defaults would silently drop the setting)."""
+    sp_size, source = _LAUNCH["sp_size"], _LAUNCH["source"]
+    if sp_size <= 1:
+        return
+    if args is None:
+        raise UnsupportedSetupError(
+            f"{source}: the script builds a Trainer without TrainingArguments, so sequence parallelism could not be "
+            "applied to it. Pass args=TrainingArguments(...) (or trl's SFTConfig), or unset the launcher's sp_size."
+        )
+    own = sp_size_of(args)
+    if own > 1 and own != sp_size:
+        raise UnsupportedSetupError(
+            f"{source}, but the script's arguments say sp_size={own}. Set one of them, or the same value in both."
+        )
+    args.sp_size = sp_size
 
 
 def sp_size_of(args) -> int:
@@ -55,7 +109,7 @@ def check_sequence_parallel(model, sp_size: int, world_size: int) -> str:
     Raises:
         UnsupportedSetupError: naming the setting and what to use instead.
     """
-    where = f"FSDPQLoRATrainingArguments(sp_size={sp_size})"
+    where = f"{setting_name(sp_size)}"
     if world_size % sp_size:
         raise UnsupportedSetupError(
             f"{where} on {world_size} processes: sp_size must divide the number of processes (groups of sp_size "
@@ -94,9 +148,59 @@ def _select_attention(model, sp_size: int) -> None:
     model.set_attn_implementation(ulysses.register_ulysses_attention())
     if _text_config(model)._attn_implementation != ulysses.ATTENTION_NAME:  # transformers only warns
         raise UnsupportedSetupError(
-            f"FSDPQLoRATrainingArguments(sp_size={sp_size}): {type(model).__name__} does not take its attention "
+            f"{setting_name(sp_size)}: {type(model).__name__} does not take its attention "
             "function from transformers' attention interface, so the sequence-parallel attention would never run. "
             "Train this model with sp_size=1."
+        )
+
+
+def _own_loss_owner(trainer) -> type | None:
+    """The class between our mixin and transformers.Trainer that defines compute_loss (None: transformers')."""
+    from transformers import Trainer
+
+    from .loss import _after_mixin
+
+    for cls in _after_mixin(trainer):
+        if "compute_loss" in vars(cls):
+            return None if cls is Trainer else cls
+    return None
+
+
+def _sft_loss_refusal(trainer) -> str | None:
+    """What makes trl's SFTTrainer compute a loss the split would get wrong (None: its default token loss).
+
+    Read per batch: trl sets some of these after ``Trainer.__init__`` created the accelerator (and the groups)."""
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return "a compute_loss_func (it gets one rank's logits and the whole sequence's labels)"
+    if getattr(trainer, "label_smoother", None) is not None:
+        return "label_smoothing_factor > 0 (trl smooths over the full logits)"
+    if getattr(trainer, "aux_loss_enabled", False):
+        return "a mixture-of-experts router auxiliary loss (a mean over each rank's tokens, not additive)"
+    if getattr(trainer.args, "use_liger_kernel", False):
+        return "use_liger_kernel=True (Liger's fused loss sees one rank's tokens only)"
+    return None
+
+
+def _refuse_own_loss(trainer, sp_size: int) -> None:
+    """Refuse a trainer with its own loss unless it is trl's SFTTrainer's token loss, which the split is proven with.
+
+    Raises:
+        UnsupportedSetupError: naming the trainer (or its setting) and what to use instead.
+    """
+    owner = _own_loss_owner(trainer)
+    if owner is None:
+        return
+    if (owner.__module__, owner.__name__) != _SFT_TRAINER:
+        raise UnsupportedSetupError(
+            f"{setting_name(sp_size)} with {owner.__name__}, which computes its own loss: the sequence split and its "
+            "loss scale are proven with transformers' causal-LM loss (FSDPQLoRATrainer) and trl's SFTTrainer only. "
+            "Use one of those, or sp_size=1."
+        )
+    why = _sft_loss_refusal(trainer)
+    if why is not None:
+        raise UnsupportedSetupError(
+            f"{setting_name(sp_size)} with SFTTrainer and {why}: under sequence parallelism SFTTrainer's own token "
+            "loss is supported only. Drop that setting, or use sp_size=1."
         )
 
 
@@ -106,18 +210,10 @@ def setup_sequence_parallel(trainer) -> ulysses.UlyssesGroup | None:
     if sp_size <= 1:
         ulysses.set_active_group(None)
         return None
-    from .loss import _own_loss_class
-
-    own = _own_loss_class(trainer)
-    if own is not None:
-        raise UnsupportedSetupError(
-            f"FSDPQLoRATrainingArguments(sp_size={sp_size}) with {own}, which computes its own loss: the sequence "
-            "split and its loss scale are tested with the causal-LM loss of FSDPQLoRATrainer only. Use "
-            "FSDPQLoRATrainer, or sp_size=1."
-        )
+    _refuse_own_loss(trainer, sp_size)
     if not (dist.is_available() and dist.is_initialized()):
         raise UnsupportedSetupError(
-            f"FSDPQLoRATrainingArguments(sp_size={sp_size}) in a single process: launch sp_size or more processes "
+            f"{setting_name(sp_size)} in a single process: launch sp_size or more processes "
             "(torchrun / accelerate launch --num_processes)."
         )
     from .checkpoint import unwrap_peft_model
@@ -146,7 +242,7 @@ def shard_by_group(loader, sp_size: int):
     if sp_size <= 1 or sampler is None or not hasattr(sampler, "process_index"):
         if sp_size > 1:
             raise UnsupportedSetupError(
-                f"FSDPQLoRATrainingArguments(sp_size={sp_size}) with a {type(loader).__name__} whose batches accelerate "
+                f"{setting_name(sp_size)} with a {type(loader).__name__} whose batches accelerate "
                 "does not shard by a batch sampler (an IterableDataset or dispatch_batches=True): the ranks of a group "
                 "must see the same batches. Pass a map-style Dataset (with __len__)."
             )
@@ -161,16 +257,16 @@ def _refuse_padding(inputs: dict, sp_size: int) -> None:
     mask = inputs.get("attention_mask")
     if mask is not None and not bool(mask.bool().all()):
         raise UnsupportedSetupError(
-            f"FSDPQLoRATrainingArguments(sp_size={sp_size}) with a padded batch (attention_mask has zeros): the "
+            f"{setting_name(sp_size)} with a padded batch (attention_mask has zeros): the "
             "sequence-parallel attention builds the whole sequence's causal mask itself. Use padding-free batches "
             "(trl padding_free=True / packing, transformers DataCollatorWithFlattening) or equal-length samples."
         )
     length = inputs["input_ids"].shape[-1]
     for key, value in inputs.items():
         sequence_shaped = torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == length
-        if sequence_shaped and key not in _SEQUENCE_KEYS:
+        if sequence_shaped and key not in _SEQUENCE_KEYS + _WHOLE_ROW_ONLY:
             raise UnsupportedSetupError(
-                f"FSDPQLoRATrainingArguments(sp_size={sp_size}): the batch has a per-token input {key!r} the "
+                f"{setting_name(sp_size)}: the batch has a per-token input {key!r} the "
                 "sequence split does not know how to cut. Drop it from the collator's output or use sp_size=1."
             )
 
@@ -201,7 +297,7 @@ def split_batch(inputs: dict, sp_size: int, sp_rank: int) -> tuple[dict, torch.T
         positions = torch.cat([positions, tail], dim=-1)
     chunk = (length + pad) // sp_size
     piece = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
-    local = {k: v for k, v in inputs.items() if k not in _SEQUENCE_KEYS}
+    local = {k: v for k, v in inputs.items() if k not in _SEQUENCE_KEYS + _WHOLE_ROW_ONLY}
     local.update(input_ids=ids[:, piece].contiguous(), position_ids=positions[:, piece].contiguous())
     mine = shift[:, piece].contiguous()  # transformers' loss views it flat
     local.update(labels=mine, shift_labels=mine)
@@ -221,6 +317,7 @@ def compute_loss(trainer, inner, model, inputs, return_outputs=False, num_items_
     if state is None:
         return inner(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
     sp = state.sp_size
+    _refuse_own_loss(trainer, sp)
     local, state.global_position_ids, count = split_batch(inputs, sp, state.sp_rank)
     scale = 1.0
     if num_items_in_batch is not None and trainer.args.average_tokens_across_devices:

@@ -31,6 +31,7 @@ import inspect
 from ._trainer_mixin import FSDPSaveMixin, with_fsdp_callback
 from .callbacks import FSDPQLoRACallback
 from .preemption_callback import PreemptionCallback
+from .sequence_parallel import adopt_launch_sp_size
 
 __all__ = ["FSDPQLoRACallback", "PreemptionCallback", "adopted_class", "install_trainer_hook"]
 
@@ -78,6 +79,7 @@ def install_trainer_hook(adopt_all: bool = False) -> None:
         except TypeError:  # let the original raise its own error for a wrong call
             return original(self, *args, **kwargs)
         callbacks = bound.arguments.get("callbacks")
+        adopt_launch_sp_size(bound.arguments.get("args"))  # hf_fsdp_qlora.run's sp_size, for args without one
         # sp_size > 1 only works through the mixin's hooks: never ignore it silently on a stock Trainer.
         needs_mixin = getattr(bound.arguments.get("args"), "sp_size", 1) > 1
         if not isinstance(self, FSDPSaveMixin) and (_ADOPT_ALL or _has_our_callback(callbacks) or needs_mixin):

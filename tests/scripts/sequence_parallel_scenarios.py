@@ -138,36 +138,63 @@ def _trainable(model) -> dict:
     return found
 
 
-def run_resume(path, out):
-    """Bit-exact resume under sp_size=2: the resumed run's losses and final adapter against the uninterrupted run's."""
+# The resume scenario's runs: (output folder, checkpoint to resume from, the step after which SIGUSR1 is sent).
+RESUME_PARTS = {
+    "whole": (None, None),
+    "resumed": ("resume_whole/checkpoint-2", None),  # the periodic checkpoint of the uninterrupted run
+    # SIGUSR1 after step 2 (no periodic checkpoints: a signal during one makes it the preemption's): every rank saves
+    # checkpoint-3 at the next step's end and train() returns
+    "preempted": (None, 2),
+    "preempt_resumed": ("resume_preempted/checkpoint-3", None),
+}
+
+
+def _resume_callbacks(steps: list, signal_after: int | None) -> list:
+    """Count the steps run; with `signal_after`, our preemption callback (train() returns instead of exiting, so the
+    launch goes on) and a SIGUSR1 to this rank after that step, as a scheduler sends it to every task."""
+    import signal
+
     from transformers import TrainerCallback
 
+    from hf_fsdp_qlora import PreemptionCallback
+
+    class CountSteps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+            if state.global_step == signal_after:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    # The preemption callback first: it looks at step 2's end before the signal, so the stop is at step 3's end
+    return ([PreemptionCallback(exit_code=None)] if signal_after else []) + [CountSteps()]
+
+
+def run_resume(path, out):
+    """Bit-exact resume under sp_size=2: from a periodic checkpoint, and from the checkpoint a SIGUSR1 (preemption)
+    made mid-run; each resumed run's losses and final adapter against the uninterrupted run's."""
     if "FSDP_ACTIVATION_CHECKPOINTING" in os.environ:
         os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "false"
     found = {}
-    for part in ("whole", "resumed"):
+    for part, (checkpoint, signal_after) in RESUME_PARTS.items():
         torch.manual_seed(0)
         model = load_qlora_model(path, dtype=torch.float32, lora_config=ts.lora_config(init_lora_weights=False),
                                  gradient_checkpointing=False)  # fmt: skip
+        folder = {"resumed": "resume_resumed", "preempt_resumed": "resume_preempt_resumed"}.get(part, f"resume_{part}")
         args = FSDPQLoRATrainingArguments(
-            output_dir=str(out / f"resume_{part}"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-            max_steps=4, learning_rate=0.1, optim="adamw_torch", logging_steps=1, report_to=[], save_strategy="steps",
-            save_steps=2, use_cpu=True, dataloader_drop_last=True, seed=0, sp_size=2,
+            output_dir=str(out / folder), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            max_steps=4, learning_rate=0.1, optim="adamw_torch", logging_steps=1, report_to=[], save_steps=2,
+            save_strategy="no" if signal_after else "steps", use_cpu=True, dataloader_drop_last=True, seed=0, sp_size=2,
         )  # fmt: skip
         steps = []
-
-        class CountSteps(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                steps.append(state.global_step)
-
-        trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=PromptData(), callbacks=[CountSteps()])
-        checkpoint = str(out / "resume_whole" / "checkpoint-2") if part == "resumed" else None
-        trainer.train(resume_from_checkpoint=checkpoint)
+        trainer = FSDPQLoRATrainer(
+            model=model, args=args, train_dataset=PromptData(), callbacks=_resume_callbacks(steps, signal_after)
+        )
+        trainer.train(resume_from_checkpoint=str(out / checkpoint) if checkpoint else None)
         found[part] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         found[f"{part}_steps_run"] = steps
+        found[f"{part}_checkpoints"] = sorted(p.name for p in Path(args.output_dir).glob("checkpoint-*"))
         weights = _trainable(trainer.model)
         if ts.rank() == 0:
-            torch.save(weights, out / f"resume_{part}.pt")
+            torch.save(weights, out / f"{folder}.pt")
         ts.reset_accelerate()
     return found
 
