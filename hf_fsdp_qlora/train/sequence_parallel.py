@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import UnsupportedSetupError
+from ..sp_rules import local_attention_kinds, sequence_parallel_problem
 from . import ulysses
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-_SUPPORTED_INNER = ("sdpa",)
 _SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
 # trl's padding-free collator describes the packed documents of the whole row for varlen kernels (flash attention's
 # cu_seq_lens, linear attention's per-token seq_idx). Neither kernel runs under sp_size (SDPA only; linear-attention
@@ -109,37 +109,14 @@ def check_sequence_parallel(model, sp_size: int, world_size: int) -> str:
     Raises:
         UnsupportedSetupError: naming the setting and what to use instead.
     """
-    where = f"{setting_name(sp_size)}"
-    if world_size % sp_size:
-        raise UnsupportedSetupError(
-            f"{where} on {world_size} processes: sp_size must divide the number of processes (groups of sp_size "
-            f"ranks share each sequence). Use an sp_size among {[n for n in range(1, world_size + 1) if not world_size % n]}."
-        )
     config = _text_config(model)
-    heads = getattr(config, "num_attention_heads", None)
-    if not heads or heads % sp_size:
-        raise UnsupportedSetupError(
-            f"{where}: the model has num_attention_heads={heads}, not divisible by sp_size, so the heads cannot be "
-            "split evenly across the ranks of a group. Use an sp_size that divides the number of attention heads."
-        )
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in _SUPPORTED_INNER and impl != ulysses.ATTENTION_NAME:
-        raise UnsupportedSetupError(
-            f"{where} with attn_implementation={impl!r}: sequence parallelism wraps SDPA through transformers' "
-            "attention interface, and this implementation is not wrapped (on CPU only SDPA runs). Load the model with "
-            "attn_implementation='sdpa'."
-        )
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    windowed = getattr(config, "sliding_window", None) and (
-        getattr(config, "use_sliding_window", True) and (not layer_types or "sliding_attention" in layer_types)
-    )
-    if windowed or layer_types - {"full_attention"}:
-        kinds = sorted(layer_types - {"full_attention"}) or ["sliding_attention"]
-        raise UnsupportedSetupError(
-            f"{where}: the model has {', '.join(kinds)} layers (sliding_window={getattr(config, 'sliding_window', None)}"
-            "); the Ulysses attention computes full causal attention only, so they would attend too far. Train this "
-            "model with sp_size=1."
-        )
+    found = sequence_parallel_problem(
+        sp_size, world_size, getattr(config, "num_attention_heads", None), impl, local_attention_kinds(config),
+        getattr(config, "sliding_window", None), wrapped_attention=ulysses.ATTENTION_NAME,
+    )  # fmt: skip
+    if found is not None:  # the doctor says the same before launch (rule sequence-parallel-refused)
+        raise UnsupportedSetupError(f"{setting_name(sp_size)}{found.problem} {found.fix}")
     return impl
 
 
