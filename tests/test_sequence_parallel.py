@@ -149,6 +149,7 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
         assert got["distributed_type"] == "DistributedType.FSDP" and got["world"] == 2
         assert got["engaged"]["fsdp2_modules"] > 0 and got["dtensor_params"] > 0, got["engaged"]  # FSDP2 engaged
         assert (got["checkpointed"] > 0) == (name == "ckpt"), got["checkpointed"]
+        assert (got["offload_packed"] > 0) == (name == "packed"), got["offload_packed"]  # offloading engaged
         assert len(got["losses"]) == 8
         torch.testing.assert_close(got["losses"], oracle["losses"], rtol=LOSS_RTOL, atol=0)
         if name == "plain":  # evaluation after training: the eval dataloader is sharded by group too

@@ -5,7 +5,8 @@ Scenarios (tiny 4-bit NF4 + LoRA Llama, float32 compute, 15-token samples with p
 padded to 16 and split 8 + 8; gradient accumulation 2; 8 SGD steps; our FSDPQLoRATrainer):
 ``plain`` (chunked loss, no activation checkpointing), ``ckpt`` (the model's activation checkpointing, tiled MLP
 of 4-token tiles, transformers' stock loss), ``packed`` (padding-free packing: DataCollatorWithFlattening's
-position ids, several sequences per row), ``gqa`` (a model with one key/value head: replicated for sp_size=2).
+position ids, several sequences per row, with activation offloading's hooks: on CPU every saved tensor stays, so
+they prove the composition, not the transfer), ``gqa`` (a model with one key/value head: replicated for sp_size=2).
 ``plain`` also evaluates after training (the eval dataloader sharded by group too). Each rank writes rank<N>.json (logged losses, FSDP engagement) and rank 0
 grads_<name>.pt (every LoRA gradient at the first optimizer step, gathered whole).
 
@@ -30,7 +31,7 @@ from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 SCENARIOS = {
     "plain": {},  # also evaluates after training
     "ckpt": {"chunked_loss": False, "tiled_mlp": True, "tiled_mlp_tokens": 4},
-    "packed": {},
+    "packed": {"activation_offloading": True},  # offloading's saved-tensor hooks around the all-to-alls
     "gqa": {},  # one key/value head for sp_size=2: replicated to the query heads before the exchange
 }
 # Launched only: 4 steps with a checkpoint at step 2, then a fresh trainer resumed from it (steps 3 and 4).
@@ -124,6 +125,7 @@ def run(name, path, out, sp_size):
         "engaged": seen.get("engaged"),
         "dtensor_params": seen.get("dtensor_params"),
         "checkpointed": seen.get("checkpointed"),
+        "offload_packed": getattr(getattr(trainer.model, "_hf_fsdp_qlora_offloading", None), "packed", 0),
         "distributed_type": str(trainer.accelerator.distributed_type),
         "world": dist.get_world_size() if dist.is_initialized() else 1,
     }
