@@ -3,8 +3,10 @@
 One launch per FSDP version (tests/scripts/dora_scenarios.py) runs every route: our trainers, a stock Trainer with
 our callback, activation checkpointing, a resume, and last trl's own ``sft.py`` with ``--use_peft --use_dora
 --load_in_4bit`` through the function behind ``python -m hf_fsdp_qlora.run``. One plain process runs the same
-routes at the same global batch (2 ranks x 2 = 1 x 4): the oracle. Under FSDP1 a stock Trainer alone fails as
-upstream does (the IndexError of peft's ``get_lora_weight``), which our fix (hf_fsdp_qlora.train.dora) removes.
+routes at the same global batch (2 ranks x 2 = 1 x 4): the oracle; after the launches it also runs stock peft
+(fp32 DoRA adapters) from the `prec` runs' start on their micro-batches: the float32 master weights oracle (issue 34,
+FSDP1 included since train/dora.py runs DoRA's identity pass without autograd). Under FSDP1 a stock Trainer
+alone fails as upstream does (the IndexError of peft's ``get_lora_weight``), which our fix (hf_fsdp_qlora.train.dora) removes.
 """
 
 from __future__ import annotations
@@ -273,6 +275,8 @@ def test_doctor_plans_dora_as_peft_builds_it(tmp_path):
     settings = {"accelerate_config": "fsdp2_qlora", "num_gpus": 1, "quantization": "4bit", "lora_r": 4}
     plain, dora = diagnose(str(path), **settings).plan, diagnose(str(path), use_dora=True, **settings).plan
     assert dora.shard["params_trainable"] == real
+    fsdp1 = diagnose(str(path), use_dora=True, **{**settings, "accelerate_config": "fsdp1_qlora"}).plan
+    assert fsdp1.shard["params_trainable"] == real  # float32 under FSDP1 too (its 16-bit fallback is gone)
     assert dora.shard["params_trainable"] - plain.shard["params_trainable"] == magnitudes > 0
     assert dora.shard["gradients"] - plain.shard["gradients"] == magnitudes
     # Largest adapted Linear of the tiny Llama: down_proj, 128 inputs x 64 outputs: eye 128^2 + 4 x 128 x 64, bf16.
