@@ -6,7 +6,8 @@ our callback, activation checkpointing, a resume, and last trl's own ``sft.py`` 
 routes at the same global batch (2 ranks x 2 = 1 x 4): the oracle; after the launches it also runs stock peft
 (fp32 DoRA adapters) from the `prec` runs' start on their micro-batches: the float32 master weights oracle (issue 34,
 FSDP1 included since train/dora.py runs DoRA's identity pass without autograd). Under FSDP1 a stock Trainer
-alone fails as upstream does (the IndexError of peft's ``get_lora_weight``), which our fix (hf_fsdp_qlora.train.dora) removes.
+alone fails as upstream does (the IndexError of peft's ``get_lora_weight``), which our fix
+(hf_fsdp_qlora.train.dora) removes.
 """
 
 from __future__ import annotations
