@@ -167,9 +167,9 @@ def _trainable(ctx: PlanContext) -> None:
 
 def _trained_adapter_dtype(ctx: PlanContext) -> str:
     """Our trainer's adapter dtype (hf_fsdp_qlora.train.precision): float32 master weights, or the base dtype where
-    asked (``adapter_dtype="bfloat16"``, ``--adapter-dtype bfloat16``) and for DoRA under FSDP1 (its fallback)."""
+    asked (``adapter_dtype="bfloat16"``, ``--adapter-dtype bfloat16``)."""
     s = ctx.setup
-    if s.adapter_dtype not in (None, "float32") or (s.use_dora and s.fsdp.version == 1):
+    if s.adapter_dtype not in (None, "float32"):
         return ctx.base_dtype
     return "float32"
 

@@ -15,13 +15,7 @@ from ..dtypes import harmonize_dtypes, training_dtype, view_packed_storage_as
 from ..loading.int8 import convert_int8_layers
 from ..rank_sync import agree_on_failure, broadcast_trainable_parameters
 from .fsdp import configure_plugin, fsdp_version
-from .precision import (
-    adapter_dtype_for,
-    fsdp1_adapter_dtype,
-    is_adapter_run,
-    keep_lora_inputs_in_compute_dtype,
-    keep_shared_unit_trainables_in,
-)
+from .precision import adapter_dtype_for, is_adapter_run, prepare_fsdp1_float32_units
 
 __all__ = ["ConsistencyReport", "follow_wrapping", "make_fsdp_consistent"]
 
@@ -46,14 +40,11 @@ class ConsistencyReport:
 def make_fsdp_consistent(model, plugin, args=None) -> ConsistencyReport:
     """Prepare `model` and accelerate's FSDP `plugin` for wrapping. Collective (call on every rank).
 
-    1. view integer-stored 4-bit weights as the training dtype (same bytes), turn bitsandbytes' 8-bit layers into
-       :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` (int8 bytes viewed as that dtype, scales beside), then run the doctor's checks
-       (:func:`hf_fsdp_qlora.check_setup`, the same ones ``hf-fsdp-qlora doctor`` runs) on the live model and
-       plugin, and refuse their errors (8-bit base, a spreading device_map, a missing wrap class, ...) on every
-       rank before any collective - if any rank refuses, every rank raises;
+    1. :func:`_checked_dtypes`: integer-stored 4-bit weights viewed as the training dtype, 8-bit layers converted,
+       the doctor's checks refused on every rank if any rank refuses, the training and adapter dtypes chosen;
     2. cast every frozen non-quantized floating parameter (norms, biases, embeddings) to the one training dtype,
-       the 4-bit storage dtype, and an adapter run's trainable tensors to the adapter dtype (`args.adapter_dtype`:
-       float32 master weights by default, :mod:`hf_fsdp_qlora.train.precision`);
+       the 4-bit storage dtype, and an adapter run's trainable tensors to the adapter dtype (float32 master weights
+       by default, :mod:`hf_fsdp_qlora.train.precision`; FSDP1's fp32 units: :func:`prepare_fsdp1_float32_units`);
     3. set FSDP's mixed precision (param_dtype: that training dtype; reduce_dtype: the adapter dtype) and, for
        FSDP1, ``use_orig_params=True``;
     4. broadcast trainable parameters from rank 0, so every rank starts from the same adapters.
@@ -61,42 +52,8 @@ def make_fsdp_consistent(model, plugin, args=None) -> ConsistencyReport:
     Raises:
         UnsupportedSetupError: for a setup FSDP cannot run, with the setting and value to use.
     """
-    version = fsdp_version(plugin)
-    # Integer-stored 4-bit weights (bitsandbytes' default uint8, what trl's `--load_in_4bit` gives) cannot be
-    # flattened by FSDP1 ("Cannot flatten integer dtype tensors") and stay out of FSDP2 sharding (a full copy per
-    # GPU): view their bytes as the training dtype so they shard like everything else. No value is converted, so
-    # the logits are bit for bit those of the unwrapped model. Done first, so the checks below see the result.
-    error = None
-    findings = []
-    viewed = int8_layers = 0
-    try:
-        viewed = view_packed_storage_as(model, training_dtype(model))
-        # An 8-bit base (load_in_8bit, trl's --load_in_8bit): bitsandbytes' Int8Params cannot be flattened (FSDP1)
-        # and lose their scales when FSDP2 shards them; the same int8 codes and scales, held as FSDP needs them.
-        int8_layers = convert_int8_layers(model, training_dtype(model))
-        findings = check_setup(model, fsdp_plugin=plugin)
-        raise_for_errors(findings)
-        dtype = training_dtype(model)
-        adapter_dtype = adapter_dtype_for(args, dtype) if is_adapter_run(model) else dtype
-        adapter_dtype = fsdp1_adapter_dtype(model, version, adapter_dtype, dtype)
-    except Exception as err:  # noqa: BLE001 - re-raised on this rank by agree_on_failure
-        error = err
-    agree_on_failure(error)
-    for finding in findings:
-        level = logging.WARNING if finding.severity == "warning" else logging.INFO
-        logger.log(level, "hf_fsdp_qlora: [%s] %s", finding.id, finding.message)
-
-    report = ConsistencyReport(
-        fsdp_version=version, dtype=dtype, viewed_storage=viewed, int8_layers=int8_layers, adapter_dtype=adapter_dtype
-    )
-    if viewed:
-        logger.info(
-            "hf_fsdp_qlora: viewed %d integer-stored 4-bit weights as %s so FSDP%d can %s them (bytes unchanged)",
-            viewed,
-            dtype,
-            version,
-            "flatten" if version == 1 else "shard",
-        )
+    report = _checked_dtypes(model, plugin, args)
+    dtype, adapter_dtype = report.dtype, report.adapter_dtype
     report.cast_parameters = harmonize_dtypes(model, dtype, trainable_dtype=adapter_dtype)
     if report.cast_parameters:
         logger.info(
@@ -107,12 +64,56 @@ def make_fsdp_consistent(model, plugin, args=None) -> ConsistencyReport:
             adapter_dtype,
             report.cast_parameters[0],
         )
-    if version == 1 and adapter_dtype != dtype:  # FSDP1 flattens a trainable tensor with its unit's frozen ones
-        report.cast_parameters += keep_shared_unit_trainables_in(model, dtype)
+    report.cast_parameters += prepare_fsdp1_float32_units(model, report.fsdp_version, adapter_dtype, dtype)
     report.plugin_changes = configure_plugin(plugin, model, dtype, reduce_dtype=adapter_dtype)
-    if version == 1 and adapter_dtype != dtype:  # fp32 units cast their own inputs (cast_forward_inputs)
-        keep_lora_inputs_in_compute_dtype(model)
     report.broadcast_parameters = broadcast_trainable_parameters(model)
+    return report
+
+
+def _checked_dtypes(model, plugin, args) -> ConsistencyReport:
+    """View integer-stored 4-bit weights as the training dtype (same bytes), turn bitsandbytes' 8-bit layers into
+    :class:`~hf_fsdp_qlora.loading.int8.Int8Linear`, run the doctor's checks (:func:`hf_fsdp_qlora.check_setup`, as
+    ``hf-fsdp-qlora doctor``) on the live model and plugin and refuse their errors (8-bit base, a spreading
+    device_map, a missing wrap class, ...) on every rank if any rank refuses, before any other collective.
+
+    Returns:
+        The report, with the FSDP version, the training dtype, the adapter dtype and what was viewed / converted.
+    """
+    # Integer-stored 4-bit weights (bitsandbytes' default uint8, what trl's `--load_in_4bit` gives) cannot be
+    # flattened by FSDP1 ("Cannot flatten integer dtype tensors") and stay out of FSDP2 sharding (a full copy per
+    # GPU): view their bytes as the training dtype so they shard like everything else. No value is converted, so
+    # the logits are bit for bit those of the unwrapped model. Done first, so the checks below see the result.
+    # An 8-bit base (load_in_8bit, trl's --load_in_8bit): bitsandbytes' Int8Params cannot be flattened (FSDP1)
+    # and lose their scales when FSDP2 shards them; the same int8 codes and scales, held as FSDP needs them.
+    error, findings, report = None, [], None
+    try:
+        viewed = view_packed_storage_as(model, training_dtype(model))
+        int8_layers = convert_int8_layers(model, training_dtype(model))
+        findings = check_setup(model, fsdp_plugin=plugin)
+        raise_for_errors(findings)
+        dtype = training_dtype(model)
+        adapter_dtype = adapter_dtype_for(args, dtype) if is_adapter_run(model) else dtype
+        report = ConsistencyReport(
+            fsdp_version=fsdp_version(plugin),
+            dtype=dtype,
+            viewed_storage=viewed,
+            int8_layers=int8_layers,
+            adapter_dtype=adapter_dtype,
+        )
+    except Exception as err:  # noqa: BLE001 - re-raised on this rank by agree_on_failure
+        error = err
+    agree_on_failure(error)
+    for finding in findings:
+        level = logging.WARNING if finding.severity == "warning" else logging.INFO
+        logger.log(level, "hf_fsdp_qlora: [%s] %s", finding.id, finding.message)
+    if report.viewed_storage:
+        logger.info(
+            "hf_fsdp_qlora: viewed %d integer-stored 4-bit weights as %s so FSDP%d can %s them (bytes unchanged)",
+            report.viewed_storage,
+            report.dtype,
+            report.fsdp_version,
+            "flatten" if report.fsdp_version == 1 else "shard",
+        )
     return report
 
 

@@ -36,7 +36,7 @@ __all__ = [
     "adapter_dtype_for",
     "is_adapter_run",
     "keep_trainable_in_adapter_dtype",
-    "fsdp1_adapter_dtype",
+    "prepare_fsdp1_float32_units",
     "keep_lora_inputs_in_compute_dtype",
     "keep_shared_unit_trainables_in",
 ]
@@ -135,27 +135,22 @@ def keep_lora_inputs_in_compute_dtype(model) -> int:
     return changed
 
 
-def fsdp1_adapter_dtype(model, version: int, adapter_dtype: torch.dtype, training_dtype: torch.dtype):
-    """The adapter dtype FSDP1 can train this model in: `training_dtype` for DoRA, else `adapter_dtype`.
+def prepare_fsdp1_float32_units(model, version: int, adapter_dtype: torch.dtype, training_dtype: torch.dtype):
+    """FSDP1 with adapters in a dtype other than the base's (float32 master weights): the one step that keeps every
+    FlatParameter uniform and every fp32 unit's compute in `training_dtype`. Nothing to do otherwise.
 
-    DoRA runs each lora_A / lora_B unit twice per forward (on an identity matrix for the weight norm, then on the
-    input); with fp32 units under a bf16 param_dtype, lora_A / lora_B got no gradient at all (``grad`` None after
-    backward; 8 steps at lr 2e-4, tiny Llama: every element unchanged; the magnitudes train). Running the identity
-    pass without autograd (so FSDP1 registers its post-backward hook on the second pass) did not change that.
-    FSDP2 and no FSDP train DoRA in float32. Follow-up: find the FSDP1 cause.
+    1. trainable tensors without a unit of their own stay in `training_dtype` (:func:`keep_shared_unit_trainables_in`);
+    2. peft's cast of each LoRA input to ``lora_A.weight.dtype`` is turned off: each fp32 unit casts its own inputs
+       (:func:`keep_lora_inputs_in_compute_dtype`).
+
+    Returns:
+        The names of the parameters cast.
     """
     if version != 1 or adapter_dtype == training_dtype:
-        return adapter_dtype
-    if not any(type(m).__name__ == "DoraLinearLayer" for m in model.modules()):
-        return adapter_dtype
-    import logging
-
-    logging.getLogger(__name__).warning(
-        "hf_fsdp_qlora: under FSDP1 with DoRA the adapters train in %s, not float32 (small updates are rounded "
-        "away). Use FSDP2 (fsdp_version: 2) for float32 adapter weights.",
-        training_dtype,
-    )
-    return training_dtype
+        return []
+    cast = keep_shared_unit_trainables_in(model, training_dtype)
+    keep_lora_inputs_in_compute_dtype(model)
+    return cast
 
 
 def _has_unit_of_its_own(module) -> bool:

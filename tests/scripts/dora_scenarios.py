@@ -12,6 +12,11 @@ Scenarios, in order:
 * ``callback``: a stock ``transformers.Trainer`` with :class:`FSDPQLoRACallback`;
 * ``ac``: ``ours`` with activation checkpointing (``load_qlora_model``'s default), applied once as the trainer
   chooses: FSDP's own under the FSDP2 config, the model's under FSDP1's and single-process;
+* ``prec``: float32 master weights (issue 34): ``ours`` in bf16 at a constant lr on ordered micro-batches
+  (tests/scripts/precision_scenarios.py), the adapters before and after saved to prec/weights.pt with their dtypes;
+* ``stockpeft`` (``--single`` only, after the launches, ``--init`` = a ``prec`` run's weights.pt): ``prec``'s oracle,
+  stock peft (fp32 DoRA adapters) and a stock ``Trainer(bf16=True)`` from the same adapters on the same micro-batches
+  (gradient accumulation 2 = 2 ranks);
 * with ``--trl ARGS...``, last: trl's ``sft.py`` from the installed trl package, run by the function behind
   ``python -m hf_fsdp_qlora.run`` (``--use_peft --use_dora --load_in_4bit`` among ARGS).
 
@@ -37,7 +42,8 @@ from hf_fsdp_qlora import FSDPQLoRACallback, load_qlora_model
 from hf_fsdp_qlora.train.fsdp import fsdp_unit_kinds
 
 STEPS = 4
-SCENARIOS = ("ours", "resume", "sft", "callback", "ac")
+SCENARIOS = ("ours", "resume", "sft", "callback", "ac", "prec")
+PREC_LR = 2e-4  # a Adam step of ~lr: below half a bf16 ulp of a magnitude near 1 (1/256), kept in float32
 
 
 def dora_config():
@@ -90,6 +96,14 @@ def build(kind, path, out, single):
         return base._recording(Trainer)(
             model=model, args=args_for(out, single), train_dataset=base.TokenDataset(), callbacks=[FSDPQLoRACallback()]
         )
+    if kind == "prec":
+        import precision_scenarios as prec
+
+        from hf_fsdp_qlora import FSDPQLoRATrainingArguments
+
+        model = load_qlora_model(path, lora_config=dora_config(), gradient_checkpointing=False)
+        args = prec.training_args(FSDPQLoRATrainingArguments, out, 0, "llama", PREC_LR)
+        return base.LossRecorder(model=model, args=args, train_dataset=prec.OrderedTokens())
     # `ac`: load_qlora_model's default gradient_checkpointing=True. Under a launch the trainer applies it once:
     # FSDP's own under the FSDP2 rehearsal config (fsdp_activation_checkpointing: true), the model's under FSDP1's.
     model = load_qlora_model(path, lora_config=dora_config(), gradient_checkpointing=kind == "ac")
@@ -97,12 +111,60 @@ def build(kind, path, out, single):
     return base.LossRecorder(model=model, args=args_for(out, single, **save), train_dataset=base.TokenDataset())
 
 
+def trainable_params(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def dtypes(trainer) -> dict:
+    """What the optimizer steps (issue 34: float32 master weights) and what FSDP computes in."""
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    policy = getattr(trainer.accelerator.state.fsdp_plugin, "mixed_precision_policy", None)
+    return {
+        "trainable_dtypes": sorted({str(p.dtype) for p in trainable_params(trainer.model)}),
+        "optimizer_state_dtypes": sorted(
+            {str(v.dtype) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()}
+        ),
+        "mp_param_dtype": str(getattr(policy, "param_dtype", None)),
+        "mp_reduce_dtype": str(getattr(policy, "reduce_dtype", None)),
+    }
+
+
+def stock_peft(path, out, init_path):
+    """``prec``'s oracle: stock peft's fp32 DoRA adapters from ``prec``'s start, a stock Trainer(bf16=True), one
+    process, the same micro-batches (2 per step, gradient accumulation 2 = 2 ranks x 2). Saves the trained adapters."""
+    import precision_scenarios as prec
+    from peft import get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    out.mkdir(parents=True, exist_ok=True)
+    init = torch.load(init_path)["init"]
+    model = get_peft_model(base.user_loaded(path, peft=False), dora_config())
+    params = dict(model.named_parameters())
+    before = sorted({str(params[n].dtype) for n in init})
+    with torch.no_grad():
+        for name, value in init.items():
+            params[name].copy_(value)
+    args = prec.training_args(TrainingArguments, out, 0, "llama", PREC_LR, gradient_accumulation_steps=2)
+    Trainer(model=model, args=args, train_dataset=prec.OrderedTokens()).train()
+    trained = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    torch.save({"init": init, "trained": trained}, out / "weights.pt")
+    base.reset_accelerate()
+    return {"trainable_dtypes_before_wrap": before}
+
+
 def run(kind, path, out, single, version):
     result = {}
     name = "ours" if kind == "resume" else kind
     trainer = build(name, path, out / kind, single)
     resume = str(out / "ours" / "checkpoint-2") if kind == "resume" else None
+    init = base.trainable_snapshot(trainer.model) if kind == "prec" else None  # rank 0 broadcasts it
     trainer.train(resume_from_checkpoint=resume)
+    if kind == "prec":  # gathered independently of the package (train_scenarios.full_trainable), collective
+        result.update(dtypes(trainer))
+        trained = base.full_trainable(trainer.model, version) if version else base.trainable_snapshot(trainer.model)
+        if base.rank() == 0:
+            (out / kind).mkdir(parents=True, exist_ok=True)
+            torch.save({"init": init, "trained": trained}, out / kind / "weights.pt")
     result["losses"] = global_losses(trainer.losses)
     result["distributed_type"] = str(trainer.accelerator.state.distributed_type)
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FSDPQLoRACallback)), None)
@@ -134,6 +196,7 @@ def main():
     parser.add_argument("--fsdp-version", type=int, default=0)
     parser.add_argument("--single", action="store_true", help="one plain process, batch 4: the oracle")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--init", help="stockpeft: the prec run (weights.pt) whose start to copy")
     parser.add_argument("--trl", nargs=argparse.REMAINDER, default=[], help="then trl's sft.py with these arguments")
     args = parser.parse_args()
     # train_scenarios adds TrainingArguments.fsdp unless accelerate launched it: the oracle runs without FSDP.
@@ -143,7 +206,10 @@ def main():
     results = {}
     for kind in args.scenarios.split(","):
         try:
-            results[kind] = run(kind, args.model, out, args.single, args.fsdp_version)
+            if kind == "stockpeft":
+                results[kind] = stock_peft(args.model, out / kind, args.init)
+            else:
+                results[kind] = run(kind, args.model, out, args.single, args.fsdp_version)
             results[kind]["ok"] = True
         except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
             results[kind] = {"ok": False, "error": f"{type(err).__name__}: {str(err)[:2000]}",
