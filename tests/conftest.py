@@ -25,7 +25,7 @@ _SECONDS = {
     "test_preemption.py": 210, "test_demo.py": 75, "test_chunked_loss.py": 42, "test_readme.py": 50,
     "test_error_index.py": 26, "test_quiet.py": 30, "test_train_imports.py": 20, "test_docs.py": 15,
     "test_slurm_recipe.py": 60, "test_finish.py": 25,
-    "test_dora.py": 65,
+    "test_dora.py": 75,
     "test_prequantized.py": 40, "test_packing.py": 20,
     "test_merge_moe.py": 35,
     "test_moe.py": 205, "test_moe_prequantized.py": 25, "test_moe_benchmark.py": 45,
