@@ -38,6 +38,7 @@ _COMMON = {
     "prec_ours_lo": ("llama", "precision_ours_float32_1e-5"),
     "prec_ours_hi": ("llama", "precision_ours_float32_2e-4"),
     "prec_cb_lo": ("llama", "precision_callback_float32_1e-5"),
+    "prec_cb_hi": ("llama", "precision_callback_float32_2e-4"),
 }
 SHARED_TRAIN_SCENARIOS = {
     1: {f"{k}_1": v for k, v in _COMMON.items()},
@@ -143,7 +144,7 @@ def _check(version, key, launches, oracle, expect_equal=True):
 
 
 @pytest.mark.parametrize("version", [1, 2])
-@pytest.mark.parametrize("key", ["prec_ours_lo", "prec_ours_hi", "prec_cb_lo"])
+@pytest.mark.parametrize("key", ["prec_ours_lo", "prec_ours_hi", "prec_cb_lo", "prec_cb_hi"])
 def test_adapter_update_equals_stock_peft(version, key, launches, oracle):
     r, _ = _check(version, key, launches, oracle)
     assert r["trainable_dtypes_before_wrap"] == ["torch.float32"]
