@@ -22,7 +22,7 @@ _SECONDS = {
     "test_speed_options.py": 51, "test_semantics_dist.py": 37, "test_checkpoints.py": 20,
     "test_semantics_pref.py": 28, "test_doctor.py": 31, "test_cpu_rehearsal.py": 25, "test_eval_generate.py": 17,
     "test_low_ram.py": 20, "test_sharding.py": 20, "test_multinode.py": 20, "test_bad_input.py": 8,
-    "test_preemption.py": 110, "test_demo.py": 75, "test_chunked_loss.py": 42, "test_readme.py": 50,
+    "test_preemption.py": 140, "test_demo.py": 75, "test_chunked_loss.py": 42, "test_readme.py": 50,
     "test_error_index.py": 26, "test_quiet.py": 30, "test_train_imports.py": 8, "test_docs.py": 15,
     "test_slurm_recipe.py": 45, "test_finish.py": 15, "test_fork_launch.py": 25, "test_merge_safety_kill.py": 25,
     "test_dora.py": 65,
