@@ -42,6 +42,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--accelerate-config", help="an accelerate config file whose launch environment to give")
     parser.add_argument("--num-processes", type=int, help="override the config's num_processes (as --num_processes)")
     parser.add_argument("--timeout", type=float, default=600.0, help="kill the ranks after this many seconds")
+    parser.add_argument("--grace", type=float, default=_GRACE_S, help="after a rank failed, kill the rest this late")
     parser.add_argument("-m", dest="module", help="run this module as __main__ with SCRIPT ARGS as its arguments")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
@@ -160,10 +161,11 @@ def run_rank(rank: int, world: int, script: Path, args: list[str], module: str |
         os._exit(code)  # no interpreter teardown: see dist_utils.exit_worker
 
 
-def wait_ranks(pids: dict[int, int], timeout: float) -> int:
+def wait_ranks(pids: dict[int, int], timeout: float, grace: float = _GRACE_S) -> int:
     """Wait for every rank; kill the rest once one fails (after a grace) or at the timeout. The launch's status:
-    0, or the first failing rank's (128+signal for a killed rank)."""
-    deadline, first_failure, kill_at = time.monotonic() + timeout, None, None
+    0, or the first failing rank's (128+signal for a killed rank). Each rank that fails on its own gets a line (as
+    torchrun's summary lists every failed rank's exitcode): a test can tell that every rank exited with 75."""
+    deadline, first_failure, kill_at, killed = time.monotonic() + timeout, None, None, False
     while pids:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
@@ -175,15 +177,16 @@ def wait_ranks(pids: dict[int, int], timeout: float) -> int:
                     )
                 for other in pids:
                     os.kill(other, signal.SIGKILL)
-                kill_at, deadline = float("inf"), float("inf")
+                kill_at, deadline, killed = float("inf"), float("inf"), True
             time.sleep(0.05)
             continue
         rank = pids.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         code = 128 - code if code < 0 else code
-        if code != 0 and first_failure is None:
+        if code != 0 and (first_failure is None or not killed):
             print(f"fork_launch: rank {rank} exited with status {code}", file=sys.stderr)
-            first_failure, kill_at = code, time.monotonic() + _GRACE_S
+        if code != 0 and first_failure is None:
+            first_failure, kill_at = code, time.monotonic() + grace
     return first_failure or 0
 
 
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if pid == 0:
             run_rank(rank, world, script, opts.args, opts.module)
         pids[pid] = rank
-    return wait_ranks(pids, opts.timeout)
+    return wait_ranks(pids, opts.timeout, opts.grace)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,10 @@ _STARTUP_S = 300.0  # the import of the stack, on a loaded machine
 
 # --- the server --------------------------------------------------------------------------------------------------
 def _preload() -> None:
-    for name in PRELOAD:
+    # TESTS_FORK_SERVER_PRELOAD=a,b: preload only these (test_fork_launch's server-failure test, which needs a
+    # server, not the stack: ~8 CPU-s of imports spared).
+    wanted = os.environ.get("TESTS_FORK_SERVER_PRELOAD")
+    for name in wanted.split(",") if wanted else PRELOAD:
         try:
             importlib.import_module(name)
         except Exception as err:  # noqa: BLE001 - a launch that needs it re-imports it and reports the error

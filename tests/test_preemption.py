@@ -3,7 +3,11 @@ resumes it bit for bit.
 
 Per FSDP version, a chain of launches of ONE command on one output_dir (2 CPU ranks, gloo, real FSDP1/FSDP2, 10
 steps of 2 micro-steps); the last launch also trains the uninterrupted baseline from scratch in a fresh folder (one
-launch fewer). Every fault hits ONE rank only:
+launch fewer). One launch per chain is the user's real `accelerate launch` (FSDP2: the SLURM node script's
+`-m hf_fsdp_qlora.run` line with SIGUSR1 ignored; FSDP1: the SIGKILL, which torch elastic answers by stopping the
+survivor); the others fork their ranks from the fork server (tests/fork_launch.py: the same worker, environment and
+real signals, ~15 CPU-s of imports spared per launch), whose launcher lists each failed rank's status as torch
+elastic's summary does. Every fault hits ONE rank only:
 
   FSDP1, FSDPQLoRATrainer + auto_resume=True:
     SIGTERM between micro-steps of a seeded random step -> SIGTERM in evaluation of a dict eval_dataset (the second
@@ -25,13 +29,16 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
 import torch
-from dist_utils import BIN, CONFIGS, REPO, SCRIPTS, _env, free_port, read_results
+from dist_utils import BIN, CONFIGS, FORK_DEFAULT, FORK_LAUNCH, REPO, SCRIPTS, _env, _run, free_port, read_results
 from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.distributed
@@ -48,59 +55,90 @@ def models(tmp_path_factory):
 
 
 class Chain:
+    """One command's launches on one output_dir. A launch is forked (tests/fork_launch.py, run by this process's
+    fork server: the stack imported once) unless `real`: the user's `accelerate launch`, one step per chain."""
+
     def __init__(self, version, route, models, root):
         self.version, self.route, self.models, self.root = version, route, models, root
         self.out, self.record = root / "run", root / "record"
         self.walls = {}
 
-    def command(self, run, fault, baseline_out=None):
-        launcher = ["-m", "hf_fsdp_qlora.run", str(WORKER)] if self.route == "plain" else [str(WORKER)]
+    def command(self, run, fault, baseline_out=None, real=False):
+        config = CONFIGS / f"cpu_fsdp{self.version}_rehearsal.yaml"
+        module = ["-m", "hf_fsdp_qlora.run"] if self.route == "plain" else []
+        if real:
+            launcher = [str(BIN / "accelerate"), "launch", "--config_file", str(config),
+                        "--main_process_port", str(free_port())]  # fmt: skip
+        else:
+            launcher = [sys.executable, str(FORK_LAUNCH), "--nproc", "2", "--master-port", str(free_port()),
+                        "--timeout", "290", "--accelerate-config", str(config)]  # fmt: skip
         return [
-            str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / f"cpu_fsdp{self.version}_rehearsal.yaml"),
-            "--main_process_port", str(free_port()), *launcher,
+            *launcher, *module, str(WORKER),
             "--models", str(self.models), "--out", str(self.out), "--record", str(self.record),
             "--route", self.route, "--run", run, "--fsdp-version", str(self.version), "--fault", fault,
             *(["--baseline-out", str(baseline_out)] if baseline_out else []),
         ]  # fmt: skip
 
     def env(self, **extra):
-        env = {"HF_FSDP_QLORA_AUTO_RESUME": "1"} if self.route == "plain" else {}
-        return _env({**env, **extra})
+        return {"HF_FSDP_QLORA_AUTO_RESUME": "1", **extra} if self.route == "plain" else extra
 
-    def launch(self, run, fault="none", env=None, external=None, baseline_out=None, ignore_usr1=False):
+    def launch(self, run, fault="none", env=None, external=None, baseline_out=None, ignore_usr1=False, real=False):
+        """Returns (status, stdout + stderr, seconds from the signal to the launch's end or None). A forked launch
+        runs in a thread (dist_utils._run) while this one may signal a rank; a real one is a Popen."""
         (self.record / "signal_time").unlink(missing_ok=True)
-        started = time.time()
+        real = real or not FORK_DEFAULT  # TESTS_FORK_LAUNCH=0: every step a real launch, to compare
+        assert real or not ignore_usr1, "SIGUSR1 ignored by the launcher: a real launch (the fork server's is not)"
+        started, cmd = time.time(), self.command(run, fault, baseline_out, real)
+        done = {}
+
+        def run_forked():
+            try:
+                done["proc"] = _run(cmd, 300, self.env(**(env or {})))
+            except BaseException as error:  # noqa: BLE001 - raised again in the test's thread
+                done["error"] = error
 
         def inherit_ignored_usr1():  # what the recipe's node script does to the launcher (and so to its ranks)
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
-        proc = subprocess.Popen(
-            self.command(run, fault, baseline_out), env=self.env(**(env or {})), cwd=str(REPO),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            preexec_fn=inherit_ignored_usr1 if ignore_usr1 else None,
-        )  # fmt: skip
+        if real:
+            proc = subprocess.Popen(
+                cmd, env=_env(self.env(**(env or {}))), cwd=str(REPO), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, preexec_fn=inherit_ignored_usr1 if ignore_usr1 else None,
+            )  # fmt: skip
+            running = lambda: proc.poll() is None  # noqa: E731
+        else:
+            thread = threading.Thread(target=run_forked, daemon=True)
+            thread.start()
+            running = thread.is_alive
         if external is not None:  # a genuine signal from outside, to one rank's pid, while it writes a checkpoint
             pid_file = self.record / "pid_wait"
             deadline = time.time() + 240
-            while not pid_file.exists() and proc.poll() is None and time.time() < deadline:
+            while not pid_file.exists() and running() and time.time() < deadline:
                 time.sleep(0.05)
-            assert pid_file.exists(), proc.communicate()[0][-4000:]
+            assert pid_file.exists(), "the rank never waited in its checkpoint write"
             time.sleep(0.1)
             (self.record / "signal_time").write_text(repr(time.time()))
             os.kill(int(pid_file.read_text()), external)
             pid_file.unlink()
-        output, _ = proc.communicate(timeout=300)
+        if real:
+            output, _ = proc.communicate(timeout=300)
+            code = proc.returncode
+        else:
+            thread.join()
+            if "error" in done:
+                raise done["error"]
+            code, output = done["proc"].returncode, done["proc"].stdout + done["proc"].stderr
         ended = time.time()
         self.walls[run] = ended - started
         signalled = self.record / "signal_time"
         took = ended - float(signalled.read_text()) if signalled.exists() else None
-        return proc.returncode, output, took
+        return code, output, took
 
-    def expect_stop(self, run, fault, step, env=None, external=None):
-        rc, output, took = self.launch(run, fault, env=env, external=external)
+    def expect_stop(self, run, fault, step, env=None, external=None, real=False):
+        rc, output, took = self.launch(run, fault, env=env, external=external, real=real)
         assert rc != 0, output[-4000:]
         # Both ranks exited with the documented status (accelerate launch itself reports 1).
-        assert output.count("exitcode  : 75") == 2, output[-4000:]
+        assert _rank_statuses(output, real or not FORK_DEFAULT) == [75, 75], output[-4000:]
         assert took is not None and took < GRACE_S, took
         ckpt = self.out / f"checkpoint-{step}"
         for name in ("adapter_model.safetensors", "optimizer_gathered.pt", "scheduler.pt", "trainer_state.json"):
@@ -126,6 +164,12 @@ class Chain:
             if "start_step" in entry:
                 runs[entry["run"]] = entry["start_step"]
         return runs
+
+
+def _rank_statuses(output, real):
+    """Each failed rank's exit status, as the real launcher's summary ("exitcode  : 75") or fork_launch lists them."""
+    pattern = r"exitcode  : (-?\d+)" if real else r"fork_launch: rank \d+ exited with status (-?\d+)"
+    return sorted(int(code) for code in re.findall(pattern, output))
 
 
 def _losses(record, rank):
@@ -162,8 +206,9 @@ def _run_chain(version, route, models, root, seed):
     rng = random.Random(seed)
     took = {}
     if version == 2:  # 0: one rank signalled before train(): every rank stops before the first step, no checkpoint
-        rc, output, took["load"] = chain.launch("r0", f"load:{rng.randint(0, 1)}:SIGUSR1", ignore_usr1=True)
-        assert output.count("exitcode  : 75") == 2 and took["load"] < 120, output[-4000:]
+        # The chain's real `accelerate launch -m hf_fsdp_qlora.run` (the SLURM node script's launch line).
+        rc, output, took["load"] = chain.launch("r0", f"load:{rng.randint(0, 1)}:SIGUSR1", ignore_usr1=True, real=True)
+        assert _rank_statuses(output, real=True) == [75, 75] and took["load"] < 120, output[-4000:]
         marker = json.loads((chain.out / "preempted.json").read_text())
         assert marker["checkpoint"] is None and marker["new_checkpoint"] is False, marker
         assert "SIGUSR1 before training started: no new checkpoint written" in output, output[-4000:]
@@ -182,8 +227,9 @@ def _run_chain(version, route, models, root, seed):
     written = evaluated + 1 if evaluated % 2 else evaluated + 2
     if version == 1:
         took["write"] = chain.expect_stop("r3", f"external:{rng.randint(0, 1)}", step=written, external=signal.SIGUSR1)
-        # 4: SIGKILL of one rank mid-write: the previous checkpoint stays the latest complete one.
-        rc, output, took["kill"] = chain.launch("r4", f"kill:{rng.randint(0, 1)}")
+        # 4: SIGKILL of one rank mid-write: the previous checkpoint stays the latest complete one. The chain's real
+        # `accelerate launch`: torch elastic's own reaction to a dead rank (it stops the survivor).
+        rc, output, took["kill"] = chain.launch("r4", f"kill:{rng.randint(0, 1)}", real=True)
         assert rc != 0 and took["kill"] < GRACE_S, took  # the surviving rank does not hang in a collective
         assert (chain.out / ".incomplete-checkpoints" / f"checkpoint-{written + 2}").is_dir()
         assert not (chain.out / f"checkpoint-{written + 2}").exists()

@@ -3,9 +3,13 @@
 - its printed launch lines (DRY_RUN), and its default SCRIPT_ARGS accepted by its default SCRIPT;
 - its per-node wrapper passes SIGUSR1 to the trainers only (a stub launcher);
 - a stale preempted.json does not requeue a job that fails before training (a stub launcher);
-- the whole job for real: two "nodes" on localhost (LOCAL_NODES=1, one CPU rank each, real FSDP2 on gloo), trl's
-  own sft.py as SCRIPT, SIGUSR1 to the batch script -> one checkpoint -> the requeue taken (REQUEUE_CMD records it)
-  -> the same command resumes and ends with the uninterrupted run's adapter.
+- the whole job for real, without a SLURM install: two "nodes" on localhost (LOCAL_NODES=1, one CPU rank each, real
+  FSDP2 on gloo), trl's own sft.py as SCRIPT, SIGUSR1 to the batch script -> both ranks exit 75 -> one checkpoint
+  -> the requeue taken (REQUEUE_CMD records it) -> the same command resumes from that checkpoint and ends.
+  That the resumed adapter equals an uninterrupted run's, bit for bit, is `make test-slurm`'s to check
+  (tests/slurm/check_recipe.py: real sbatch, 1x2 and 2x1 nodes, each compared with an uninterrupted job; CI runs it
+  right after `make test`) and test_preemption's (the same `-m hf_fsdp_qlora.run` route, every loss and the final
+  adapter against a baseline): this test no longer trains an uninterrupted reference job beside it.
 """
 
 from __future__ import annotations
@@ -180,12 +184,6 @@ def _job_env(tmp_path, name, models, data, requeue):
     })  # fmt: skip
 
 
-def _adapter(folder):
-    from safetensors.torch import load_file
-
-    return load_file(str(folder / "adapter_model.safetensors"))
-
-
 @pytest.mark.distributed
 def test_sbatch_job_preempted_requeued_and_resumed_on_two_local_nodes(tmp_path):
     from recipe_fixtures import build_chat_dataset, build_recipe_model
@@ -193,12 +191,7 @@ def test_sbatch_job_preempted_requeued_and_resumed_on_two_local_nodes(tmp_path):
     models, data = build_recipe_model(tmp_path / "model"), build_chat_dataset(tmp_path / "chat")
     requeue = _requeue_recorder(tmp_path / "rq")
     out, env = _job_env(tmp_path, "run", models, data, requeue)
-    ref_out, ref_env = _job_env(tmp_path, "reference", models, data, requeue)
     walls, started = {}, time.time()
-    # The uninterrupted reference job runs beside the interrupted one (one launch's wall time fewer).
-    with (tmp_path / "reference.log").open("w") as log:
-        reference = subprocess.Popen(["bash", str(SBATCH)], env=ref_env, cwd=str(REPO), stdout=log,
-                                     stderr=subprocess.STDOUT)  # fmt: skip
     job = subprocess.Popen(["bash", str(SBATCH)], env=env, cwd=str(REPO), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
     lines, signalled = [], None
@@ -210,11 +203,8 @@ def test_sbatch_job_preempted_requeued_and_resumed_on_two_local_nodes(tmp_path):
                 signalled = time.time()
         job.wait(timeout=60)
         walls["interrupted"] = time.time() - started
-        reference.wait(timeout=600)
-        walls["reference"] = time.time() - started
     finally:
         job.kill()
-        reference.kill()
     output = "".join(lines)
     assert signalled is not None, output[-6000:]
     assert job.returncode == 0, output[-6000:]  # requeued: the batch script itself ends well
@@ -226,7 +216,6 @@ def test_sbatch_job_preempted_requeued_and_resumed_on_two_local_nodes(tmp_path):
     assert (out / checkpoints[0] / "trainer_state.json").is_file()
     assert "requeueing job run-4242" in output
     assert (tmp_path / "rq" / "requeued").read_text().split() == ["run-4242"]
-    assert reference.returncode == 0, (tmp_path / "reference.log").read_text()[-6000:]
 
     # The requeued job: the same command (SLURM counts the restart), resumed from the checkpoint to the end.
     resumed = subprocess.run(["bash", str(SBATCH)], env={**env, "SLURM_RESTART_COUNT": "1"}, cwd=str(REPO),
@@ -238,12 +227,8 @@ def test_sbatch_job_preempted_requeued_and_resumed_on_two_local_nodes(tmp_path):
     assert not (out / "preempted.json").exists()
     assert (tmp_path / "rq" / "requeued").read_text().split() == ["run-4242"]  # no second requeue
     assert "hf_fsdp_qlora: FSDP2 engaged on 2 rank(s)" in text
-
-    final, expected = _adapter(out), _adapter(ref_out)
-    assert final.keys() == expected.keys() and final
-    diff = max(float((final[k].float() - expected[k].float()).abs().max()) for k in final)
-    print(f"checkpoint at step {step}; resumed adapter vs uninterrupted: max |diff| {diff:.3g}; walls s {walls}")
-    assert diff == 0.0
+    assert (out / "adapter_model.safetensors").is_file(), sorted(p.name for p in out.iterdir())
+    print(f"checkpoint at step {step}; walls s {walls}")
 
 
 # ---- signals at any moment, and the requeue limit (issue 39) ----

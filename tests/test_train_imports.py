@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import importlib
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
@@ -102,16 +101,23 @@ def test_training_args_pickle_round_trips_under_the_new_path():
 
 
 @pytest.mark.parametrize("name", ["FSDPQLoRACallback", "FSDPQLoRATrainer"])
-def test_public_names_install_the_trainer_hook(name):
+def test_public_names_install_the_trainer_hook(name, tmp_path):
     """Importing the callback (a stock trainer needs the hook) or our trainer (its callbacks come through the hook)
-    wraps Trainer.__init__; in a fresh process, so no earlier import has installed it."""
-    code = (
-        "from transformers import Trainer\n"
-        "import hf_fsdp_qlora\n"
-        "before = hasattr(Trainer.__init__, '__wrapped__')\n"
-        f"from hf_fsdp_qlora import {name}\n"
-        "print(before, hasattr(Trainer.__init__, '__wrapped__'))\n"
+    wraps Trainer.__init__; in a process where no earlier import has installed it: one rank forked by
+    tests/fork_launch.py from the fork server, which imported transformers but never hf_fsdp_qlora (it refuses to
+    serve otherwise), so no fresh interpreter pays the stack's imports."""
+    from dist_utils import FORK_LAUNCH, _run
+
+    script = tmp_path / "probe.py"
+    script.write_text(  # in a function: the launch parent preloads a script's top-level imports only
+        "def probe():\n"
+        "    from transformers import Trainer\n"
+        "    import hf_fsdp_qlora\n"
+        "    before = hasattr(Trainer.__init__, '__wrapped__')\n"
+        f"    from hf_fsdp_qlora import {name}\n"
+        "    print(before, hasattr(Trainer.__init__, '__wrapped__'))\n"
+        "probe()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    proc = _run([sys.executable, str(FORK_LAUNCH), "--nproc", "1", "--master-port", "1", str(script)], 120, None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["False", "True"]
