@@ -2,6 +2,7 @@
 gives them, and a failing, hanging or thread-running launch fails as a real one does (tiny scripts, no torch)."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -163,10 +164,11 @@ def test_a_dead_server_falls_back_and_leaves_no_process(tmp_path, monkeypatch):
     monkeypatch.setattr(fork_server, "_CLIENT", client)
     monkeypatch.setenv("TESTS_FORK_SERVER_PRELOAD", "json")
     via = _launch_log(tmp_path, monkeypatch)
-    hang = _script(tmp_path, "hang.py", "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    # Each pid as one marked token: the two ranks' lines may reach the captured output interleaved.
+    hang = _script(tmp_path, "hang.py", "import os, time\nprint(f'pid={os.getpid()};', flush=True)\ntime.sleep(600)\n")
     with pytest.raises(subprocess.TimeoutExpired) as timed_out:
         _run([sys.executable, str(REPO / "tests" / "fork_launch.py"), "--master-port", "1", hang], 8, None)
-    ranks = [int(pid) for pid in timed_out.value.stdout.split()]
+    ranks = [int(pid) for pid in re.findall(r"pid=(\d+);", timed_out.value.stdout)]
     assert len(ranks) == 2 and _server_children(client) == ""
     time.sleep(1)
     for pid in ranks:
