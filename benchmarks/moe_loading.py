@@ -12,6 +12,13 @@ process (or a 2-rank ``accelerate launch`` with ``low_cpu_ram=True``):
               (hf_fsdp_qlora/loading/_expert_stream.py).
     today     the same call with ``use_safetensors=True``, a from_pretrained argument the stream plan does not follow:
               the experts load as before this change (all of them 16-bit, then packed).
+    trl       trl's route: this worker run under ``python -m hf_fsdp_qlora.run`` (the launcher's hooks installed), the
+              base loaded as trl's SFTTrainer loads it for ``sft.py --load_in_4bit --dtype bfloat16`` (trl's
+              ``create_model_from_path`` with sft.py's arguments and ``get_quantization_config``), then
+              ``get_peft_model``: the launcher's from_pretrained hook streams the experts
+              (hf_fsdp_qlora/loading/_script_stream.py). One process only (each rank streams its own on this route).
+    trl_today the same with ``use_safetensors=True``: the stream does not follow, the experts load 16-bit and the
+              launcher's peft hook packs them at ``get_peft_model`` (trl's route before the from_pretrained hook).
 
 Per process: the peak resident set (``VmHWM``: anonymous and file-backed pages, including the runtime's ~0.5 GB
 of imports), the peak of anonymous memory alone (sampled every 10 ms: the memory-mapped checkpoint pages
@@ -36,7 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
-CONTESTANTS = ("streamed", "today")
+CONTESTANTS = ("streamed", "today", "trl", "trl_today")
+PAIRS = (("streamed", "today"), ("trl", "trl_today"))  # (ours, what it replaces): equal packed experts
 # Qwen3MoeConfig fields. "bench": 10 layers x 64 experts of width 512 at hidden 1024: 2.0 GB of bf16 experts, 2.1 GB
 # on disk. "test": tests/test_moe_stream.py's (201 MB of experts). "tiny": ~30 MB.
 SHAPES = {
@@ -64,6 +72,7 @@ def write_checkpoint(folder: Path, shape: str, seed: int = 0) -> int:
 
     config = _config(shape)
     folder.mkdir(parents=True, exist_ok=True)
+    config.architectures = ["Qwen3MoeForCausalLM"]  # as save_pretrained of the model writes (trl reads it)
     config.save_pretrained(folder)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
@@ -129,6 +138,18 @@ class AnonPeak:
         self.peak = max(self.peak, self.now())
 
 
+def trl_base(model: str, **extra):
+    """The base as trl's SFTTrainer loads it for sft.py `--load_in_4bit --dtype bfloat16`: sft.py's model_init_kwargs,
+    trl's get_quantization_config and create_model_from_path (also tests/test_moe_stream.py's)."""
+    from trl import ModelConfig, get_quantization_config
+    from trl.trainer.utils import create_model_from_path
+
+    args = ModelConfig(model_name_or_path=model, dtype="bfloat16", load_in_4bit=True)
+    return create_model_from_path(str(model), revision=args.model_revision, trust_remote_code=False,
+                                  attn_implementation=None, dtype=args.dtype,
+                                  quantization_config=get_quantization_config(args), **extra)  # fmt: skip
+
+
 def worker(name: str, model: str, out: Path, low_cpu_ram: bool) -> None:
     import torch
     from peft import LoraConfig
@@ -136,14 +157,22 @@ def worker(name: str, model: str, out: Path, low_cpu_ram: bool) -> None:
     from hf_fsdp_qlora import load_qlora_model
     from hf_fsdp_qlora.loading.experts import QuantizedExperts, packed_expert_bytes
 
+    if name.startswith("trl"):
+        import trl.trainer.utils  # noqa: F401 - imported before the baseline: the runtime, as the load's own imports
+
     baseline = _status("VmHWM")  # after the imports: the runtime
     baseline_anon = AnonPeak.now()
-    extra = {"use_safetensors": True} if name == "today" else {}
+    extra = {"use_safetensors": True} if name.endswith("today") else {}
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     start = time.perf_counter()
     with AnonPeak() as anon:
-        loaded = load_qlora_model(model, lora_config=lora, gradient_checkpointing=False, low_cpu_ram=low_cpu_ram,
-                                  dtype=torch.bfloat16, **extra)  # fmt: skip
+        if name.startswith("trl"):
+            from peft import get_peft_model
+
+            loaded = get_peft_model(trl_base(model, **extra), lora)  # as SFTTrainer does
+        else:
+            loaded = load_qlora_model(model, lora_config=lora, gradient_checkpointing=False, low_cpu_ram=low_cpu_ram,
+                                      dtype=torch.bfloat16, **extra)  # fmt: skip
     seconds = time.perf_counter() - start
     import hashlib
 
@@ -178,12 +207,13 @@ def _port() -> int:
 
 
 def run(name: str, model: Path, out: Path, ranks: int, timeout: int) -> list[dict]:
-    """One contestant in a fresh process (ranks 1) or a 2-rank launch with low_cpu_ram=True; every rank's figures."""
+    """One contestant in a fresh process (ranks 1; trl's under `python -m hf_fsdp_qlora.run`) or a 2-rank launch
+    with low_cpu_ram=True; every rank's figures."""
     me = [str(Path(__file__).resolve()), "--worker", name, "--model", str(model), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("ACCELERATE_USE_FSDP", None)
     if ranks == 1:
-        cmd = [sys.executable, *me]
+        cmd = [sys.executable, *(["-m", "hf_fsdp_qlora.run"] if name.startswith("trl") else []), *me]
     else:
         config = ROOT / "accelerate_configs" / "cpu_fsdp2_rehearsal.yaml"
         cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config),
@@ -203,14 +233,19 @@ def planned_bound(model: Path) -> int:
 
 
 def _table(rows: dict, bound: int) -> str:
-    lines = ["| per process | streamed | today | today / streamed |", "|---|---:|---:|---:|"]
+    pairs = [(ours, before) for ours, before in PAIRS if ours in rows and before in rows]
+    names = [n for pair in pairs for n in pair]
+    head = [*names, *(f"{before} / {ours}" for ours, before in pairs)]
+    lines = ["| per process | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
     for key, label in (("peak_rss", "peak RSS (GiB)"), ("peak_anon", "peak anonymous RSS (GiB)"),
                        ("load_s", "load time (s)")):  # fmt: skip
-        s, t = rows["streamed"][key], rows["today"][key]
         scale = 1 if key == "load_s" else GIB
-        lines.append(f"| {label} | {s / scale:.2f} | {t / scale:.2f} | {t / s:.2f}x |")
-    lines.append(f"| planned bound (GiB) | {bound / GIB:.2f} | | |")
-    lines.append(f"| streamed peak RSS / bound | {rows['streamed']['peak_rss'] / bound:.2f} | | |")
+        cells = [f"{rows[n][key] / scale:.2f}" for n in names]
+        cells += [f"{rows[before][key] / rows[ours][key]:.2f}x" for ours, before in pairs]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    pad = " |" * (len(head) - 1)
+    lines.append(f"| planned bound (GiB) | {bound / GIB:.2f}{pad}")
+    lines.append("| peak RSS / bound | " + " | ".join(f"{rows[n]['peak_rss'] / bound:.2f}" for n in names) + " |")
     return "\n".join(lines)
 
 
@@ -219,6 +254,8 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="bench")
     p.add_argument("--ranks", type=int, choices=(1, 2), nargs="*", default=[1, 2],
                    help="1: one process; 2: a 2-rank launch with low_cpu_ram=True (default: both)")  # fmt: skip
+    p.add_argument("--contestants", nargs="*", choices=CONTESTANTS, default=list(CONTESTANTS),
+                   help="which loads to measure (default: all; trl's only in the 1-process run)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the figures as JSON after the table")
     p.add_argument("--keep", type=Path, help="write the checkpoint and results here and keep them")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per contestant")
@@ -238,13 +275,16 @@ def main(argv=None) -> int:
         result = {"shape": args.shape, "checkpoint_bytes": size, "planned_bound": bound, "runs": {}}
         for ranks in args.ranks:
             rows = {}
-            for name in ("streamed", "today"):
+            for name in args.contestants:
+                if ranks > 1 and name.startswith("trl"):
+                    continue  # no low_cpu_ram on trl's route: each rank loads (and streams) its own, as 1 process
                 found = run(name, model, work / "out", ranks, args.timeout)
                 rows[name] = max(found, key=lambda r: r["peak_rss"])  # the process that peaked highest
                 rows[name]["per_rank_peak_rss"] = [r["peak_rss"] for r in found]
                 rows[name]["digests_equal_across_ranks"] = len({r["experts_digest"] for r in found}) == 1
-            if rows["streamed"]["experts_digest"] != rows["today"]["experts_digest"]:
-                raise RuntimeError("the streamed experts' packed bytes differ from today's load")
+            for ours, before in PAIRS:
+                if ours in rows and before in rows and rows[ours]["experts_digest"] != rows[before]["experts_digest"]:
+                    raise RuntimeError(f"the {ours} experts' packed bytes differ from the {before} load's")
             result["runs"][f"{ranks}_process" if ranks == 1 else f"{ranks}_ranks_low_cpu_ram"] = rows
             print(f"\n{ranks} process(es){' (low_cpu_ram)' if ranks > 1 else ''}, checkpoint {size / GIB:.2f} GiB:")
             print(_table(rows, bound))

@@ -504,12 +504,13 @@ def test_fsdp_trains_lora_on_4bit_experts(moe_models, shared_launch, version, na
 
 
 def test_launcher_switch_quantizes_experts_before_peft(moe_models, monkeypatch):
-    """`-m hf_fsdp_qlora.run`'s peft hook: a model loaded in 4 bits (as trl's --load_in_4bit does) gets its experts
-    quantized when get_peft_model runs, before FSDP; HF_FSDP_QLORA_QUANTIZE_EXPERTS=0 leaves them 16-bit."""
+    """`-m hf_fsdp_qlora.run`'s hooks: a 4-bit from_pretrained (as trl's --load_in_4bit does) streams the experts into
+    4 bits before it returns (hf_fsdp_qlora/loading/_script_stream.py); a load the stream cannot follow keeps them
+    16-bit and get_peft_model quantizes them, before FSDP; HF_FSDP_QLORA_QUANTIZE_EXPERTS=0 leaves them 16-bit."""
     from peft import get_peft_model
     from peft.tuners.tuners_utils import BaseTuner
     from train_scenarios import bnb_config
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedModel
 
     from hf_fsdp_qlora.loading.expert_lora import quantize_experts_before_peft
     from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV, quantize_experts_from_env
@@ -517,19 +518,29 @@ def test_launcher_switch_quantizes_experts_before_peft(moe_models, monkeypatch):
     assert quantize_experts_from_env({}) and quantize_experts_from_env({QUANTIZE_EXPERTS_ENV: "1"})
     assert not any(quantize_experts_from_env({QUANTIZE_EXPERTS_ENV: v}) for v in ("0", " False ", "no"))
 
-    monkeypatch.setattr(BaseTuner, "inject_adapter", BaseTuner.inject_adapter)  # restored after the test
+    # Both hooks are restored after the test (monkeypatch keeps the classmethod itself for a class attribute).
+    monkeypatch.setattr(BaseTuner, "inject_adapter", BaseTuner.inject_adapter)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", PreTrainedModel.__dict__["from_pretrained"])
     config = _lora(target_modules=["q_proj"], target_parameters=EXPERT_TARGETS)
+    path = str(moe_models["qwen3_moe"])
     found = {}
-    for quantize in (True, False):
+    for quantize, extra in ((True, {}), (True, {"use_safetensors": True}), (False, {})):
         quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV, quantize=quantize)
-        path = str(moe_models["qwen3_moe"])
-        base = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(), dtype=torch.bfloat16)
-        assert not any(isinstance(m, QuantizedExperts) for m in base.modules())  # bitsandbytes alone: 16-bit
+        base = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(), dtype=torch.bfloat16,
+                                                    **extra)  # fmt: skip
+        loaded = {type(m).__name__ for _, m in _experts(base)}
         model = get_peft_model(base, config)
-        found[quantize] = [type(m).__name__ for _, m in _experts(model)]
+        found[(quantize, *extra)] = (loaded, {type(m).__name__ for _, m in _experts(model)})
         ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(0))
         assert torch.isfinite(model(input_ids=ids).logits).all()
-    assert set(found[True]) == {"QuantizedExperts"} and set(found[False]) == {"Qwen3MoeExperts"}, found
+    assert found == {
+        (True,): ({"QuantizedExperts"}, {"QuantizedExperts"}),  # streamed by from_pretrained
+        (True, "use_safetensors"): (
+            {"Qwen3MoeExperts"},
+            {"QuantizedExperts"},
+        ),  # not followed: packed by the peft hook
+        (False,): ({"Qwen3MoeExperts"}, {"Qwen3MoeExperts"}),
+    }, found
     with pytest.raises(UnsupportedSetupError, match="'mlp.experts.w1' matches no parameter"):
         get_peft_model(AutoModelForCausalLM.from_pretrained(path), _lora(target_parameters=["mlp.experts.w1"]))
 
@@ -538,8 +549,8 @@ def test_launcher_switch_quantizes_experts_before_peft(moe_models, monkeypatch):
 def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
     """The issue's goal: trl's sft.py, unchanged, `--use_peft --load_in_4bit --lora_dropout 0
     --lora_target_parameters ...` on a Qwen3-MoE checkpoint, through `-m hf_fsdp_qlora.run` under FSDP1 and FSDP2:
-    FSDP engaged, the experts 4-bit and sharded, the adapter trained, in peft's own format, and merged by
-    merge-adapters equal to peft."""
+    FSDP engaged, the experts streamed from the shards into 4 bits by trl's own from_pretrained (never 16-bit) and
+    sharded, computed grouped, the adapter trained, in peft's own format, and merged by merge-adapters equal to peft."""
     import json
     import re
     import shutil
@@ -569,6 +580,14 @@ def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
         held = [tuple(map(int, m)) for m in re.findall(r"4-bit experts: this rank holds (\d+) of (\d+) packed", text)]
         assert len(held) == 1, text[-3000:]  # rank 0's line: it holds a part of the packed expert bytes
         assert 0 < held[0][0] < held[0][1] and (version == 1 or held[0][0] * 2 == held[0][1]), held
+        # trl's own from_pretrained never held the 16-bit experts: transformers left them unread and they streamed
+        # from the shards into 4 bits (the peft hook's 16-bit packing, "quantized the experts ...", never ran) ...
+        assert "Qwen3MoeForCausalLM.from_pretrained leaves the experts of 2 MoE layers unread" in text, text[-3000:]
+        assert text.count("streamed the experts of 2 MoE layers from the checkpoint into 4 bits (nf4)") == 1
+        assert "quantized the experts of 2 MoE layers" not in text and "load in 16 bits before" not in text
+        # ... and the routed experts computed grouped (said once per process; INFO lines come from rank 0).
+        assert text.count("4-bit experts (Qwen3MoeExperts) compute grouped") == 1, text[-3000:]
+        assert "compute one routed expert at a time" not in text
         log = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
         assert any("eval_loss" in e for e in log), log  # trl's defaults: evaluation and checkpoints on
         adapter = _adapter(out)

@@ -35,7 +35,7 @@ from ..dtypes import PACKED_EXPERTS_ATTR
 from ..expert_layouts import expert_layout
 from .experts import QuantizedExperts
 
-__all__ = ["ExpertStream", "StreamedExperts", "experts_left_unread", "plan_expert_stream"]
+__all__ = ["ExpertStream", "StreamedExperts", "expert_stream_or_say_why", "experts_left_unread", "plan_expert_stream"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,15 @@ def plan_expert_stream(
         sum(getattr(m, p).numel() * getattr(m, p).element_size() for p in _params(m)) for m in modules.values()
     )
     return stream, ""
+
+
+def expert_stream_or_say_why(source, config, dtype, trust_remote_code: bool, kwargs: dict) -> ExpertStream | None:
+    """:func:`plan_expert_stream`, with one log line saying why the experts load 16-bit first where it cannot follow
+    (silent for a model without fused experts)."""
+    stream, reason = plan_expert_stream(source, config, dtype, trust_remote_code, kwargs)
+    if stream is None and reason != "no fused experts":
+        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: %s", reason)
+    return stream
 
 
 def _params(module) -> tuple[str, ...]:

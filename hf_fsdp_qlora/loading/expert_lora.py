@@ -32,6 +32,7 @@ __all__ = [
     "attach_expert_lora",
     "check_target_modules",
     "check_target_parameters",
+    "experts_quantization",
     "linear_layer_names",
     "peft_adapts_4bit_experts",
     "peft_sees_expert_weights",
@@ -192,19 +193,28 @@ def check_target_modules(model: nn.Module, lora_config) -> None:
             )
 
 
-def _quantize_experts_of_4bit_model(model: nn.Module, env_switch: str) -> None:
-    from ..dtypes import quantization_kind, training_dtype
+def experts_quantization(model: nn.Module) -> dict:
+    """How a script's 4-bit model gets its experts packed: its linear layers' quant type and double quant, and the
+    one dtype the run's FSDP units will hold (the linear layers' packed bytes are viewed as it later)."""
+    from ..dtypes import training_dtype
 
-    if quantization_kind(model) != "4bit" or not has_fused_experts(model):
-        return
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
     if isinstance(quant, dict):
         quant = types.SimpleNamespace(**quant)
-    quant_type = getattr(quant, "bnb_4bit_quant_type", None) or "nf4"
-    double_quant = bool(getattr(quant, "bnb_4bit_use_double_quant", False))
+    return {
+        "quant_type": getattr(quant, "bnb_4bit_quant_type", None) or "nf4",
+        "double_quant": bool(getattr(quant, "bnb_4bit_use_double_quant", False)),
+        "dtype": training_dtype(model),
+    }
+
+
+def _quantize_experts_of_4bit_model(model: nn.Module, env_switch: str) -> None:
+    from ..dtypes import quantization_kind
+
+    if quantization_kind(model) != "4bit" or not has_fused_experts(model):
+        return
     try:
-        # The one dtype the run's FSDP units will hold (the linear layers' packed bytes are viewed as it later).
-        quantize_experts(model, quant_type=quant_type, double_quant=double_quant, dtype=training_dtype(model))
+        quantize_experts(model, **experts_quantization(model))
     except UnsupportedSetupError as err:
         raise UnsupportedSetupError(f"{err} With `-m hf_fsdp_qlora.run`: set {env_switch}=0 instead.") from err
 
@@ -226,8 +236,10 @@ def quantize_experts_before_peft(env_switch: str | None, quantize: bool = True) 
     """Wrap peft's ``BaseTuner.inject_adapter`` (once per mode) so that peft adapts 4-bit experts.
 
     With `env_switch` (``-m hf_fsdp_qlora.run``, for scripts that build their peft model themselves, e.g. trl's
-    ``sft.py --load_in_4bit --use_peft``): a model loaded in 4 bits whose experts are still 16-bit gets them quantized
-    first (with its linear layers' quant type and double quant), unless `quantize` is False; every
+    ``sft.py --load_in_4bit --use_peft``): unless `quantize` is False, the script's 4-bit ``from_pretrained`` of a
+    local MoE checkpoint streams the experts into 4 bits one layer at a time (:mod:`._script_stream`), and a model
+    loaded in 4 bits whose experts are still 16-bit gets them quantized here (with its linear layers' quant type and
+    double quant); every
     ``target_parameters`` name must match a weight; LoRA on 4-bit experts works as with ``load_qlora_model``. All of
     it happens before the Trainer wraps the model in FSDP. `env_switch` names the switch in messages.
 
@@ -258,3 +270,7 @@ def quantize_experts_before_peft(env_switch: str | None, quantize: bool = True) 
 
     inject_adapter.hf_fsdp_qlora_experts = settings
     BaseTuner.inject_adapter = inject_adapter
+    if env_switch is not None:
+        from ._script_stream import stream_experts_of_script_loads
+
+        stream_experts_of_script_loads(settings)

@@ -298,13 +298,11 @@ def _plan_expert_stream(load: _Load) -> None:
     a time (_expert_stream), never all in 16 bits; otherwise (and with a log line saying why) as before."""
     if not load.quantize_experts or load.bits != 4:
         return
-    from ._expert_stream import StreamedExperts, plan_expert_stream
+    from ._expert_stream import StreamedExperts, expert_stream_or_say_why
 
     user_kwargs = {k: v for k, v in load.from_pretrained_kwargs.items() if load.experts_device is None or
                    k not in ("device_map", "quantization_config")}  # fmt: skip
-    stream, reason = plan_expert_stream(load.source, load.config, load.dtype, load.trust_remote_code, user_kwargs)
-    if stream is None and reason != "no fused experts":
-        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: %s", reason)
+    stream = expert_stream_or_say_why(load.source, load.config, load.dtype, load.trust_remote_code, user_kwargs)
     if stream is not None:
         load.streamed = StreamedExperts(stream, load.quant_type, load.double_quant, load.dtype, load.experts_device)
 
@@ -312,8 +310,10 @@ def _plan_expert_stream(load: _Load) -> None:
 def _build_base(load: _Load, low_cpu_ram: bool) -> None:
     """The quantized base model: from_pretrained, or read by rank 0 only and sent to the other ranks."""
     from ._expert_stream import experts_left_unread
+    from ._script_stream import script_loads_untouched
 
-    with experts_left_unread(load.streamed and load.streamed.stream) as hide_experts:
+    # script_loads_untouched: the launcher's from_pretrained hook leaves this load (and its choices) to us.
+    with experts_left_unread(load.streamed and load.streamed.stream) as hide_experts, script_loads_untouched():
         kwargs = {**load.from_pretrained_kwargs, **hide_experts}
         if low_cpu_ram:
             from .low_ram import load_base_low_ram
