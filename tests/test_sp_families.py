@@ -1,0 +1,64 @@
+"""docs/long-context.md lists the families whose default config the sequence-parallel rule refuses (sliding-window,
+linear, chunked or other local attention layers): the list equals what the rule says of every causal-LM family
+transformers ships (tests/family_sweep.py's families), and the doctor refuses a listed one from its config alone."""
+
+from __future__ import annotations
+
+import re
+
+from dist_utils import REPO
+from family_sweep import families
+
+PAGE = REPO / "docs" / "long-context.md"
+
+
+def _listed() -> set[str]:
+    text = PAGE.read_text()
+    found = re.search(r"<!-- sp-refused-families -->(.*?)<!-- /sp-refused-families -->", text, flags=re.S)
+    assert found, "docs/long-context.md lost its sp-refused-families list"
+    return {name.strip() for name in found.group(1).replace("\n", " ").split(",") if name.strip()}
+
+
+def _text_config(family: str):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family)
+    try:
+        return config.get_text_config(decoder=True)
+    except ValueError:  # several text configs (an encoder-decoder): the model's own attributes
+        return config
+
+
+def _refused_by_default() -> dict[str, tuple[str, ...]]:
+    from hf_fsdp_qlora.sp_rules import local_attention_kinds
+
+    refused = {}
+    for family in families():
+        try:
+            kinds = local_attention_kinds(_text_config(family))
+        except Exception:  # noqa: BLE001 - a config class that cannot be built with its defaults: not claimed
+            continue
+        if kinds:
+            refused[family] = kinds
+    return refused
+
+
+def test_listed_families_are_what_the_rule_refuses():
+    refused = _refused_by_default()
+    # The page names a family once: its `_text` config (and an `_assistant` one) follows it, and is refused alike.
+    collapsed = {f for f in refused if not re.search(r"_(text|assistant)$", f) or f.rsplit("_", 1)[0] not in refused}
+    assert _listed() == collapsed, (sorted(_listed() - collapsed), sorted(collapsed - _listed()))
+    for family in ("llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "granite"):  # the page says these are accepted
+        assert family not in refused, (family, refused[family])
+
+
+def test_doctor_refuses_a_listed_family_from_its_config(tmp_path):
+    """Mistral's default config (a `sliding_window`, no `layer_types`): the doctor says what the trainer would."""
+    from hf_fsdp_qlora.doctor import diagnose
+
+    _text_config("mistral").save_pretrained(tmp_path)
+    found = diagnose(tmp_path / "config.json", accelerate_config="fsdp2_qlora", quantization="4bit",
+                     gpu_memory=80 * 2**30, seq_len=8192, sp_size=2, num_gpus=2)  # fmt: skip
+    refused = [f for f in found.findings if f.id == "sequence-parallel-refused"]
+    assert len(refused) == 1 and refused[0].severity == "error", found.findings
+    assert "sliding_attention layers (sliding_window=4096)" in refused[0].problem, refused[0]
