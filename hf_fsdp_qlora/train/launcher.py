@@ -137,55 +137,54 @@ def _finish(code: int) -> None:
     finish_distributed(code, barrier=code == PREEMPTED_EXIT_CODE)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _target(argv: list[str]) -> tuple[bool, str, list[str]]:
+    """(run as a module, the script or module, its arguments); usage errors exit 2 before anything is imported."""
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         sys.exit(0 if argv else 2)
-    as_module = argv[0] == "-m"
-    if as_module:
+    if argv[0] == "-m":
         if len(argv) < 2:
             print("hf_fsdp_qlora.run: -m needs a module name, e.g. -m trl.scripts.sft\n\n" + USAGE, file=sys.stderr)
             sys.exit(2)
-        target, rest = argv[1], argv[2:]
-    else:
-        target, rest = argv[0], argv[1:]
-        if not os.path.isfile(target):
-            print(f"hf_fsdp_qlora.run: no such script: {target!r}\n\n" + USAGE, file=sys.stderr)
-            sys.exit(2)
+        return True, argv[1], argv[2:]
+    if not os.path.isfile(argv[0]):
+        print(f"hf_fsdp_qlora.run: no such script: {argv[0]!r}\n\n" + USAGE, file=sys.stderr)
+        sys.exit(2)
+    return False, argv[0], argv[1:]
 
-    try:  # a bad value is refused before anything is imported or loaded
-        sp_size, sp_source = sp_size_from_env()
+
+def _exit_on_bad_setting(setting: str, apply, *args):
+    """`apply(*args)`; a ValueError (a bad environment value) is said with its setting's name, exit status 2."""
+    try:
+        return apply(*args)
     except ValueError as err:
-        print(f"hf_fsdp_qlora.run: {err}", file=sys.stderr)
+        print(f"hf_fsdp_qlora.run: {setting}{err}", file=sys.stderr)
         sys.exit(2)
 
+
+def _apply_launch_settings() -> None:
+    """The environment's settings, each checked before the heavy imports: a bad value exits 2 naming it."""
+    sp_size, sp_source = _exit_on_bad_setting("", sp_size_from_env)  # before anything is imported or loaded
     from .preemption import remember_early_signals, set_launch_defaults
 
     # First, before the heavy imports and the model loading: a scheduler's SIGUSR1 from here on is remembered and
     # acted on when train() starts (the node script's `trap '' USR1` would otherwise have it ignored until then).
     remember_early_signals()
-    try:
-        set_launch_defaults(
-            auto_resume=os.environ.get(AUTO_RESUME_ENV, "").strip().lower() in ("1", "true", "yes"),
-            stop_after=os.environ.get(STOP_AFTER_ENV) or None,
-        )
-    except ValueError as err:
-        print(f"hf_fsdp_qlora.run: {STOP_AFTER_ENV}: {err}", file=sys.stderr)
-        sys.exit(2)
     from .precision import set_launch_adapter_dtype
 
-    try:
-        set_launch_adapter_dtype(os.environ.get(ADAPTER_DTYPE_ENV) or None)
-    except ValueError as err:
-        print(f"hf_fsdp_qlora.run: {ADAPTER_DTYPE_ENV}: {err}", file=sys.stderr)
-        sys.exit(2)
+    auto_resume = os.environ.get(AUTO_RESUME_ENV, "").strip().lower() in ("1", "true", "yes")
+    stop_after = os.environ.get(STOP_AFTER_ENV) or None
+    _exit_on_bad_setting(f"{STOP_AFTER_ENV}: ", set_launch_defaults, auto_resume, stop_after)
+    _exit_on_bad_setting(f"{ADAPTER_DTYPE_ENV}: ", set_launch_adapter_dtype, os.environ.get(ADAPTER_DTYPE_ENV) or None)
     if sp_size > 1:  # before the script builds accelerate's state, which would refuse sp_size without DeepSpeed
         from .sequence_parallel import set_launch_sp_size
 
         hand_over_accelerate_sp_size()
         set_launch_sp_size(sp_size, sp_source)
 
+
+def _install_hooks() -> None:
+    """FSDP on CPU processes, our behaviour for every Trainer the script builds, and its experts packed in 4 bits."""
     from ..cpu_rehearsal import enable_cpu_fsdp
     from ..loading.expert_lora import quantize_experts_before_peft
     from .trainer_hook import install_trainer_hook
@@ -194,23 +193,31 @@ def main(argv: list[str] | None = None) -> None:
     install_trainer_hook(adopt_all=True)
     quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV, quantize=quantize_experts_from_env())
 
-    code = 0
+
+def _run_script(as_module: bool, target: str, rest: list[str]) -> int:
+    """Run the script as ``__main__``; its exit status (a traceback printed as Python would, and 1, if it raised)."""
+    sys.argv = [target, *rest]
     try:
         if as_module:
-            sys.argv = [target, *rest]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *rest]
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
             runpy.run_path(target, run_name="__main__")
     except SystemExit as stop:
         from .finish import exit_status
 
-        code = exit_status(stop.code)
+        return exit_status(stop.code)
     except BaseException:  # noqa: BLE001 - printed as Python would, then the exit status says it failed
         traceback.print_exc()
-        code = 1
-    _finish(code)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    as_module, target, rest = _target(list(sys.argv[1:] if argv is None else argv))
+    _apply_launch_settings()
+    _install_hooks()
+    _finish(_run_script(as_module, target, rest))
 
 
 if __name__ == "__main__":
