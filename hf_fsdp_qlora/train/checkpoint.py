@@ -210,7 +210,7 @@ def load_adapter_into(model, adapter_dir: str | os.PathLike) -> int:
             for, or holds tensors of other shapes (another LoRA rank): one line naming the difference.
     """
     from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     adapter_dir = Path(adapter_dir)
     path = adapter_dir / ADAPTER_WEIGHTS
@@ -222,63 +222,80 @@ def load_adapter_into(model, adapter_dir: str | os.PathLike) -> int:
     adapter_name = adapter_name_of(peft_model)
     selection = selection_of(model, peft_model, adapter_name)
     saved = load_file(str(path))
+    hint = _lora_hint(adapter_dir, peft_model, adapter_name)
+    _check_tensor_names(selection, saved, adapter_dir, hint)
+    if any(isinstance(m, FSDP) for m in model.modules()):
+        _write_into_gathered_fsdp1(model, selection, saved, adapter_dir, hint)
+    else:
+        _load_with_state_dict_api(model, selection, saved, adapter_dir, hint)
+    return len(saved)  # the adapter file's tensors (every one was loaded: the checks above)
+
+
+def _check_tensor_names(selection: dict, saved: dict, adapter_dir: Path, hint: str) -> None:
+    """An AdapterMismatchError naming the difference unless the file holds exactly the tensors the model saves."""
     missing = sorted(k for k in selection if k not in saved)
     unexpected = sorted(k for k in saved if k not in selection)
-    if missing or unexpected:
-        what = []
-        if missing:
-            what.append(f"lacks {len(missing)} tensors this model trains or saves (e.g. {missing[0]})")
-        if unexpected:
-            what.append(f"holds {len(unexpected)} tensors this model has no place for (e.g. {unexpected[0]})")
-        raise AdapterMismatchError(
-            f"hf_fsdp_qlora: the adapter in {adapter_dir} {' and '.join(what)}"
-            f"{_lora_hint(adapter_dir, peft_model, adapter_name)}: it was saved from a differently configured "
-            "model. Resume with the LoraConfig (r, target_modules, modules_to_save, trainable_token_indices) and "
-            "the vocabulary size it was trained with, or start a new run (a new output_dir)."
-        )
-    params = {clean_name(n): p for n, p in model.named_parameters()}
-    state_dict = {name: saved[key] for key, name in selection.items()}
+    if not (missing or unexpected):
+        return
+    what = []
+    if missing:
+        what.append(f"lacks {len(missing)} tensors this model trains or saves (e.g. {missing[0]})")
+    if unexpected:
+        what.append(f"holds {len(unexpected)} tensors this model has no place for (e.g. {unexpected[0]})")
+    raise AdapterMismatchError(
+        f"hf_fsdp_qlora: the adapter in {adapter_dir} {' and '.join(what)}{hint}: it was saved from a differently "
+        "configured model. Resume with the LoraConfig (r, target_modules, modules_to_save, trainable_token_indices) "
+        "and the vocabulary size it was trained with, or start a new run (a new output_dir)."
+    )
+
+
+def _shape_mismatch(selection: dict, saved: dict, shape_of, adapter_dir: Path, hint: str):
+    """An AdapterMismatchError for the first saved tensor whose shape is not the model's (None when all fit)."""
+    wrong = [(k, tuple(saved[k].shape), shape_of(n)) for k, n in selection.items()
+             if tuple(saved[k].shape) != shape_of(n)]  # fmt: skip
+    if not wrong:
+        return None
+    key, theirs, mine = wrong[0]
+    return AdapterMismatchError(
+        f"hf_fsdp_qlora: the adapter in {adapter_dir} does not fit this model: {len(wrong)} tensors differ in shape, "
+        f"e.g. {key} is {list(theirs)} in the checkpoint and {list(mine)} in the model{hint}. Resume with the "
+        "LoraConfig the checkpoint was trained with (same r and target_modules), or start a new run "
+        "(a new output_dir)."
+    )
+
+
+def _write_into_gathered_fsdp1(model, selection: dict, saved: dict, adapter_dir: Path, hint: str) -> None:
+    """FSDP1 (use_orig_params=True): set_model_state_dict swaps the parameters' storage, which then no longer views
+    the FlatParameter the optimizer steps - the resumed run silently diverges after one step. Writing into the
+    gathered parameters with writeback keeps every view intact. Shapes are only visible while gathered; every rank
+    reads the same file, so all raise alike (after leaving the gathered context together)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    fsdp1 = any(isinstance(m, FSDP) for m in model.modules())
+    state_dict = {name: saved[key] for key, name in selection.items()}
+    with FSDP.summon_full_params(model, writeback=True), torch.no_grad():
+        full = {clean_name(n): p for n, p in model.named_parameters()}
+        error = _shape_mismatch(selection, saved, lambda n: tuple(full[n].shape), adapter_dir, hint)
+        if error is None:
+            for name, param in full.items():
+                value = state_dict.get(name)
+                if value is not None:
+                    param.copy_(value.to(device=param.device, dtype=param.dtype))
+    if error is not None:
+        raise error
 
-    def check_shapes(shape_of):
-        wrong = [(k, tuple(saved[k].shape), shape_of(n)) for k, n in selection.items()
-                 if tuple(saved[k].shape) != shape_of(n)]  # fmt: skip
-        if wrong:
-            key, theirs, mine = wrong[0]
-            return AdapterMismatchError(
-                f"hf_fsdp_qlora: the adapter in {adapter_dir} does not fit this model: {len(wrong)} tensors differ "
-                f"in shape, e.g. {key} is {list(theirs)} in the checkpoint and {list(mine)} in the model"
-                f"{_lora_hint(adapter_dir, peft_model, adapter_name)}. Resume with the LoraConfig the checkpoint "
-                "was trained with (same r and target_modules), or start a new run (a new output_dir)."
-            )
-        return None
 
-    if fsdp1:
-        # FSDP1 (use_orig_params=True): set_model_state_dict swaps the parameters' storage, which then no
-        # longer views the FlatParameter the optimizer steps - the resumed run silently diverges after
-        # one step. Writing into the gathered parameters with writeback keeps every view intact. Shapes are
-        # only visible while gathered; every rank reads the same file, so all raise alike.
-        with FSDP.summon_full_params(model, writeback=True), torch.no_grad():
-            full = {clean_name(n): p for n, p in model.named_parameters()}
-            error = check_shapes(lambda n: tuple(full[n].shape))
-            if error is None:
-                for name, param in full.items():
-                    value = state_dict.get(name)
-                    if value is not None:
-                        param.copy_(value.to(device=param.device, dtype=param.dtype))
-        if error is not None:
-            raise error
-    else:
-        error = check_shapes(lambda n: tuple(params[n].shape))  # DTensors report the global shape
-        if error is not None:
-            raise error
-        state_dict = {n: v.to(params[n].dtype) for n, v in state_dict.items()}
-        on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
-        options = StateDictOptions(full_state_dict=True, strict=False, cpu_offload=on_accelerator)
-        set_model_state_dict(model, state_dict, options=options)  # fills state_dict with every model parameter
-    return len(saved)  # the adapter file's tensors (every one was loaded: the checks above)
+def _load_with_state_dict_api(model, selection: dict, saved: dict, adapter_dir: Path, hint: str) -> None:
+    """FSDP2 or unwrapped: full tensors to torch's distributed state-dict API, which keeps each rank's shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    params = {clean_name(n): p for n, p in model.named_parameters()}
+    error = _shape_mismatch(selection, saved, lambda n: tuple(params[n].shape), adapter_dir, hint)  # global shapes
+    if error is not None:
+        raise error
+    state_dict = {name: saved[key].to(params[name].dtype) for key, name in selection.items()}
+    on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
+    options = StateDictOptions(full_state_dict=True, strict=False, cpu_offload=on_accelerator)
+    set_model_state_dict(model, state_dict, options=options)  # fills state_dict with every model parameter
 
 
 def latest_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
