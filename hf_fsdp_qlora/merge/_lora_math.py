@@ -156,6 +156,14 @@ def collect_updates(
             "adapter_config.json sets target_parameters: the LoRA on parameters needs the base's parameters to be "
             "placed; merge with merge_adapters(base, adapter, output)"
         )
+    modules, updates = _group_tensors(config, tensors)
+    for module, parts in modules.items():
+        _add_module_lora(updates, config, module, parts, params, transposed)
+    return updates
+
+
+def _group_tensors(config: dict, tensors: dict) -> tuple[dict, dict[str, TensorUpdate]]:
+    """({module: {LoRA part: (key, tensor)}}, the other updates: trainable token rows, replaced tensors)."""
     modules: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     updates: dict[str, TensorUpdate] = {}
     for key, tensor in tensors.items():
@@ -167,10 +175,8 @@ def collect_updates(
         elif name.endswith(".token_adapter.trainable_tokens_delta"):
             module = name.removesuffix(".token_adapter.trainable_tokens_delta")
             update = updates.setdefault(f"{module}.weight", TensorUpdate())
-            update.token_rows, update.sources = (
-                (_token_indices(config, module, key, tensor), tensor),
-                update.sources + [key],
-            )
+            update.token_rows = (_token_indices(config, module, key, tensor), tensor)
+            update.sources = update.sources + [key]
         elif ".lora_" in name or (".token_adapter." in name and ".token_adapter.base_layer." not in name):
             raise MergeError(f"adapter tensor {key} belongs to a LoRA variant merge-adapters does not merge")
         else:
@@ -181,50 +187,54 @@ def collect_updates(
             if update.replacement is not None:
                 raise MergeError(f"adapter tensors {update.sources[0]} and {key} both replace {target}")
             update.replacement, update.sources = tensor, update.sources + [key]
+    return modules, updates
 
-    rslora, fan_in_fan_out = bool(config.get("use_rslora")), bool(config.get("fan_in_fan_out"))
-    for module, parts in modules.items():
-        embedding = "lora_embedding_A" in parts or "lora_embedding_B" in parts
-        a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight")
-        if a_key not in parts or b_key not in parts:
-            have = ", ".join(parts[p][0] for p in parts)
-            raise MergeError(
-                f"the adapter has {have} but not both LoRA factors of {module}: the adapter file is incomplete, save it again"
-            )
-        (a_src, a), (b_src, b) = parts[a_key], parts[b_key]
-        if params is not None and not embedding and params.names_wrapper(module):
-            _add_param_updates(updates, params.updates(module, a, b, config, [a_src, b_src]), [a_src, b_src], module)
-            continue
-        if a.dim() != 2 or b.dim() != 2:
-            raise MergeError(
-                f"{a_src} has {a.dim()} dimensions: only LoRA on Linear and Embedding layers can be merged"
-            )
-        rank = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
-        alpha = _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
-        if a.shape[0] != rank or b.shape[1] != rank:
-            raise MergeError(
-                f"adapter_config.json gives {module} rank {rank} (r / rank_pattern) but {a_src} has shape "
-                f"{tuple(a.shape)}: the config does not belong to these weights; use the adapter_config.json saved with them"
-            )
-        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
-        magnitude = parts.get("lora_magnitude_vector", (None, None))[1]
-        if magnitude is not None and embedding:
-            raise MergeError(
-                f"{module} uses DoRA on an embedding layer, which merge-adapters does not merge; train it without use_dora"
-            )
-        if config.get("use_dora") and magnitude is None:
-            raise MergeError(
-                f"adapter_config.json sets use_dora=true but the adapter has no lora_magnitude_vector for {module}; save it again"
-            )
-        update = updates.setdefault(f"{module}.weight", TensorUpdate())
-        flip = (module in transposed) if transposed is not None else fan_in_fan_out
-        update.lora = LoraFactors(a, b, scaling, embedding, flip and not embedding, magnitude, module)
-        update.sources += [a_src, b_src]
-        if "lora_B.bias" in parts:
-            bias_src, bias = parts["lora_B.bias"]
-            bias_update = updates.setdefault(f"{module}.bias", TensorUpdate())
-            bias_update.lora_bias, bias_update.sources = (bias, scaling), bias_update.sources + [bias_src]
-    return updates
+
+def _add_module_lora(updates: dict, config: dict, module: str, parts: dict, params, transposed) -> None:
+    """The update of one module's LoRA pair (and its DoRA magnitude and LoRA bias), checked against the config."""
+    embedding = "lora_embedding_A" in parts or "lora_embedding_B" in parts
+    a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A.weight", "lora_B.weight")
+    if a_key not in parts or b_key not in parts:
+        have = ", ".join(parts[p][0] for p in parts)
+        raise MergeError(
+            f"the adapter has {have} but not both LoRA factors of {module}: the adapter file is incomplete, save it again"
+        )
+    (a_src, a), (b_src, b) = parts[a_key], parts[b_key]
+    if params is not None and not embedding and params.names_wrapper(module):
+        _add_param_updates(updates, params.updates(module, a, b, config, [a_src, b_src]), [a_src, b_src], module)
+        return
+    if a.dim() != 2 or b.dim() != 2:
+        raise MergeError(f"{a_src} has {a.dim()} dimensions: only LoRA on Linear and Embedding layers can be merged")
+    scaling = _scaling(config, module, a_src, a, b)
+    magnitude = parts.get("lora_magnitude_vector", (None, None))[1]
+    if magnitude is not None and embedding:
+        raise MergeError(
+            f"{module} uses DoRA on an embedding layer, which merge-adapters does not merge; train it without use_dora"
+        )
+    if config.get("use_dora") and magnitude is None:
+        raise MergeError(
+            f"adapter_config.json sets use_dora=true but the adapter has no lora_magnitude_vector for {module}; save it again"
+        )
+    update = updates.setdefault(f"{module}.weight", TensorUpdate())
+    flip = (module in transposed) if transposed is not None else bool(config.get("fan_in_fan_out"))
+    update.lora = LoraFactors(a, b, scaling, embedding, flip and not embedding, magnitude, module)
+    update.sources += [a_src, b_src]
+    if "lora_B.bias" in parts:
+        bias_src, bias = parts["lora_B.bias"]
+        bias_update = updates.setdefault(f"{module}.bias", TensorUpdate())
+        bias_update.lora_bias, bias_update.sources = (bias, scaling), bias_update.sources + [bias_src]
+
+
+def _scaling(config: dict, module: str, a_src: str, a: torch.Tensor, b: torch.Tensor) -> float:
+    """alpha / r (alpha / sqrt(r) under rsLoRA) of `module`, its rank checked against the factors' shapes."""
+    rank = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
+    alpha = _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
+    if a.shape[0] != rank or b.shape[1] != rank:
+        raise MergeError(
+            f"adapter_config.json gives {module} rank {rank} (r / rank_pattern) but {a_src} has shape "
+            f"{tuple(a.shape)}: the config does not belong to these weights; use the adapter_config.json saved with them"
+        )
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
 def _add_param_updates(updates: dict, found, sources: list[str], module: str) -> None:
