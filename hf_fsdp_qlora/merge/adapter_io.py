@@ -212,13 +212,7 @@ def load_adapter(path: str | Path, config_path: str | Path | None = None, *, fsd
     """
     path = Path(path)
     explicit = Path(config_path) if config_path is not None else None
-    if path.is_file():
-        folder, weights = path.parent, path
-    elif fsdp_only:
-        folder, weights = path, None
-    else:
-        folder = path
-        weights = next((path / n for n in _WEIGHT_NAMES if (path / n).is_file()), None)
+    folder, weights = _adapter_files(path, fsdp_only)
     kind = "trainer-checkpoint" if (folder / "trainer_state.json").is_file() else "peft"
     if weights is not None:
         config = _read_config(explicit or folder / CONFIG_NAME)
@@ -228,22 +222,37 @@ def load_adapter(path: str | Path, config_path: str | Path | None = None, *, fsd
         source = weights
     elif (distcp := find_distcp_dir(path)) is not None:
         config = _read_config(_find_config(distcp, explicit))
-        tensors, source, kind = read_distcp(distcp, config), distcp, "fsdp-distcp"
+        tensors, source, kind, folder = read_distcp(distcp, config), distcp, "fsdp-distcp", distcp.parent
     else:
-        checkpoints = sorted(
-            path.glob("checkpoint-*"),
-            key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1,
-        )
-        hint = (
-            f" It holds Trainer checkpoints; pass one of them, e.g. `adapter={checkpoints[-1]}`."
-            if checkpoints
-            else ""
-        )
-        raise MergeError(
-            f"no adapter found in {path}: expected adapter_model.safetensors or adapter_model.bin with "
-            f"{CONFIG_NAME} (a peft adapter or Trainer checkpoint), or an FSDP checkpoint folder "
-            f"(pytorch_model_fsdp_0 with .distcp files).{hint}"
-        )
+        raise _no_adapter_error(path)
+    _check_loaded(config, tensors, source, kind)
+    return LoadedAdapter(config=config, tensors=tensors, source=source, kind=kind, folder=folder)
+
+
+def _adapter_files(path: Path, fsdp_only: bool) -> tuple[Path, Path | None]:
+    """(the adapter's folder, its weights file: None where there is none or the FSDP checkpoint is asked for)."""
+    if path.is_file():
+        return path.parent, path
+    if fsdp_only:
+        return path, None
+    return path, next((path / n for n in _WEIGHT_NAMES if (path / n).is_file()), None)
+
+
+def _no_adapter_error(path: Path) -> MergeError:
+    checkpoints = sorted(
+        path.glob("checkpoint-*"),
+        key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1,
+    )
+    hint = f" It holds Trainer checkpoints; pass one of them, e.g. `adapter={checkpoints[-1]}`." if checkpoints else ""
+    return MergeError(
+        f"no adapter found in {path}: expected adapter_model.safetensors or adapter_model.bin with "
+        f"{CONFIG_NAME} (a peft adapter or Trainer checkpoint), or an FSDP checkpoint folder "
+        f"(pytorch_model_fsdp_0 with .distcp files).{hint}"
+    )
+
+
+def _check_loaded(config: dict, tensors: dict, source: Path, kind: str) -> None:
+    """A MergeError for an adapter without tensors (saying how it came to be empty) or one that is not LoRA."""
     if not tensors and kind == "fsdp-distcp":
         raise MergeError(
             f"the FSDP checkpoint {source} holds no adapter tensors (no lora_A/lora_B or modules_to_save entries "
@@ -262,13 +271,6 @@ def load_adapter(path: str | Path, config_path: str | Path | None = None, *, fsd
         raise MergeError(
             f"{source} is a {config.get('peft_type')} adapter; only LoRA adapters (peft_type LORA) can be merged"
         )
-    return LoadedAdapter(
-        config=config,
-        tensors=tensors,
-        source=source,
-        kind=kind,
-        folder=folder if kind != "fsdp-distcp" else distcp.parent,
-    )
 
 
 def write_adapter_files(adapter: LoadedAdapter, output: Path) -> None:
