@@ -6,6 +6,9 @@ A fenced ``bash`` or ``python`` block is preceded by an HTML comment (invisible 
                                           on the CPU rehearsal config and a tiny local model)
     <!-- cpu-rehearsal: as-written -->    run the block as it is
     <!-- cpu-rehearsal: tested-by NODE -->  the block's CPU form is the pytest node NODE (file::test)
+    <!-- cpu-rehearsal: run-by SCRIPT -->  README: each command of the block is a command of SCRIPT (same program,
+                                          scripts and options; CPU config, tiny model), which a test runs as written
+                                          (examples/cpu_demo.sh: tests/test_demo.py), so no test runs it twice
     <!-- cpu-rehearsal: make-targets -->  every `make T` in the block names a target of the Makefile
     <!-- cpu-rehearsal: excerpt-of PATH --> (python) every line is a line of PATH, in order; PATH is run elsewhere
     <!-- gpu-only -->                     docs: needs a GPU or a real model; its programs, scripts and options are
@@ -33,7 +36,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     lang: str
     body: str
-    kind: str | None  # "command", "as-written", "tested-by", "make-targets", "excerpt-of", "gpu-only" or None
+    kind: str | None  # "command", "as-written", "tested-by", "run-by", "make-targets", "excerpt-of", "gpu-only", None
     arg: str = ""
 
     @property
@@ -54,7 +57,7 @@ def _marker(before: str) -> tuple[str | None, str]:
     for kind in ("as-written", "make-targets"):
         if text == kind:
             return kind, ""
-    for kind in ("tested-by", "excerpt-of"):
+    for kind in ("tested-by", "run-by", "excerpt-of"):
         if text.startswith(kind + " "):
             return kind, text[len(kind) + 1 :].strip()
     return "command", text

@@ -2,8 +2,10 @@
 
 Each block is preceded by an HTML comment giving its CPU form (see tests/readme_blocks.py): the same program,
 script and options on the shipped CPU rehearsal config, a tiny model built locally once for the module, and a
-step or two. The forms run in README order in one workspace (the merge reads the adapter route 1 wrote).
-`make demo` and `make test` are not run here (tests/test_demo.py runs the demo); their targets must exist.
+step or two. The forms run in README order in one workspace. Route 1's launch and the merge are commands of the
+demo (`run-by examples/cpu_demo.sh`), which tests/test_demo.py runs as written: checked here to be the same
+program, script and options, run once in the suite, not twice. `make demo` and `make test` are not run here;
+their targets must exist.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def _id(block):
 
 def test_every_command_block_says_how_it_is_tested():
     assert len(BLOCKS) >= 8, [b.where for b in BLOCKS]
-    missing = [b.where for b in BLOCKS if b.kind not in ("command", "as-written", "tested-by", "make-targets",
-                                                          "excerpt-of")]  # fmt: skip
+    missing = [b.where for b in BLOCKS if b.kind not in ("command", "as-written", "tested-by", "run-by",
+                                                          "make-targets", "excerpt-of")]  # fmt: skip
     assert not missing, f"README blocks without a <!-- cpu-rehearsal: ... --> comment before them: {missing}"
 
 
@@ -48,6 +50,27 @@ def test_cpu_form_runs_the_same_program_script_and_options(block):
         assert options(words) <= options(cpu), (block.where, options(words) - options(cpu))
 
 
+# The scripts a `run-by` block may name, and the test that runs each as written.
+RUN_BY = {"examples/cpu_demo.sh": "tests/test_demo.py::test_cpu_demo"}
+
+
+def _script_commands(path: str) -> list[list[str]]:
+    return shell_commands((REPO / path).read_text())
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "run-by"], ids=_id)
+def test_run_by_block_is_a_command_of_a_script_a_test_runs(block):
+    """Each command of the block is one of the script's commands: its program, its scripts and every option it
+    uses; and the script is run as written by the test RUN_BY names."""
+    node = RUN_BY.get(block.arg)
+    assert node and node_exists(node), f"{block.where}: no test runs {block.arg} as written: {RUN_BY}"
+    assert block.arg in (REPO / node.partition("::")[0]).read_text(), (block.where, node)
+    ran = _script_commands(block.arg)
+    for words in shell_commands(block.body):
+        same = [w for w in ran if program(w) == program(words) and scripts(words) <= scripts(w)]
+        assert any(options(words) <= options(w) for w in same), (block.where, words, same)
+
+
 def test_tested_by_nodes_exist():
     for block in BLOCKS:
         if block.kind == "tested-by":
@@ -62,6 +85,7 @@ def test_make_targets_exist():
 
 def test_python_excerpts_are_in_scripts_the_readme_runs():
     ran = {s for b in BLOCKS if b.kind == "command" for words in shell_commands(b.arg) for s in scripts(words)}
+    ran |= {s for b in BLOCKS if b.kind == "run-by" for words in _script_commands(b.arg) for s in scripts(words)}
     for block in BLOCKS:
         if block.kind != "excerpt-of":
             continue

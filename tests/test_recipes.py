@@ -11,10 +11,10 @@ saved adapter (final and checkpoint) equal bit for bit to the trained weights ga
 
 Launches (each costs ~15 CPU s of launcher and imports before any work, ~6 forked from the tests' fork server): one
 per FSDP version for the matrix (forked ranks), which then runs trl's dpo.py through the function behind
-`-m hf_fsdp_qlora.run`; trl's sft.py under each FSDP version as users launch it (`accelerate launch ...
--m hf_fsdp_qlora.run sft.py`): the real launcher of each FSDP version; the two resumes through the same
-`-m hf_fsdp_qlora.run` with forked ranks (tests/fork_launch.py: accelerate's launch environment, the stack imported
-once).
+`-m hf_fsdp_qlora.run`; trl's sft.py under FSDP1 as users launch it (`accelerate launch ... -m hf_fsdp_qlora.run
+sft.py`, the real launcher), under FSDP2 and the two resumes through the same `-m hf_fsdp_qlora.run` with forked
+ranks (tests/fork_launch.py: accelerate's launch environment, the stack imported once). The real FSDP2 launches of
+`-m hf_fsdp_qlora.run`: README's route 3 (trl's sft.py, tests/test_readme.py) and test_run_exits_zero_every_time's.
 """
 
 from __future__ import annotations
@@ -188,11 +188,12 @@ def script_runs(models, trl_data, matrices, tmp_path_factory):
         _, out, proc = matrices[version]
         check(proc)
         runs[(script, version)] = (out, _split_at_marker(proc)[1])
+    # sft.py under FSDP1 as users launch it (the real launcher); under FSDP2 with forked ranks: README's CPU form of
+    # route 3 (tests/test_readme.py) is the real `accelerate launch ... -m hf_fsdp_qlora.run sft.py` under FSDP2.
     for script, version in (("sft", 1), ("sft", 2)):
         out = root / f"{script}_fsdp{version}"
-        proc = _launch_script(
-            f"cpu_fsdp{version}_rehearsal.yaml", script, *_script_args(models / "recipe", trl_data[script], out)
-        )
+        args = _script_args(models / "recipe", trl_data[script], out)
+        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", script, *args, fork=version == 2)
         check(proc)
         runs[(script, version)] = (out, proc.stdout + proc.stderr)
     # Resume, as a user would after a crash: the same command with --resume_from_checkpoint (forked ranks: the
@@ -294,14 +295,38 @@ def test_bare_import_rehearses_fsdp(tmp_path):
     assert all(r["type"] == "DistributedType.FSDP" and r["fsdp2"] > 0 for r in results.values())
 
 
+# At interpreter teardown (module globals cleared) this aborts its process, as gloo's teardown sometimes does
+# ("terminate called without an active exception", SIGABRT): deterministic where gloo's abort is not.
+TEARDOWN_CANARY = """import os
+
+
+class AbortAtTeardown:
+    # os.write and os.abort bound now: the teardown may have cleared this module's `os` by the time this runs
+    def __del__(self, write=os.write, abort=os.abort):
+        write(2, b"teardown_canary: the interpreter's teardown ran; aborting\\n")
+        abort()
+
+
+KEPT_UNTIL_TEARDOWN = AbortAtTeardown()
+"""
+
+
 def test_run_exits_zero_every_time(tmp_path):
     """A gloo script that ends without destroying its process group aborted at exit about one run in four
-    ("terminate called without an active exception"); through `-m hf_fsdp_qlora.run` it exits 0 every time.
-    The abort is a rank's, at its interpreter's exit: 12 rank exits (three launches of 4 ranks, each launcher's
-    imports paid once per 4 ranks, not 2): without the fix at least one aborts with probability
-    1 - 0.75**6 = 82%, as with six 2-rank launches."""
+    ("terminate called without an active exception", in the interpreter's teardown); through
+    `-m hf_fsdp_qlora.run` it exits 0 every time, because the process ends without that teardown
+    (hf_fsdp_qlora/train/finish.py). Proven deterministically: the script also imports a module whose teardown
+    aborts every time (the oracle: run plainly, the process dies by SIGABRT), and the real `accelerate launch` of
+    it, with its process group left alive on 2 ranks, exits 0."""
+    (tmp_path / "teardown_canary.py").write_text(TEARDOWN_CANARY)
+    plain = _run([str(BIN / "python"), "-c", "import teardown_canary"], 60, {"PYTHONPATH": str(tmp_path)})
+    assert plain.returncode == -6 and "teardown_canary: the interpreter's teardown ran" in plain.stderr, (
+        plain.returncode,
+        plain.stderr[-2000:],
+    )
     script = tmp_path / "no_teardown.py"
     script.write_text(
+        "import teardown_canary  # noqa: F401\n"
         "import torch\n"
         "from accelerate import Accelerator\n"
         "acc = Accelerator()\n"
@@ -311,14 +336,10 @@ def test_run_exits_zero_every_time(tmp_path):
         "opt.step()\n"
         "print('fsdp2' if acc.is_fsdp2 else str(acc.state.distributed_type))\n"
     )
-    for attempt in range(3):
-        cmd = [
-            str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "cpu_fsdp2_rehearsal.yaml"),
-            "--main_process_port", str(free_port()), "--num_processes", "4", "-m", "hf_fsdp_qlora.run", str(script),
-        ]  # fmt: skip
-        proc = _run(cmd, 180, None)
-        assert proc.returncode == 0 and proc.stdout.count("fsdp2") == 4, (
-            attempt,
-            proc.returncode,
-            proc.stderr[-2000:],
-        )
+    cmd = [
+        str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "cpu_fsdp2_rehearsal.yaml"),
+        "--main_process_port", str(free_port()), "-m", "hf_fsdp_qlora.run", str(script),
+    ]  # fmt: skip
+    proc = _run(cmd, 180, None)
+    assert proc.returncode == 0 and proc.stdout.count("fsdp2") == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "teardown_canary" not in proc.stderr
