@@ -254,7 +254,9 @@ def test_trains_under_fsdp_as_single_process(shared_launch, llama, version, name
 def trl_runs(tmp_path_factory):
     """trl's sft.py unchanged through `-m hf_fsdp_qlora.run` with trl's 8-bit flags (`--use_peft --load_in_8bit`):
     4 steps under FSDP2 (evaluation and checkpoints every 2 steps), then resumed under FSDP1 from its step-2
-    checkpoint. Two launches: one per FSDP version."""
+    checkpoint. Two launches, one per FSDP version, with forked ranks (tests/fork_launch.py: the same module and
+    arguments in each rank, with the launch's environment; the real launcher runs trl's sft.py in tests/test_recipes.py
+    under FSDP1 and in README's route 3 under FSDP2)."""
     from dist_utils import check
     from recipe_fixtures import build_chat_dataset, build_recipe_model
     from test_recipes import _launch_script, _script_args
@@ -265,7 +267,7 @@ def trl_runs(tmp_path_factory):
     for version, extra in ((2, ()), (1, ("--resume_from_checkpoint", str(root / "fsdp2" / "checkpoint-2")))):
         out = root / f"fsdp{version}"
         args = [a if a != "--load_in_4bit" else "--load_in_8bit" for a in _script_args(model, data, out, *extra)]
-        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", "sft", *args)
+        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", "sft", *args, fork=True)
         check(proc)
         runs[version] = (out, proc.stdout + proc.stderr)
     return model, runs

@@ -187,7 +187,8 @@ def test_low_cpu_ram_gives_every_rank_the_saved_bytes(shared_launch):
 
 @pytest.mark.distributed
 def test_trl_sft_script_trains_a_prequantized_checkpoint(tmp_path):
-    """trl's sft.py, unchanged, through `-m hf_fsdp_qlora.run` under FSDP2 (trl's QLoRA flags: --load_in_4bit)."""
+    """trl's sft.py, unchanged, through `-m hf_fsdp_qlora.run` under FSDP2 (trl's QLoRA flags: --load_in_4bit), with
+    forked ranks (the real launcher runs trl's sft.py in tests/test_recipes.py and README's route 3)."""
     from dist_utils import check
     from recipe_fixtures import build_chat_dataset, build_recipe_model
     from safetensors.torch import load_file
@@ -197,7 +198,7 @@ def test_trl_sft_script_trains_a_prequantized_checkpoint(tmp_path):
     model = build_prequantized(tmp_path / "bnb4", "nf4", True, source=build_recipe_model(tmp_path / "recipe"))
     out = tmp_path / "sft"
     args = _script_args(model, build_chat_dataset(tmp_path / "chat"), out)
-    proc = _launch_script("cpu_fsdp2_rehearsal.yaml", "sft", *args)
+    proc = _launch_script("cpu_fsdp2_rehearsal.yaml", "sft", *args, fork=True)
     check(proc)
     text = proc.stdout + proc.stderr
     assert "hf_fsdp_qlora: FSDP2 engaged on 2 rank(s)" in text
