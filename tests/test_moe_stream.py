@@ -185,6 +185,20 @@ def test_script_from_pretrained_streams_what_the_peft_hook_packed(checkpoints, c
     stream into 4 bits before from_pretrained returns (the log says both). Oracle: the same load where the stream does
     not follow (use_safetensors=True: the 16-bit experts, packed by the peft hook at get_peft_model, as before this
     hook) - every tensor of the base equal to the bit, and the logits."""
+    loads = {"oracle": {"use_safetensors": True}, "streamed": {}}
+    loads.update({f"device_map={m!r}": {"device_map": m} for m in ONE_DEVICE_MAPS[case]})
+    models, logs = _trl_peft_loads(checkpoints[case], loads, monkeypatch, caplog)
+    oracle, theirs, base_keys = _oracle_of(models, logs)
+    ids = torch.randint(0, oracle.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    expected = _train_mode_logits(oracle, ids)
+    for name, model in models.items():
+        _assert_streamed_equal(name, model, logs[name], theirs, base_keys)
+        assert torch.equal(_train_mode_logits(model, ids), expected), name
+
+
+def _trl_peft_loads(path, loads: dict, monkeypatch, caplog):
+    """Under the launcher's hooks: each of `loads` (name -> extra from_pretrained kwargs) loaded as trl loads, then
+    get_peft_model; ({name: model}, {name: its log})."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTuner
     from transformers import PreTrainedModel
@@ -197,33 +211,72 @@ def test_script_from_pretrained_streams_what_the_peft_hook_packed(checkpoints, c
     quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV)  # what the launcher installs
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
-    loads = {"oracle": {"use_safetensors": True}, "streamed": {}}
-    loads.update({f"device_map={m!r}": {"device_map": m} for m in ONE_DEVICE_MAPS[case]})
     models, logs = {}, {}
     for name, extra in loads.items():
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
-            base = _trl_load(checkpoints[case], **extra)
+            base = _trl_load(path, **extra)
             experts = [type(m).__name__ for m in base.modules() if type(m).__name__.endswith("Experts")]
             torch.manual_seed(0)
             models[name] = get_peft_model(base, lora)
         logs[name] = [r.message for r in caplog.records]
         assert len(experts) == 2 and (experts[0] == "QuantizedExperts") == (name != "oracle"), (name, experts)
+    return models, logs
+
+
+def _oracle_of(models: dict, logs: dict):
+    """The load the stream did not follow (popped from `models`), its state dict and its base's keys."""
     assert any("16 bits before they are packed" in m and "use_safetensors" in m for m in logs["oracle"])
     oracle = models.pop("oracle")
     theirs = oracle.state_dict(keep_vars=True)
     base_keys = [k for k in theirs if "lora_" not in k]
     assert len(base_keys) > 20
-    ids = torch.randint(0, base.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
-    expected = _train_mode_logits(oracle, ids)
-    for name, model in models.items():
-        assert any("from_pretrained leaves the experts of 2 MoE layers unread" in m for m in logs[name]), name
-        assert any("streamed the experts of 2 MoE layers" in m for m in logs[name]), name
-        assert not any("quantized the experts" in m or "16 bits before" in m for m in logs[name]), logs[name]
-        ours = model.state_dict(keep_vars=True)
-        assert set(ours) == set(theirs)
-        assert [k for k in base_keys if not torch.equal(_bytes(ours[k]), _bytes(theirs[k]))] == [], name
-        assert torch.equal(_train_mode_logits(model, ids), expected), name
+    return oracle, theirs, base_keys
+
+
+def _assert_streamed_equal(name, model, log, theirs, base_keys):
+    assert any("from_pretrained leaves the experts of 2 MoE layers unread" in m for m in log), name
+    assert any("streamed the experts of 2 MoE layers" in m for m in log), name
+    assert not any("quantized the experts" in m or "16 bits before" in m for m in log), log
+    ours = model.state_dict(keep_vars=True)
+    assert set(ours) == set(theirs)
+    assert [k for k in base_keys if not torch.equal(_bytes(ours[k]), _bytes(theirs[k]))] == [], name
+
+
+def test_script_from_pretrained_streams_a_stock_4bit_checkpoint_with_its_quantization(
+    checkpoints, tmp_path, monkeypatch, caplog
+):
+    """A stock 4-bit MoE checkpoint (packed linear layers, 16-bit experts; saved FP4 without double quant) loaded as
+    trl loads it (asking NF4): on the CPU its experts stream with the checkpoint's own quantization, which transformers
+    loads with whatever the script passes; oracle: the fallback load packed by the peft hook, every tensor of the base
+    equal to the bit. On a GPU the checkpoint's own quantization_config refuses the experts modules on the CPU beside
+    the GPU (transformers would raise): the hook falls back, saying why. CUDA is mocked there (torch.cuda.is_available/
+    device_count/current_device): this machine has none, and the decision is taken before anything touches a GPU."""
+    from tiny_models import build_prequantized
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    from hf_fsdp_qlora.loading import _script_stream
+
+    path = build_prequantized(tmp_path / "bnb4", "fp4", False, source=checkpoints["qwen3_moe"])
+    models, logs = _trl_peft_loads(path, {"oracle": {"use_safetensors": True}, "streamed": {}}, monkeypatch, caplog)
+    _, theirs, base_keys = _oracle_of(models, logs)
+    _assert_streamed_equal("streamed", models["streamed"], logs["streamed"], theirs, base_keys)
+    experts = [m for m in models["streamed"].modules() if isinstance(m, QuantizedExperts)]
+    assert [(m.quant_type, m.gate_up_proj_absmax.dtype) for m in experts] == [("fp4", torch.float32)] * 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
+        assert _script_stream._plan(Qwen3MoeForCausalLM, str(path), {"quantization_config": _bnb()}) is None
+    said = [r.message for r in caplog.records]
+    assert len(said) == 1 and "pre-quantized checkpoint's own quantization_config" in said[0], said
+    # Why (a canary: should transformers accept it one day, the GPU could stream it): the placement it would get.
+    placement, _ = _script_stream.placement_kwargs(0, AutoConfig.from_pretrained(path), _bnb(), torch.bfloat16, False)
+    with pytest.raises(ValueError, match="Some modules are dispatched on the CPU"):
+        get_hf_quantizer(AutoConfig.from_pretrained(path), placement["quantization_config"], placement["device_map"],
+                         weights_only=True, user_agent={})  # fmt: skip
 
 
 @torch.no_grad()

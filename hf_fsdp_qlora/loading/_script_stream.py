@@ -22,7 +22,9 @@ Where they stream (:func:`one_device`): a ``device_map`` that puts the whole mod
 ``load_qlora_model`` (:mod:`~hf_fsdp_qlora.loading._experts_map`). On the CPU - no map or a strategy string with no
 accelerator visible, ``{"": "cpu"}``, ``"cpu"`` - everything loads there. A map over several devices (a per-module
 dict, a strategy string with 2+ visible GPUs or with ``max_memory``) or onto another accelerator loads as before, with
-one log line saying why.
+one log line saying why; so does a pre-quantized checkpoint (a stock 4-bit save: 16-bit experts) on a GPU, whose own
+``quantization_config`` - the one transformers uses - refuses modules on the CPU beside the GPU (on the CPU it
+streams, with the checkpoint's quantization).
 
 Everything else goes to transformers untouched: another quantization, a dense model,
 ``HF_FSDP_QLORA_QUANTIZE_EXPERTS=0``, ``load_qlora_model``'s own loads (:func:`script_loads_untouched`), and an MoE
@@ -107,6 +109,11 @@ def _plan(cls, source, kwargs: dict):
         logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: %s (the stream follows a "
                     "device_map that puts the model on one device, e.g. {'': 0})", why_not)  # fmt: skip
         return None
+    if device != "cpu" and _offload_refused(config):
+        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: this pre-quantized checkpoint's "
+                    "own quantization_config (which transformers uses) does not allow the experts modules on the CPU "
+                    "beside GPU %s (llm_int8_enable_fp32_cpu_offload is false)", device)  # fmt: skip
+        return None
     dtype = _model_dtype(kwargs.get("dtype"), config)
     # trl passes device_map=None (no map); the script's map is resolved above and replaced by placement_kwargs'.
     given = {k: v for k, v in kwargs.items() if v is not None and k != "device_map"}
@@ -189,6 +196,20 @@ def placement_kwargs(device, config, quantization_config, dtype, trust_remote_co
         return {"device_map": {"": "cpu"}}, None
     placement = experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code, device)
     return placement or {"device_map": {"": device}}, device
+
+
+def _offload_refused(config) -> bool:
+    """A pre-quantized checkpoint (a stock 4-bit save: packed linear layers, 16-bit experts) whose own
+    ``quantization_config`` - the one transformers loads with, whatever the script passes - refuses a device map with
+    modules on the CPU beside a GPU (bitsandbytes' ``validate_environment``), as :func:`placement_kwargs` builds."""
+    saved = getattr(config, "quantization_config", None)
+    if saved is None:
+        return False
+    offload = saved.get(_OFFLOAD) if isinstance(saved, dict) else getattr(saved, _OFFLOAD, False)
+    return not offload
+
+
+_OFFLOAD = "llm_int8_enable_fp32_cpu_offload"
 
 
 def _model_dtype(dtype, config) -> torch.dtype:
