@@ -110,9 +110,9 @@ def _plan(cls, source, kwargs: dict):
                     "device_map that puts the model on one device, e.g. {'': 0})", why_not)  # fmt: skip
         return None
     if device != "cpu" and _offload_refused(config):
-        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: this pre-quantized checkpoint's "
-                    "own quantization_config (which transformers uses) does not allow the experts modules on the CPU "
-                    "beside GPU %s (llm_int8_enable_fp32_cpu_offload is false)", device)  # fmt: skip
+        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: this pre-quantized "
+                    "checkpoint's own quantization_config (which transformers uses) does not allow the experts "
+                    "modules on the CPU beside GPU %s (llm_int8_enable_fp32_cpu_offload is false)", device)  # fmt: skip
         return None
     dtype = _model_dtype(kwargs.get("dtype"), config)
     # trl passes device_map=None (no map); the script's map is resolved above and replaced by placement_kwargs'.
@@ -198,6 +198,9 @@ def placement_kwargs(device, config, quantization_config, dtype, trust_remote_co
     return placement or {"device_map": {"": device}}, device
 
 
+_OFFLOAD = "llm_int8_enable_fp32_cpu_offload"
+
+
 def _offload_refused(config) -> bool:
     """A pre-quantized checkpoint (a stock 4-bit save: packed linear layers, 16-bit experts) whose own
     ``quantization_config`` - the one transformers loads with, whatever the script passes - refuses a device map with
@@ -207,9 +210,6 @@ def _offload_refused(config) -> bool:
         return False
     offload = saved.get(_OFFLOAD) if isinstance(saved, dict) else getattr(saved, _OFFLOAD, False)
     return not offload
-
-
-_OFFLOAD = "llm_int8_enable_fp32_cpu_offload"
 
 
 def _model_dtype(dtype, config) -> torch.dtype:
