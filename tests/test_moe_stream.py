@@ -172,13 +172,33 @@ def _trl_load(path, **extra):
     return trl_base(path, **extra)
 
 
+# The script device maps that put the model on one device (here the CPU), besides trl's own (None on the CPU), spread
+# over the two cases: each is one more load.
+ONE_DEVICE_MAPS = {"qwen3_moe": [{"": "cpu"}, "auto"], "gpt_oss": ["cpu"]}
+
+
 @pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
 def test_script_from_pretrained_streams_what_the_peft_hook_packed(checkpoints, case, monkeypatch, caplog):
-    """`-m hf_fsdp_qlora.run`'s from_pretrained hook (hf_fsdp_qlora/loading/_script_stream.py), loaded as trl loads:
-    transformers leaves the experts unread and they stream into 4 bits before from_pretrained returns (the log says
-    both). Oracle: the same load where the stream does not follow (use_safetensors=True: the 16-bit experts, packed
-    by the peft hook at get_peft_model, as before this hook) - every tensor of the base equal to the bit, and the
-    logits."""
+    """`-m hf_fsdp_qlora.run`'s from_pretrained hook (hf_fsdp_qlora/loading/_script_stream.py), loaded as trl loads
+    (device_map=None on the CPU) and with device maps of one device a script passes (`{"": "cpu"}`, `"cpu"`, and
+    `"auto"`, which on a machine without an accelerator is the CPU): transformers leaves the experts unread and they
+    stream into 4 bits before from_pretrained returns (the log says both). Oracle: the same load where the stream does
+    not follow (use_safetensors=True: the 16-bit experts, packed by the peft hook at get_peft_model, as before this
+    hook) - every tensor of the base equal to the bit, and the logits."""
+    loads = {"oracle": {"use_safetensors": True}, "streamed": {}}
+    loads.update({f"device_map={m!r}": {"device_map": m} for m in ONE_DEVICE_MAPS[case]})
+    models, logs = _trl_peft_loads(checkpoints[case], loads, monkeypatch, caplog)
+    oracle, theirs, base_keys = _oracle_of(models, logs)
+    ids = torch.randint(0, oracle.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    expected = _train_mode_logits(oracle, ids)
+    for name, model in models.items():
+        _assert_streamed_equal(name, model, logs[name], theirs, base_keys)
+        assert torch.equal(_train_mode_logits(model, ids), expected), name
+
+
+def _trl_peft_loads(path, loads: dict, monkeypatch, caplog):
+    """Under the launcher's hooks: each of `loads` (name -> extra from_pretrained kwargs) loaded as trl loads, then
+    get_peft_model; ({name: model}, {name: its log})."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTuner
     from transformers import PreTrainedModel
@@ -192,28 +212,125 @@ def test_script_from_pretrained_streams_what_the_peft_hook_packed(checkpoints, c
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
     models, logs = {}, {}
-    for name, extra in (("streamed", {}), ("oracle", {"use_safetensors": True})):
+    for name, extra in loads.items():
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
-            base = _trl_load(checkpoints[case], **extra)
+            base = _trl_load(path, **extra)
             experts = [type(m).__name__ for m in base.modules() if type(m).__name__.endswith("Experts")]
             torch.manual_seed(0)
             models[name] = get_peft_model(base, lora)
         logs[name] = [r.message for r in caplog.records]
-        assert len(experts) == 2 and (experts[0] == "QuantizedExperts") == (name == "streamed"), experts
-    assert any("from_pretrained leaves the experts of 2 MoE layers unread" in m for m in logs["streamed"])
-    assert any("streamed the experts of 2 MoE layers" in m for m in logs["streamed"])
-    assert not any("quantized the experts" in m or "16 bits before" in m for m in logs["streamed"]), logs["streamed"]
+        assert len(experts) == 2 and (experts[0] == "QuantizedExperts") == (name != "oracle"), (name, experts)
+    return models, logs
+
+
+def _oracle_of(models: dict, logs: dict):
+    """The load the stream did not follow (popped from `models`), its state dict and its base's keys."""
     assert any("16 bits before they are packed" in m and "use_safetensors" in m for m in logs["oracle"])
-    ours, theirs = (m.state_dict(keep_vars=True) for m in (models["streamed"], models["oracle"]))
-    assert set(ours) == set(theirs)
+    oracle = models.pop("oracle")
+    theirs = oracle.state_dict(keep_vars=True)
     base_keys = [k for k in theirs if "lora_" not in k]
-    assert len(base_keys) > 20 and [k for k in base_keys if not torch.equal(_bytes(ours[k]), _bytes(theirs[k]))] == []
-    ids = torch.randint(0, base.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
-    for model in models.values():
-        model.train()  # no CPU repack (FACTS.md)
-    with torch.no_grad():
-        assert torch.equal(models["streamed"](input_ids=ids).logits, models["oracle"](input_ids=ids).logits)
+    assert len(base_keys) > 20
+    return oracle, theirs, base_keys
+
+
+def _assert_streamed_equal(name, model, log, theirs, base_keys):
+    assert any("from_pretrained leaves the experts of 2 MoE layers unread" in m for m in log), name
+    assert any("streamed the experts of 2 MoE layers" in m for m in log), name
+    assert not any("quantized the experts" in m or "16 bits before" in m for m in log), log
+    ours = model.state_dict(keep_vars=True)
+    assert set(ours) == set(theirs)
+    assert [k for k in base_keys if not torch.equal(_bytes(ours[k]), _bytes(theirs[k]))] == [], name
+
+
+def test_script_from_pretrained_streams_a_stock_4bit_checkpoint_with_its_quantization(
+    checkpoints, tmp_path, monkeypatch, caplog
+):
+    """A stock 4-bit MoE checkpoint (packed linear layers, 16-bit experts; saved FP4 without double quant) loaded as
+    trl loads it (asking NF4): on the CPU its experts stream with the checkpoint's own quantization, which transformers
+    loads with whatever the script passes; oracle: the fallback load packed by the peft hook, every tensor of the base
+    equal to the bit. On a GPU the checkpoint's own quantization_config refuses the experts modules on the CPU beside
+    the GPU (transformers would raise): the hook falls back, saying why. CUDA is mocked there (torch.cuda.is_available/
+    device_count/current_device): this machine has none, and the decision is taken before anything touches a GPU."""
+    from tiny_models import build_prequantized
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    from hf_fsdp_qlora.loading import _script_stream
+
+    path = build_prequantized(tmp_path / "bnb4", "fp4", False, source=checkpoints["qwen3_moe"])
+    models, logs = _trl_peft_loads(path, {"oracle": {"use_safetensors": True}, "streamed": {}}, monkeypatch, caplog)
+    _, theirs, base_keys = _oracle_of(models, logs)
+    _assert_streamed_equal("streamed", models["streamed"], logs["streamed"], theirs, base_keys)
+    experts = [m for m in models["streamed"].modules() if isinstance(m, QuantizedExperts)]
+    assert [(m.quant_type, m.gate_up_proj_absmax.dtype) for m in experts] == [("fp4", torch.float32)] * 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
+        assert _script_stream._plan(Qwen3MoeForCausalLM, str(path), {"quantization_config": _bnb()}) is None
+    said = [r.message for r in caplog.records]
+    assert len(said) == 1 and "pre-quantized checkpoint's own quantization_config" in said[0], said
+    # Why (a canary: should transformers accept it one day, the GPU could stream it): the placement it would get.
+    placement, _ = _script_stream.placement_kwargs(0, AutoConfig.from_pretrained(path), _bnb(), torch.bfloat16, False)
+    with pytest.raises(ValueError, match="Some modules are dispatched on the CPU"):
+        get_hf_quantizer(AutoConfig.from_pretrained(path), placement["quantization_config"], placement["device_map"],
+                         weights_only=True, user_agent={})  # fmt: skip
+
+
+@torch.no_grad()
+def _train_mode_logits(model, ids):
+    model.train()  # an eval-mode no_grad forward would repack the 4-bit weights for the CPU kernel (FACTS.md)
+    return model(input_ids=ids).logits
+
+
+def test_script_device_map_of_one_gpu_streams_onto_it(checkpoints, monkeypatch, caplog):
+    """Which script device maps stream on a GPU (the hook's plan, hf_fsdp_qlora/loading/_script_stream.py). CUDA is
+    mocked (torch.cuda.is_available/device_count/current_device): this machine has none, and the decision is taken
+    before anything touches a GPU. A map that puts the model on one CUDA device gets load_qlora_model's placement
+    there - every experts module of the meta model on "cpu", everything else on that device (each parameter under one
+    key), CPU offload allowed in a copy of the quantization config - and the experts are packed onto that device.
+    "auto" is device 0 with one visible GPU, the CPU with none; with two it falls back, saying why in one log line, as
+    a per-module map and "auto" with max_memory do."""
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    from hf_fsdp_qlora.loading import _script_stream
+    from hf_fsdp_qlora.loading._experts_map import _meta_model
+
+    path, quant = checkpoints["qwen3_moe"], _bnb()
+    meta = _meta_model(AutoConfig.from_pretrained(path), torch.bfloat16, False)
+    experts = {n for n, m in meta.named_modules() if type(m).__name__.endswith("Experts")}
+    assert len(experts) == 2
+
+    def plan(device_map, gpus, **extra):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: gpus - 1)  # "auto" must pick device 0 itself
+        kwargs = {"quantization_config": quant, "dtype": torch.bfloat16, "device_map": device_map, **extra}
+        return _script_stream._plan(Qwen3MoeForCausalLM, str(path), kwargs)
+
+    for device_map, gpus, want in (({"": 0}, 2, 0), ("cuda:1", 2, 1), (0, 1, 0), ("auto", 1, 0), (None, 2, 1),
+                                   (torch.device("cuda", 1), 2, 1)):  # fmt: skip
+        stream, placement, device = plan(device_map, gpus)
+        assert device == want and sorted(stream.modules) == sorted(experts), device_map
+        placed = placement["device_map"]
+        assert {k for k, v in placed.items() if v == "cpu"} == experts and set(placed.values()) == {"cpu", want}
+        for name, _ in meta.named_parameters():
+            assert sum(name == k or name.startswith(f"{k}.") for k in placed) == 1, (device_map, name)
+        assert placement["quantization_config"].llm_int8_enable_fp32_cpu_offload
+    assert not quant.llm_int8_enable_fp32_cpu_offload
+    assert plan("auto", 0)[1:] == ({"device_map": {"": "cpu"}}, None)
+    for device_map, gpus, extra, why in (
+        ("auto", 2, {}, "device_map='auto' spreads the model over the 2 visible GPUs"),
+        ({"model": 0, "lm_head": "cpu"}, 1, {}, "device_map places modules one by one (2 entries)"),
+        ("sequential", 1, {"max_memory": {0: "10GiB"}}, "device_map='sequential' with max_memory"),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
+            assert plan(device_map, gpus, **extra) is None
+        said = [r.message for r in caplog.records]
+        assert len(said) == 1 and "experts load in 16 bits before they are packed" in said[0] and why in said[0], said
 
 
 def test_host_ram_bounded_and_below_todays(tmp_path):

@@ -1,9 +1,11 @@
 """Streamed experts for unchanged scripts under ``-m hf_fsdp_qlora.run`` (trl's ``sft.py --load_in_4bit --use_peft``).
 
 Such a script loads its model itself: trl's ``SFTTrainer`` calls ``<Architecture>.from_pretrained(path,
-quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...), dtype=..., device_map=None, ...)``. bitsandbytes packs
-only linear layers, so that call materialises every fused expert weight 16-bit (Qwen3-30B-A3B: ~54 GiB per process)
-before the launcher's peft hook (:func:`~hf_fsdp_qlora.loading.expert_lora.quantize_experts_before_peft`) packs them.
+quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...), dtype=..., device_map=...)`` with ``device_map=None``
+under a multi-GPU launch (accelerate's ``PartialState`` reads MULTI_GPU there, FSDP config or not) and on the CPU, and
+``device_map="auto"`` in a single process on a GPU. bitsandbytes packs only linear layers, so that call materialises
+every fused expert weight 16-bit (Qwen3-30B-A3B: ~54 GiB per process) before the launcher's peft hook
+(:func:`~hf_fsdp_qlora.loading.expert_lora.quantize_experts_before_peft`) packs them.
 
 So the launcher also wraps ``PreTrainedModel.from_pretrained`` (once per process:
 :func:`stream_experts_of_script_loads`). A 4-bit load of a local safetensors checkpoint with fused experts of a
@@ -11,9 +13,18 @@ family we quantize leaves the experts unread, exactly as ``load_qlora_model`` do
 (:func:`~hf_fsdp_qlora.loading._expert_stream.experts_left_unread`), and before the call returns they stream from the
 files into :class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts` one layer at a time, with the quant type, double
 quant and dtype the peft hook would have used (:func:`~hf_fsdp_qlora.loading.expert_lora.experts_quantization`).
-Each rank streams its own (nothing is shared between ranks on this route). On a GPU, with no ``device_map`` of the
-script's, the experts modules stay on the CPU and are packed onto the GPU, as in ``load_qlora_model``
-(:mod:`~hf_fsdp_qlora.loading._experts_map`).
+Each rank streams its own (nothing is shared between ranks on this route).
+
+Where they stream (:func:`one_device`): a ``device_map`` that puts the whole model on one device. On a CUDA GPU -
+``device_map=None`` (the current GPU), ``{"": d}``, ``"cuda:d"``, ``d`` or ``torch.device("cuda", d)``, and
+``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"`` when exactly one CUDA device is visible (device
+0) - the experts modules load on the CPU and are packed onto that GPU, the rest loads on it, as in
+``load_qlora_model`` (:mod:`~hf_fsdp_qlora.loading._experts_map`). On the CPU - no map or a strategy string with no
+accelerator visible, ``{"": "cpu"}``, ``"cpu"`` - everything loads there. A map over several devices (a per-module
+dict, a strategy string with 2+ visible GPUs or with ``max_memory``) or onto another accelerator loads as before, with
+one log line saying why; so does a pre-quantized checkpoint (a stock 4-bit save: 16-bit experts) on a GPU, whose own
+``quantization_config`` - the one transformers uses - refuses modules on the CPU beside the GPU (on the CPU it
+streams, with the checkpoint's quantization).
 
 Everything else goes to transformers untouched: another quantization, a dense model,
 ``HF_FSDP_QLORA_QUANTIZE_EXPERTS=0``, ``load_qlora_model``'s own loads (:func:`script_loads_untouched`), and an MoE
@@ -26,6 +37,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import os
 from contextlib import contextmanager
 
 import torch
@@ -73,13 +85,12 @@ def stream_experts_of_script_loads(settings: dict) -> None:
 
 
 def _plan(cls, source, kwargs: dict):
-    """(stream, the model dtype, placement kwargs, the GPU the experts are packed onto) for a 4-bit load of an MoE
-    checkpoint the stream can follow; None for any other load (the stream plan logs why where it cannot follow)."""
+    """(stream, placement kwargs, the GPU the experts are packed onto or None) for a 4-bit load of an MoE checkpoint
+    the stream can follow, onto one device; None for any other load (with a log line saying why, for an MoE load)."""
     from transformers import PretrainedConfig
 
     from ._checkpoint import config_has_fused_experts, load_config
     from ._expert_stream import expert_stream_or_say_why
-    from ._experts_map import accelerator_device, experts_on_cpu_kwargs
 
     quantization_config = kwargs.get("quantization_config")
     if not getattr(quantization_config, "load_in_4bit", False):
@@ -93,8 +104,19 @@ def _plan(cls, source, kwargs: dict):
             return None
     if not config_has_fused_experts(config, trust_remote_code):
         return None
+    device, why_not = one_device(kwargs.get("device_map"), kwargs.get("max_memory"))
+    if device is None:
+        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: %s (the stream follows a "
+                    "device_map that puts the model on one device, e.g. {'': 0})", why_not)  # fmt: skip
+        return None
+    if device != "cpu" and _offload_refused(config):
+        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: this pre-quantized "
+                    "checkpoint's own quantization_config (which transformers uses) does not allow the experts "
+                    "modules on the CPU beside GPU %s (llm_int8_enable_fp32_cpu_offload is false)", device)  # fmt: skip
+        return None
     dtype = _model_dtype(kwargs.get("dtype"), config)
-    given = {k: v for k, v in kwargs.items() if v is not None}  # trl passes device_map=None: no map
+    # trl passes device_map=None (no map); the script's map is resolved above and replaced by placement_kwargs'.
+    given = {k: v for k, v in kwargs.items() if v is not None and k != "device_map"}
     stream = expert_stream_or_say_why(source, config, dtype, trust_remote_code, given)
     if stream is None:
         return None
@@ -102,9 +124,92 @@ def _plan(cls, source, kwargs: dict):
         logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: the stream follows "
                     "%s's modules, this load builds %s", stream.model_class.__name__, cls.__name__)  # fmt: skip
         return None
-    device = accelerator_device()  # no device_map of the script's here: the plan refuses one
+    return stream, *placement_kwargs(device, config, quantization_config, dtype, trust_remote_code)
+
+
+SPREADING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate places the model by memory
+
+
+def one_device(device_map, max_memory=None) -> tuple[str | int | None, str]:
+    """The one device a script's ``from_pretrained(device_map=...)`` puts the whole model on: ``"cpu"`` or a CUDA
+    index, and ``""``; or None and why not (several devices, a per-module map, another accelerator).
+
+    None (no map) is what bitsandbytes' quantizer picks: the current CUDA device, else the CPU (on MPS too; XPU,
+    NPU and HPU are another accelerator). ``{"": d}``, a device string, index or ``torch.device`` is `d`.
+    ``"auto"`` and the other strategies place by memory over every visible device: one device only where a single
+    CUDA device (or none, and no other accelerator) is visible.
+    """
+    if device_map is None:
+        return _visible_device(None)
+    if isinstance(device_map, dict):
+        if set(device_map) != {""}:
+            return None, f"device_map places modules one by one ({len(device_map)} entries)"
+        device_map = device_map[""]
+    elif isinstance(device_map, str) and device_map in SPREADING_MAPS:
+        if max_memory is not None:
+            return None, f"device_map={device_map!r} with max_memory places the model by memory"
+        return _visible_device(device_map)
+    return _named_device(device_map)
+
+
+def _visible_device(strategy: str | None) -> tuple[str | int | None, str]:
+    """Where no map (`strategy` None: the current CUDA device) or a placement strategy (the only visible CUDA
+    device) puts the model: the CPU where no accelerator is visible."""
+    if torch.cuda.is_available():
+        if strategy is None:
+            return torch.cuda.current_device(), ""
+        count = torch.cuda.device_count()
+        if count == 1:
+            return 0, ""
+        return None, f"device_map={strategy!r} spreads the model over the {count} visible GPUs"
+    other = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+    # A strategy places on any accelerator; bitsandbytes' quantizer loads a map-less model onto these (MPS: the CPU).
+    if other is not None and (strategy is not None or other in ("xpu", "npu", "hpu")):
+        return None, f"device_map={strategy!r} places the model on {other}: the experts stream onto the CPU or CUDA"
+    return "cpu", ""
+
+
+def _named_device(device) -> tuple[str | int | None, str]:
+    """The device a ``device_map`` of one device names (an int is a CUDA index, as transformers reads it)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return (device, "") if device >= 0 else (None, f"device_map={device} is not a device")
+    if device == "cuda":  # transformers reads a bare "cuda" as the process's LOCAL_RANK
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return None, f"device_map={device!r} is not a device"
+    if device.type == "cpu":
+        return "cpu", ""
+    if device.type == "cuda":
+        return (torch.cuda.current_device() if device.index is None else device.index), ""
+    return None, f"device_map puts the model on {device}: the experts stream onto the CPU or CUDA"
+
+
+def placement_kwargs(device, config, quantization_config, dtype, trust_remote_code: bool) -> tuple[dict, int | None]:
+    """(the ``from_pretrained`` kwargs that place the load on `device`, the CUDA device the experts are packed onto
+    or None): on CUDA the experts modules load on the CPU and the rest on `device` (:mod:`._experts_map`), as for
+    ``load_qlora_model``; on the CPU everything."""
+    from ._experts_map import experts_on_cpu_kwargs
+
+    if device == "cpu":
+        return {"device_map": {"": "cpu"}}, None
     placement = experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code, device)
-    return stream, placement, device if placement else None
+    return placement or {"device_map": {"": device}}, device
+
+
+_OFFLOAD = "llm_int8_enable_fp32_cpu_offload"
+
+
+def _offload_refused(config) -> bool:
+    """A pre-quantized checkpoint (a stock 4-bit save: packed linear layers, 16-bit experts) whose own
+    ``quantization_config`` - the one transformers loads with, whatever the script passes - refuses a device map with
+    modules on the CPU beside a GPU (bitsandbytes' ``validate_environment``), as :func:`placement_kwargs` builds."""
+    saved = getattr(config, "quantization_config", None)
+    if saved is None:
+        return False
+    offload = saved.get(_OFFLOAD) if isinstance(saved, dict) else getattr(saved, _OFFLOAD, False)
+    return not offload
 
 
 def _model_dtype(dtype, config) -> torch.dtype:
