@@ -68,10 +68,16 @@ def _lora():
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 
 
+# A caller's device map of one device streams as no map does (here the CPU): spread over the cases, no extra load.
+ONE_DEVICE = {"qwen3_moe": {}, "mixtral": {"device_map": {"": "cpu"}}, "gpt_oss": {"device_map": "auto"},
+              "qwen3_moe_fused": {"device_map": "cpu"}}  # fmt: skip
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_streamed_experts_equal_todays_bit_for_bit(checkpoints, case, caplog):
     """Every tensor of the base (packed experts, their constants, the linear layers' 4-bit bytes, the rest) equals
-    today's path to the bit, and the logits are equal; the log says the experts were streamed."""
+    today's path to the bit, and the logits are equal; the log says the experts were streamed. Loaded without a
+    device_map and with the caller's maps of one device (ONE_DEVICE), which stream the same."""
     from peft import PeftModel
 
     from hf_fsdp_qlora.safetensors_io import checkpoint_shards, read_header
@@ -81,7 +87,7 @@ def test_streamed_experts_equal_todays_bit_for_bit(checkpoints, case, caplog):
     per_expert = any(".experts.0." in k for k in names)
     assert per_expert == (case in ("qwen3_moe", "mixtral")), names[:8]  # the layouts the cases claim
     with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
-        streamed = load_qlora_model(str(path), lora_config=_lora(), gradient_checkpointing=False)
+        streamed = load_qlora_model(str(path), lora_config=_lora(), gradient_checkpointing=False, **ONE_DEVICE[case])
     assert any("streamed the experts of 2 MoE layers" in r.message for r in caplog.records)
     assert isinstance(streamed, PeftModel)
     oracle = _today(path)
@@ -249,12 +255,13 @@ def test_script_from_pretrained_streams_a_stock_4bit_checkpoint_with_its_quantiz
     """A stock 4-bit MoE checkpoint (packed linear layers, 16-bit experts; saved FP4 without double quant) loaded as
     trl loads it (asking NF4): on the CPU its experts stream with the checkpoint's own quantization, which transformers
     loads with whatever the script passes; oracle: the fallback load packed by the peft hook, every tensor of the base
-    equal to the bit. On a GPU the checkpoint's own quantization_config refuses the experts modules on the CPU beside
-    the GPU (transformers would raise): the hook falls back, saying why. CUDA is mocked there (torch.cuda.is_available/
-    device_count/current_device): this machine has none, and the decision is taken before anything touches a GPU."""
+    equal to the bit. On a GPU it streams too: the experts modules on the CPU beside the GPU, which transformers'
+    bitsandbytes check (run here on the map built for this checkpoint) accepts only with CPU offload allowed in the
+    checkpoint's own quantization_config - so the plan passes a copy of the config that allows it (the script's
+    BitsAndBytesConfig is ignored by transformers). CUDA is mocked there (torch.cuda.is_available/device_count/
+    current_device): this machine has none, and the decision is taken before anything touches a GPU."""
     from tiny_models import build_prequantized
-    from transformers import AutoConfig, Qwen3MoeForCausalLM
-    from transformers.quantizers.auto import get_hf_quantizer
+    from transformers import Qwen3MoeForCausalLM
 
     from hf_fsdp_qlora.loading import _script_stream
 
@@ -264,19 +271,61 @@ def test_script_from_pretrained_streams_a_stock_4bit_checkpoint_with_its_quantiz
     _assert_streamed_equal("streamed", models["streamed"], logs["streamed"], theirs, base_keys)
     experts = [m for m in models["streamed"].modules() if isinstance(m, QuantizedExperts)]
     assert [(m.quant_type, m.gate_up_proj_absmax.dtype) for m in experts] == [("fp4", torch.float32)] * 2
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
-        assert _script_stream._plan(Qwen3MoeForCausalLM, str(path), {"quantization_config": _bnb()}) is None
-    said = [r.message for r in caplog.records]
-    assert len(said) == 1 and "pre-quantized checkpoint's own quantization_config" in said[0], said
-    # Why (a canary: should transformers accept it one day, the GPU could stream it): the placement it would get.
-    placement, _ = _script_stream.placement_kwargs(0, AutoConfig.from_pretrained(path), _bnb(), torch.bfloat16, False)
+    _mock_cuda(monkeypatch, 1)
+    kwargs = {"quantization_config": _bnb(), "use_cache": False}
+    stream, placement, device = _script_stream._plan(Qwen3MoeForCausalLM, str(path), kwargs)
+    assert device == 0 and sorted(stream.modules) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert set(placement) == {"device_map", "config"}
+    assert_transformers_accepts_the_placement(path, placement, {"use_cache": False})
+    load = _qlora_placement(path, use_cache=False)  # load_qlora_model's, on the same mocked GPU
+    assert load.experts_device == 0 and load.quantization_config is None and load.streamed is not None
+    assert set(load.placed) == {"device_map", "config"} and load.from_pretrained_kwargs["device_map"] == placement[
+        "device_map"]  # fmt: skip
+    assert_transformers_accepts_the_placement(path, {k: load.from_pretrained_kwargs[k] for k in load.placed}, {})
+    assert not load.from_pretrained_kwargs["config"].use_cache
+
+
+def _qlora_placement(path, **from_pretrained_kwargs):
+    """load_qlora_model's steps up to the stream plan (nothing is loaded): where the load goes, what streams."""
+    from hf_fsdp_qlora.loading import qlora
+
+    load = qlora._Load(source=str(path), dtype=torch.bfloat16, bits=4, quant_type="nf4", double_quant=True,
+                       quantize_experts=True, trust_remote_code=False, from_pretrained_kwargs=from_pretrained_kwargs)
+    for step in (qlora._read_config, qlora._read_checkpoint_quantization, qlora._decide_quantization,
+                 qlora._place_experts, qlora._plan_expert_stream):  # fmt: skip
+        step(load)
+    return load
+
+
+def _mock_cuda(monkeypatch, gpus: int, current: int = 0):
+    """CUDA mocked (this machine has none): only the placement decision and transformers' checks of it run."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def assert_transformers_accepts_the_placement(path, placement: dict, user_kwargs: dict):
+    """transformers' own quantizer check (get_hf_quantizer -> bitsandbytes' validate_environment, CUDA mocked by the
+    caller) accepts the placement built for the pre-quantized checkpoint at `path`, and still refuses the same map
+    with the checkpoint's own config (a canary: were it accepted one day, the config copy would be unneeded); the
+    copy keeps the checkpoint's quantization and takes the caller's config fields, the checkpoint's config is not
+    changed."""
+    from transformers import AutoConfig
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    from hf_fsdp_qlora.loading._experts_map import placed_kwargs
+
+    merged = placed_kwargs(dict(user_kwargs, dtype=torch.bfloat16), placement)
+    assert not set(user_kwargs) & set(merged) and merged["dtype"] == torch.bfloat16
+    config = merged["config"]
+    assert all(getattr(config, k) == v for k, v in user_kwargs.items())
+    saved = AutoConfig.from_pretrained(path).quantization_config
+    assert {**saved, "llm_int8_enable_fp32_cpu_offload": True} == config.quantization_config
+    quantizer, _, device_map = get_hf_quantizer(config, _bnb(), placement["device_map"], True, {})
+    assert quantizer.quantization_config.llm_int8_enable_fp32_cpu_offload and device_map == placement["device_map"]
+    assert quantizer.quantization_config.bnb_4bit_quant_type == saved["bnb_4bit_quant_type"]
     with pytest.raises(ValueError, match="Some modules are dispatched on the CPU"):
-        get_hf_quantizer(AutoConfig.from_pretrained(path), placement["quantization_config"], placement["device_map"],
-                         weights_only=True, user_agent={})  # fmt: skip
+        get_hf_quantizer(AutoConfig.from_pretrained(path), _bnb(), placement["device_map"], True, {})
 
 
 @torch.no_grad()
@@ -304,9 +353,7 @@ def test_script_device_map_of_one_gpu_streams_onto_it(checkpoints, monkeypatch, 
     assert len(experts) == 2
 
     def plan(device_map, gpus, **extra):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: gpus - 1)  # "auto" must pick device 0 itself
+        _mock_cuda(monkeypatch, gpus, current=max(gpus - 1, 0))  # "auto" must pick device 0 itself
         kwargs = {"quantization_config": quant, "dtype": torch.bfloat16, "device_map": device_map, **extra}
         return _script_stream._plan(Qwen3MoeForCausalLM, str(path), kwargs)
 
@@ -331,6 +378,37 @@ def test_script_device_map_of_one_gpu_streams_onto_it(checkpoints, monkeypatch, 
             assert plan(device_map, gpus, **extra) is None
         said = [r.message for r in caplog.records]
         assert len(said) == 1 and "experts load in 16 bits before they are packed" in said[0] and why in said[0], said
+
+
+def test_load_qlora_model_device_map_of_one_device_streams(checkpoints, monkeypatch, caplog):
+    """load_qlora_model with a device_map of the caller's (its steps up to the stream plan; nothing is loaded). CUDA
+    is mocked (torch.cuda.is_available/device_count/current_device): this machine has none, and the decision is taken
+    before anything touches a GPU. A map that puts the whole model on one CUDA device gets the placement of no map on
+    that GPU (experts modules on "cpu", the rest on it, CPU offload allowed in a copy of the quantization config) and
+    the experts stream onto it; one on the CPU is kept and streams there (real loads: the bit-for-bit test above);
+    several devices or a per-module map are left to transformers, and the stream plan says why in one log line."""
+    path = checkpoints["qwen3_moe"]
+    for device_map, gpus, want in (({"": 0}, 2, 0), ("cuda:1", 2, 1), (1, 2, 1), ("auto", 1, 0)):
+        _mock_cuda(monkeypatch, gpus, current=gpus - 1)
+        load = _qlora_placement(path, device_map=device_map)
+        placed = load.from_pretrained_kwargs["device_map"]
+        assert load.experts_device == want and load.streamed is not None and load.streamed.device == want
+        assert set(placed.values()) == {"cpu", want} and sorted(k for k, v in placed.items() if v == "cpu") == sorted(
+            load.streamed.stream.modules)  # fmt: skip
+        assert load.quantization_config.llm_int8_enable_fp32_cpu_offload
+    for device_map, gpus in (({"": "cpu"}, 1), ("cpu", 1), ("auto", 0)):
+        _mock_cuda(monkeypatch, gpus)
+        load = _qlora_placement(path, device_map=device_map)
+        assert load.from_pretrained_kwargs == {"device_map": device_map} and load.experts_device is None
+        assert load.streamed is not None and not load.quantization_config.llm_int8_enable_fp32_cpu_offload
+    for device_map, gpus in (({"model": 0, "lm_head": 0}, 1), ("auto", 2)):
+        _mock_cuda(monkeypatch, gpus)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
+            load = _qlora_placement(path, device_map=device_map)
+        assert load.from_pretrained_kwargs == {"device_map": device_map} and load.streamed is None
+        said = [r.message for r in caplog.records]
+        assert len(said) == 1 and "16 bits before they are packed" in said[0] and "device_map" in said[0], said
 
 
 def test_host_ram_bounded_and_below_todays(tmp_path):

@@ -22,6 +22,7 @@ that loads the checkpoint holds the 16-bit experts on the CPU until they are pac
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -31,10 +32,15 @@ __all__ = [
     "accelerator_device",
     "experts_device_map",
     "experts_on_cpu_kwargs",
+    "one_device",
+    "placed_kwargs",
+    "placement_kwargs",
     "release_experts_dispatch",
 ]
 
 logger = logging.getLogger(__name__)
+
+_OFFLOAD = "llm_int8_enable_fp32_cpu_offload"
 
 
 def accelerator_device() -> int | None:
@@ -73,31 +79,77 @@ def experts_device_map(model, device) -> dict:
 def experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code=False, device=None) -> dict:
     """``from_pretrained`` kwargs that load every experts module on the CPU and the rest on `device`.
 
+    transformers' bitsandbytes quantizer accepts a ``"cpu"`` entry beside a GPU only with
+    ``llm_int8_enable_fp32_cpu_offload``, read from the quantization config it loads with: the passed one, or for a
+    pre-quantized checkpoint (a stock 4-bit save) always the checkpoint's own, taken from the config object
+    ``from_pretrained`` gets (a passed ``BitsAndBytesConfig`` is ignored). So the flag is set in a copy of whichever
+    applies; :func:`release_experts_dispatch` clears it after the load.
+
     Args:
-        config: the model's config.
-        quantization_config: the run's ``BitsAndBytesConfig`` (a copy with ``llm_int8_enable_fp32_cpu_offload``
-            set is returned; the caller's is not changed).
+        config: the model's config (with a ``quantization_config``: a pre-quantized checkpoint).
+        quantization_config: the run's ``BitsAndBytesConfig``, or None for a pre-quantized checkpoint.
         dtype: the model dtype.
         trust_remote_code: passed to transformers for the meta build.
         device: the GPU the rest goes to (default: :func:`accelerator_device`).
 
     Returns:
-        ``{"device_map": ..., "quantization_config": ...}``, or ``{}`` when there is no GPU or no fused experts.
+        ``{"device_map": ..., "quantization_config": copy}``, or ``{"device_map": ..., "config": copy}`` for a
+        pre-quantized checkpoint (merge into the caller's kwargs with :func:`placed_kwargs`), or ``{}`` when there is
+        no GPU, no quantization or no fused experts.
     """
     import copy
 
     device = accelerator_device() if device is None else device
-    if device is None or quantization_config is None:
+    saved = getattr(config, "quantization_config", None)
+    if device is None or (quantization_config is None and saved is None):
         return {}
     meta = _meta_model(config, dtype, trust_remote_code)
     device_map = experts_device_map(meta, device)
     if not device_map:
         return {}
-    quantization_config = copy.deepcopy(quantization_config)
-    quantization_config.llm_int8_enable_fp32_cpu_offload = True
+    if saved is not None:
+        placement = {"device_map": device_map, "config": _config_allowing_offload(config)}
+    else:
+        quantization_config = copy.deepcopy(quantization_config)
+        quantization_config.llm_int8_enable_fp32_cpu_offload = True
+        placement = {"device_map": device_map, "quantization_config": quantization_config}
     experts = sum(expert_layout(module) is not None for module in meta.modules())
     logger.info("hf_fsdp_qlora: %d experts modules load on the CPU (16-bit), the rest on %s", experts, device)
-    return {"device_map": device_map, "quantization_config": quantization_config}
+    return placement
+
+
+def _config_allowing_offload(config):
+    """A copy of a pre-quantized checkpoint's `config` whose ``quantization_config`` (a dict as read from
+    config.json, or a ``BitsAndBytesConfig``) allows modules on the CPU beside the GPU."""
+    import copy
+
+    config = copy.deepcopy(config)
+    saved = config.quantization_config
+    if isinstance(saved, dict):
+        config.quantization_config = {**saved, _OFFLOAD: True}
+    else:
+        setattr(saved, _OFFLOAD, True)
+    return config
+
+
+# from_pretrained arguments the config also has as fields, that transformers never sets on the config.
+_LOADING_ARGUMENTS = ("dtype", "torch_dtype", "quantization_config", "device_map", "attn_implementation")
+
+
+def placed_kwargs(kwargs: dict, placement: dict) -> dict:
+    """`kwargs` for ``from_pretrained`` with `placement` (:func:`experts_on_cpu_kwargs`) in them.
+
+    Where the placement brings its own config, the kwargs naming one of the config's fields (``use_cache=False``)
+    are set on it (a copy), as transformers does when it reads the config itself: given a config object, it passes
+    them to the model's ``__init__`` instead, which takes none.
+    """
+    config = placement.get("config")
+    if config is None:
+        return {**kwargs, **placement}
+    fields = set(config.to_dict()) - set(_LOADING_ARGUMENTS)
+    for key in fields & set(kwargs):
+        setattr(config, key, kwargs[key])
+    return {**{k: v for k, v in kwargs.items() if k not in fields}, **placement}
 
 
 def _is_experts_map(model, device_map) -> bool:
@@ -145,3 +197,72 @@ def release_experts_dispatch(model) -> bool:
                            "{'': torch.cuda.current_device()}: the experts then load 16-bit on the GPU) or "
                            "quantize_experts=False.")  # fmt: skip
     return True
+
+
+SPREADING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate places the model by memory
+
+
+def one_device(device_map, max_memory=None) -> tuple[str | int | None, str]:
+    """The one device a ``from_pretrained(device_map=...)`` puts the whole model on: ``"cpu"`` or a CUDA
+    index, and ``""``; or None and why not (several devices, a per-module map, another accelerator).
+
+    None (no map) is what bitsandbytes' quantizer picks: the current CUDA device, else the CPU (on MPS too; XPU,
+    NPU and HPU are another accelerator). ``{"": d}``, a device string, index or ``torch.device`` is `d`.
+    ``"auto"`` and the other strategies place by memory over every visible device: one device only where a single
+    CUDA device (or none, and no other accelerator) is visible.
+    """
+    if device_map is None:
+        return _visible_device(None)
+    if isinstance(device_map, dict):
+        if set(device_map) != {""}:
+            return None, f"device_map places modules one by one ({len(device_map)} entries)"
+        device_map = device_map[""]
+    elif isinstance(device_map, str) and device_map in SPREADING_MAPS:
+        if max_memory is not None:
+            return None, f"device_map={device_map!r} with max_memory places the model by memory"
+        return _visible_device(device_map)
+    return _named_device(device_map)
+
+
+def _visible_device(strategy: str | None) -> tuple[str | int | None, str]:
+    """Where no map (`strategy` None: the current CUDA device) or a placement strategy (the only visible CUDA
+    device) puts the model: the CPU where no accelerator is visible."""
+    if torch.cuda.is_available():
+        if strategy is None:
+            return torch.cuda.current_device(), ""
+        count = torch.cuda.device_count()
+        if count == 1:
+            return 0, ""
+        return None, f"device_map={strategy!r} spreads the model over the {count} visible GPUs"
+    other = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+    # A strategy places on any accelerator; bitsandbytes' quantizer loads a map-less model onto these (MPS: the CPU).
+    if other is not None and (strategy is not None or other in ("xpu", "npu", "hpu")):
+        return None, f"device_map={strategy!r} places the model on {other}: the experts stream onto the CPU or CUDA"
+    return "cpu", ""
+
+
+def _named_device(device) -> tuple[str | int | None, str]:
+    """The device a ``device_map`` of one device names (an int is a CUDA index, as transformers reads it)."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return (device, "") if device >= 0 else (None, f"device_map={device} is not a device")
+    if device == "cuda":  # transformers reads a bare "cuda" as the process's LOCAL_RANK
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return None, f"device_map={device!r} is not a device"
+    if device.type == "cpu":
+        return "cpu", ""
+    if device.type == "cuda":
+        return (torch.cuda.current_device() if device.index is None else device.index), ""
+    return None, f"device_map puts the model on {device}: the experts stream onto the CPU or CUDA"
+
+
+def placement_kwargs(device, config, quantization_config, dtype, trust_remote_code: bool) -> tuple[dict, int | None]:
+    """(the ``from_pretrained`` kwargs that place the load on `device`, the CUDA device the experts are packed onto
+    or None): on CUDA the experts modules load on the CPU and the rest on `device` (:mod:`._experts_map`), as for
+    ``load_qlora_model``; on the CPU everything."""
+    if device == "cpu":
+        return {"device_map": {"": "cpu"}}, None
+    placement = experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code, device)
+    return placement or {"device_map": {"": device}}, device

@@ -15,16 +15,16 @@ files into :class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts` one layer at
 quant and dtype the peft hook would have used (:func:`~hf_fsdp_qlora.loading.expert_lora.experts_quantization`).
 Each rank streams its own (nothing is shared between ranks on this route).
 
-Where they stream (:func:`one_device`): a ``device_map`` that puts the whole model on one device. On a CUDA GPU -
-``device_map=None`` (the current GPU), ``{"": d}``, ``"cuda:d"``, ``d`` or ``torch.device("cuda", d)``, and
-``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"`` when exactly one CUDA device is visible (device
-0) - the experts modules load on the CPU and are packed onto that GPU, the rest loads on it, as in
-``load_qlora_model`` (:mod:`~hf_fsdp_qlora.loading._experts_map`). On the CPU - no map or a strategy string with no
-accelerator visible, ``{"": "cpu"}``, ``"cpu"`` - everything loads there. A map over several devices (a per-module
-dict, a strategy string with 2+ visible GPUs or with ``max_memory``) or onto another accelerator loads as before, with
-one log line saying why; so does a pre-quantized checkpoint (a stock 4-bit save: 16-bit experts) on a GPU, whose own
-``quantization_config`` - the one transformers uses - refuses modules on the CPU beside the GPU (on the CPU it
-streams, with the checkpoint's quantization).
+Where they stream (:func:`~hf_fsdp_qlora.loading._experts_map.one_device`): a ``device_map`` that puts the whole
+model on one device. On a CUDA GPU - ``device_map=None`` (the current GPU), ``{"": d}``, ``"cuda:d"``, ``d`` or
+``torch.device("cuda", d)``, and ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"`` when exactly one
+CUDA device is visible (device 0) - the experts modules load on the CPU and are packed onto that GPU, the rest loads on
+it, as in ``load_qlora_model`` (:mod:`~hf_fsdp_qlora.loading._experts_map`). A pre-quantized checkpoint (a stock 4-bit
+save: packed linear layers, 16-bit experts) does too, with the checkpoint's own quantization: transformers loads with
+that one whatever the script passes, so the CPU offload the map needs is allowed in a copy of the config it gets. On
+the CPU - no map or a strategy string with no accelerator visible, ``{"": "cpu"}``, ``"cpu"`` - everything loads
+there. A map over several devices (a per-module dict, a strategy string with 2+ visible GPUs or with ``max_memory``)
+or onto another accelerator loads as before, with one log line saying why.
 
 Everything else goes to transformers untouched: another quantization, a dense model,
 ``HF_FSDP_QLORA_QUANTIZE_EXPERTS=0``, ``load_qlora_model``'s own loads (:func:`script_loads_untouched`), and an MoE
@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-import os
 from contextlib import contextmanager
 
 import torch
@@ -91,6 +90,7 @@ def _plan(cls, source, kwargs: dict):
 
     from ._checkpoint import config_has_fused_experts, load_config
     from ._expert_stream import expert_stream_or_say_why
+    from ._experts_map import one_device, placement_kwargs
 
     quantization_config = kwargs.get("quantization_config")
     if not getattr(quantization_config, "load_in_4bit", False):
@@ -109,11 +109,6 @@ def _plan(cls, source, kwargs: dict):
         logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: %s (the stream follows a "
                     "device_map that puts the model on one device, e.g. {'': 0})", why_not)  # fmt: skip
         return None
-    if device != "cpu" and _offload_refused(config):
-        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: this pre-quantized "
-                    "checkpoint's own quantization_config (which transformers uses) does not allow the experts "
-                    "modules on the CPU beside GPU %s (llm_int8_enable_fp32_cpu_offload is false)", device)  # fmt: skip
-        return None
     dtype = _model_dtype(kwargs.get("dtype"), config)
     # trl passes device_map=None (no map); the script's map is resolved above and replaced by placement_kwargs'.
     given = {k: v for k, v in kwargs.items() if v is not None and k != "device_map"}
@@ -125,91 +120,6 @@ def _plan(cls, source, kwargs: dict):
                     "%s's modules, this load builds %s", stream.model_class.__name__, cls.__name__)  # fmt: skip
         return None
     return stream, *placement_kwargs(device, config, quantization_config, dtype, trust_remote_code)
-
-
-SPREADING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate places the model by memory
-
-
-def one_device(device_map, max_memory=None) -> tuple[str | int | None, str]:
-    """The one device a script's ``from_pretrained(device_map=...)`` puts the whole model on: ``"cpu"`` or a CUDA
-    index, and ``""``; or None and why not (several devices, a per-module map, another accelerator).
-
-    None (no map) is what bitsandbytes' quantizer picks: the current CUDA device, else the CPU (on MPS too; XPU,
-    NPU and HPU are another accelerator). ``{"": d}``, a device string, index or ``torch.device`` is `d`.
-    ``"auto"`` and the other strategies place by memory over every visible device: one device only where a single
-    CUDA device (or none, and no other accelerator) is visible.
-    """
-    if device_map is None:
-        return _visible_device(None)
-    if isinstance(device_map, dict):
-        if set(device_map) != {""}:
-            return None, f"device_map places modules one by one ({len(device_map)} entries)"
-        device_map = device_map[""]
-    elif isinstance(device_map, str) and device_map in SPREADING_MAPS:
-        if max_memory is not None:
-            return None, f"device_map={device_map!r} with max_memory places the model by memory"
-        return _visible_device(device_map)
-    return _named_device(device_map)
-
-
-def _visible_device(strategy: str | None) -> tuple[str | int | None, str]:
-    """Where no map (`strategy` None: the current CUDA device) or a placement strategy (the only visible CUDA
-    device) puts the model: the CPU where no accelerator is visible."""
-    if torch.cuda.is_available():
-        if strategy is None:
-            return torch.cuda.current_device(), ""
-        count = torch.cuda.device_count()
-        if count == 1:
-            return 0, ""
-        return None, f"device_map={strategy!r} spreads the model over the {count} visible GPUs"
-    other = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
-    # A strategy places on any accelerator; bitsandbytes' quantizer loads a map-less model onto these (MPS: the CPU).
-    if other is not None and (strategy is not None or other in ("xpu", "npu", "hpu")):
-        return None, f"device_map={strategy!r} places the model on {other}: the experts stream onto the CPU or CUDA"
-    return "cpu", ""
-
-
-def _named_device(device) -> tuple[str | int | None, str]:
-    """The device a ``device_map`` of one device names (an int is a CUDA index, as transformers reads it)."""
-    if isinstance(device, int) and not isinstance(device, bool):
-        return (device, "") if device >= 0 else (None, f"device_map={device} is not a device")
-    if device == "cuda":  # transformers reads a bare "cuda" as the process's LOCAL_RANK
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        return None, f"device_map={device!r} is not a device"
-    if device.type == "cpu":
-        return "cpu", ""
-    if device.type == "cuda":
-        return (torch.cuda.current_device() if device.index is None else device.index), ""
-    return None, f"device_map puts the model on {device}: the experts stream onto the CPU or CUDA"
-
-
-def placement_kwargs(device, config, quantization_config, dtype, trust_remote_code: bool) -> tuple[dict, int | None]:
-    """(the ``from_pretrained`` kwargs that place the load on `device`, the CUDA device the experts are packed onto
-    or None): on CUDA the experts modules load on the CPU and the rest on `device` (:mod:`._experts_map`), as for
-    ``load_qlora_model``; on the CPU everything."""
-    from ._experts_map import experts_on_cpu_kwargs
-
-    if device == "cpu":
-        return {"device_map": {"": "cpu"}}, None
-    placement = experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code, device)
-    return placement or {"device_map": {"": device}}, device
-
-
-_OFFLOAD = "llm_int8_enable_fp32_cpu_offload"
-
-
-def _offload_refused(config) -> bool:
-    """A pre-quantized checkpoint (a stock 4-bit save: packed linear layers, 16-bit experts) whose own
-    ``quantization_config`` - the one transformers loads with, whatever the script passes - refuses a device map with
-    modules on the CPU beside a GPU (bitsandbytes' ``validate_environment``), as :func:`placement_kwargs` builds."""
-    saved = getattr(config, "quantization_config", None)
-    if saved is None:
-        return False
-    offload = saved.get(_OFFLOAD) if isinstance(saved, dict) else getattr(saved, _OFFLOAD, False)
-    return not offload
 
 
 def _model_dtype(dtype, config) -> torch.dtype:
@@ -225,14 +135,14 @@ def _model_dtype(dtype, config) -> torch.dtype:
 def _load_streamed(from_pretrained, cls, source, kwargs: dict, stream, placement: dict, device):
     """transformers' load with the experts left unread, then the experts streamed into 4 bits layer by layer."""
     from ._expert_stream import StreamedExperts, experts_left_unread
-    from ._experts_map import release_experts_dispatch
+    from ._experts_map import placed_kwargs, release_experts_dispatch
     from .expert_lora import experts_quantization
 
     logger.info("hf_fsdp_qlora: %s.from_pretrained leaves the experts of %d MoE layers unread (%d checkpoint "
                 "tensors); they stream into 4 bits one layer at a time", cls.__name__, len(stream.modules),
                 len(stream.entries))  # fmt: skip
     with experts_left_unread(stream) as hide_experts:
-        loaded = from_pretrained(cls, source, **{**kwargs, **placement, **hide_experts})
+        loaded = from_pretrained(cls, source, **{**placed_kwargs(kwargs, placement), **hide_experts})
     model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True: (model, info)
     release_experts_dispatch(model)
     StreamedExperts(stream, device=device, **experts_quantization(model)).quantize(model)

@@ -60,6 +60,7 @@ class _Load:
     prequantized: Any = None  # _read_checkpoint_quantization: the checkpoint's own 4-bit quantization, or None
     quantization_config: Any = None  # _decide_quantization, _place_experts: what from_pretrained quantizes with
     experts_device: Any = None  # _place_experts: the accelerator the experts are packed onto, one at a time
+    placed: tuple = ()  # _place_experts: the from_pretrained kwargs that place the load on one device (ours or yours)
     streamed: Any = None  # _plan_expert_stream: the experts read from the files into 4 bits layer by layer, or None
     adapter: Any = None  # a saved adapter to continue from (_continue_adapter), or None: a new one (_attach_adapter)
     is_trainable: bool = True  # _continue_adapter: the loaded adapter trains (False: inference)
@@ -117,9 +118,11 @@ def load_qlora_model(
             They stream from a local safetensors checkpoint into 4 bits one layer at a time
             (:mod:`hf_fsdp_qlora.loading._expert_stream`): host RAM per process holds at most one layer's 16-bit
             experts beside the 4-bit model, with or without `low_cpu_ram` (a checkpoint the stream cannot follow loads
-            them all 16-bit first, with a log line). On a GPU (and without a `device_map` of yours) the experts
-            modules stay on the CPU and are packed onto the GPU (:mod:`hf_fsdp_qlora.loading._experts_map`): the GPU
-            never holds them 16-bit.
+            them all 16-bit first, with a log line). On a GPU the experts modules stay on the CPU and are packed
+            onto the GPU (:mod:`hf_fsdp_qlora.loading._experts_map`; a pre-quantized checkpoint's too): the GPU never
+            holds them 16-bit. The same with a `device_map` that puts the whole model on one device (``{"": d}``,
+            ``"cuda:d"``, ``d``, ``"cpu"``, ``"auto"`` with one visible GPU); a map over several devices or module
+            by module is left to transformers, and the experts load 16-bit first (with a log line).
         bits: 4 (default: NF4/FP4 QLoRA) or 8: bitsandbytes' row-wise int8 (``load_in_8bit``), each int8 layer held
             as :class:`~hf_fsdp_qlora.loading.int8.Int8Linear` so FSDP shards it (``quant_type``/``double_quant`` are
             4-bit settings and are not used). A checkpoint saved after 8-bit loading loads with ``bits=8``.
@@ -280,17 +283,31 @@ def _skips(load: _Load) -> dict:
 
 
 def _place_experts(load: _Load) -> None:
-    """On a GPU the 16-bit experts load on the CPU and are packed one expert at a time onto the GPU (_experts_map)."""
-    if not load.quantize_experts or "device_map" in load.from_pretrained_kwargs:
+    """On a GPU the 16-bit experts load on the CPU and are packed one expert at a time onto the GPU (_experts_map),
+    with no `device_map` or one of the caller's that puts the whole model on one device; the CPU keeps its load."""
+    kwargs = load.from_pretrained_kwargs
+    if not load.quantize_experts:
         return
-    from ._experts_map import accelerator_device, experts_on_cpu_kwargs
+    from ._experts_map import accelerator_device, experts_on_cpu_kwargs, one_device, placed_kwargs
 
-    load.experts_device = accelerator_device()
+    if "device_map" in kwargs:
+        device, _ = one_device(kwargs["device_map"], kwargs.get("max_memory"))
+        if device is None:  # several devices: from_pretrained places the experts (the stream plan says so)
+            return
+        load.placed = ("device_map",)  # one device: streamed as without a map
+        load.experts_device = None if device == "cpu" else device
+    else:
+        load.experts_device = accelerator_device()
+    if load.experts_device is None:
+        return
     placement = experts_on_cpu_kwargs(
         load.config, load.quantization_config, load.dtype, load.trust_remote_code, load.experts_device
     )
+    if not placement or "config" in placement and "config" in kwargs:  # no fused experts; a config of yours
+        return  # the caller's map, or none: bitsandbytes' own choice (the whole model on the GPU)
     load.quantization_config = placement.pop("quantization_config", load.quantization_config)
-    load.from_pretrained_kwargs = {**load.from_pretrained_kwargs, **placement}
+    load.from_pretrained_kwargs = placed_kwargs(kwargs, placement)
+    load.placed = tuple(placement)
 
 
 def _plan_expert_stream(load: _Load) -> None:
@@ -300,8 +317,7 @@ def _plan_expert_stream(load: _Load) -> None:
         return
     from ._expert_stream import StreamedExperts, expert_stream_or_say_why
 
-    user_kwargs = {k: v for k, v in load.from_pretrained_kwargs.items() if load.experts_device is None or
-                   k not in ("device_map", "quantization_config")}  # fmt: skip
+    user_kwargs = {k: v for k, v in load.from_pretrained_kwargs.items() if k not in load.placed}
     stream = expert_stream_or_say_why(load.source, load.config, load.dtype, load.trust_remote_code, user_kwargs)
     if stream is not None:
         load.streamed = StreamedExperts(stream, load.quant_type, load.double_quant, load.dtype, load.experts_device)
