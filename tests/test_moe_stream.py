@@ -289,8 +289,16 @@ def _qlora_placement(path, **from_pretrained_kwargs):
     """load_qlora_model's steps up to the stream plan (nothing is loaded): where the load goes, what streams."""
     from hf_fsdp_qlora.loading import qlora
 
-    load = qlora._Load(source=str(path), dtype=torch.bfloat16, bits=4, quant_type="nf4", double_quant=True,
-                       quantize_experts=True, trust_remote_code=False, from_pretrained_kwargs=from_pretrained_kwargs)
+    load = qlora._Load(
+        source=str(path),
+        dtype=torch.bfloat16,
+        bits=4,
+        quant_type="nf4",
+        double_quant=True,
+        quantize_experts=True,
+        trust_remote_code=False,
+        from_pretrained_kwargs=from_pretrained_kwargs,
+    )
     for step in (qlora._read_config, qlora._read_checkpoint_quantization, qlora._decide_quantization,
                  qlora._place_experts, qlora._plan_expert_stream):  # fmt: skip
         step(load)
@@ -326,6 +334,22 @@ def assert_transformers_accepts_the_placement(path, placement: dict, user_kwargs
     assert quantizer.quantization_config.bnb_4bit_quant_type == saved["bnb_4bit_quant_type"]
     with pytest.raises(ValueError, match="Some modules are dispatched on the CPU"):
         get_hf_quantizer(AutoConfig.from_pretrained(path), _bnb(), placement["device_map"], True, {})
+    # The offload flag also keeps the "cpu" modules out of the conversion: they are the experts, which hold no linear
+    # layer, so the same layers become 4-bit as with the whole model on the GPU (transformers' own preprocessing).
+    whole, _, _ = get_hf_quantizer(AutoConfig.from_pretrained(path), _bnb(), {"": 0}, True, {})
+    assert _packed_layers(quantizer, config, device_map) == _packed_layers(whole, AutoConfig.from_pretrained(path), {
+        "": 0}) != []  # fmt: skip
+
+
+def _packed_layers(quantizer, config, device_map) -> list[str]:
+    """The layers transformers' quantizer turns into bitsandbytes 4-bit layers in a meta model under `device_map`."""
+    import bitsandbytes as bnb
+
+    from hf_fsdp_qlora.loading._experts_map import _meta_model
+
+    model = _meta_model(config, torch.bfloat16, False)
+    quantizer.preprocess_model(model=model, dtype=torch.bfloat16, device_map=device_map, checkpoint_files=None)
+    return [name for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)]
 
 
 @torch.no_grad()
