@@ -8,7 +8,11 @@ of 16-bit experts on each GPU before the first one is packed.
 So on an accelerator, :func:`experts_on_cpu_kwargs` gives ``from_pretrained`` a device map that puts every experts
 module on ``"cpu"`` and the rest on the GPU bitsandbytes would use (``llm_int8_enable_fp32_cpu_offload`` is what
 transformers' bitsandbytes quantizer requires for a ``"cpu"`` entry; the experts hold no ``nn.Linear``, so it changes
-what gets quantized by nothing). Such a map makes transformers dispatch the model with accelerate hooks: the CPU
+what gets quantized by nothing). The flag goes in a copy of the quantization config transformers loads with: the
+run's, or for a pre-quantized checkpoint (a stock 4-bit save) the checkpoint's own, inside a copy of its config
+(:func:`placed_kwargs` merges it with the caller's kwargs). The GPU is the one bitsandbytes would pick without a map,
+or the one device a caller's ``device_map`` names (:func:`one_device`; :func:`placement_kwargs`), in
+``load_qlora_model`` and in trl's route (:mod:`~hf_fsdp_qlora.loading._script_stream`). Such a map makes transformers dispatch the model with accelerate hooks: the CPU
 modules' weights move to the meta device behind an offload hook, ``model.to`` is wrapped with a warning, and
 ``hf_device_map`` names two devices, which Trainer and accelerate read as model parallelism.
 :func:`release_experts_dispatch` undoes exactly that (accelerate's own ``remove_hook_from_module`` puts the offloaded
@@ -111,7 +115,7 @@ def experts_on_cpu_kwargs(config, quantization_config, dtype, trust_remote_code=
         placement = {"device_map": device_map, "config": _config_allowing_offload(config)}
     else:
         quantization_config = copy.deepcopy(quantization_config)
-        quantization_config.llm_int8_enable_fp32_cpu_offload = True
+        setattr(quantization_config, _OFFLOAD, True)
         placement = {"device_map": device_map, "quantization_config": quantization_config}
     experts = sum(expert_layout(module) is not None for module in meta.modules())
     logger.info("hf_fsdp_qlora: %d experts modules load on the CPU (16-bit), the rest on %s", experts, device)
@@ -203,8 +207,9 @@ SPREADING_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # acceler
 
 
 def one_device(device_map, max_memory=None) -> tuple[str | int | None, str]:
-    """The one device a ``from_pretrained(device_map=...)`` puts the whole model on: ``"cpu"`` or a CUDA
-    index, and ``""``; or None and why not (several devices, a per-module map, another accelerator).
+    """The one device a ``from_pretrained(device_map=...)`` (a script's, or ``load_qlora_model``'s caller's) puts the
+    whole model on: ``"cpu"`` or a CUDA index, and ``""``; or None and why not (several devices, a per-module map,
+    another accelerator).
 
     None (no map) is what bitsandbytes' quantizer picks: the current CUDA device, else the CPU (on MPS too; XPU,
     NPU and HPU are another accelerator). ``{"": d}``, a device string, index or ``torch.device`` is `d`.
