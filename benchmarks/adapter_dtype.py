@@ -24,11 +24,12 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _launch  # benchmarks/, this script's folder, is first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTESTANTS = ("float32", "bfloat16")
@@ -141,7 +142,7 @@ def launch(names: list[str], model: Path, out: Path, args) -> dict[str, list[dic
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("ACCELERATE_USE_FSDP", None)
     env.pop("HF_FSDP_QLORA_ADAPTER_DTYPE", None)
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    proc = _launch.run(cmd, env, args.timeout)
     ranks = [out / n / f"rank{r}.json" for n in names for r in range(2)]
     if proc.returncode != 0 or not all(p.exists() for p in ranks):
         tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
