@@ -20,8 +20,8 @@ def test_smoke_fp32_bytes_twice_bf16(tmp_path, capsys):
     from bench_runner import benchmark, launched
 
     with benchmark("adapter_dtype") as bench:
-        assert bench.main(["--steps", "2", "--warmup", "1", "--seq", "16", "--batch", "1", "--one-launch", "--json",
-                           "--keep", str(tmp_path)]) == 0  # fmt: skip
+        assert bench.main(["--shape", "small", "--steps", "2", "--warmup", "1", "--seq", "16", "--batch", "1",
+                           "--one-launch", "--json", "--keep", str(tmp_path)]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert [Path(c[0]).name for c in launched] == ["accelerate"]
     assert "cpu_fsdp2_rehearsal.yaml" in " ".join(launched[0])  # the command a user's run launches

@@ -33,8 +33,8 @@ def test_smoke_every_contestant_trains_and_reports(tmp_path, capsys):
 
     with benchmark("throughput") as bench:
         assert bench.main(["--shape", "tiny", "--rounds", "1", "--steps", "2", "--warmup", "1", "--seq", "16",
-                           "--batch", "1", "--json", "--keep", str(tmp_path), "--contestants", "ours,stock,accel_fsdp2",
-                           "--one-launch"]) == 0  # fmt: skip
+                           "--batch", "1", "--json", "--keep", str(tmp_path), "--contestants",
+                           "ours,stock,accel_fsdp2", "--one-launch"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert [Path(c[0]).name for c in launched] == ["accelerate", "torchrun"]
     assert "cpu_fsdp2_rehearsal.yaml" in " ".join(launched[0]) and "--nproc-per-node=2" in launched[1]
