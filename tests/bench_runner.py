@@ -4,9 +4,10 @@ A benchmark builds the command a user would run and hands it to ``benchmarks/_la
 command is read back (the accelerate config file and rank count of ``accelerate launch``, the rank count of
 ``torchrun``) and launched through tests/dist_utils.py's fork launcher: the ranks are forked from this process's
 fork server, which imported torch, transformers, peft, bitsandbytes and accelerate once, with the environment the
-real launcher gives them (tests/fork_launch.py). A plain ``python`` command (one process, no launcher) runs as it
-is. The benchmark's own driver (the model build, the tables) skips its interpreter start too. Every contestant
-still trains in its own real gloo ranks, and the benchmark still refuses one that did not engage as it claims.
+real launcher gives them (tests/fork_launch.py; TESTS_FORK_LAUNCH=0: the real launcher, as for every launch of
+the suite). A plain ``python`` command (one process, no launcher) runs as it is. The benchmark's own driver (the
+model build, the tables) skips its interpreter start too. Every contestant still trains in its own real gloo ranks,
+and the benchmark still refuses one that did not engage as it claims.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ def run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProces
     if extra is not None and tool == "accelerate" and cmd[1] == "launch":
         opts, rest = _accelerate(cmd[2:])
         return dist_utils.accelerate_launch(opts.config_file, rest[0], *rest[1:], timeout=int(timeout), env=extra,
-                                            num_processes=opts.num_processes, fork=True)  # fmt: skip
+                                            num_processes=opts.num_processes)  # fmt: skip
     if extra is not None and tool == "torchrun":
         opts, rest = _torchrun(cmd[1:])
-        return dist_utils.torchrun(rest[0], *rest[1:], nproc=opts.nproc, timeout=int(timeout), env=extra, fork=True)
+        return dist_utils.torchrun(rest[0], *rest[1:], nproc=opts.nproc, timeout=int(timeout), env=extra)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False,
                           cwd=str(dist_utils.REPO))  # fmt: skip
 
