@@ -67,5 +67,9 @@ $(FLOORS)/.installed: constraints-floors.txt $(VENV)/.installed
 		$$($(PY) benchmarks/floors.py constraints-floors.txt) $(FLOORS_EXTRA)
 	touch $@
 
+# Two workers, as the main suite: the GPU check's dry run (tests/test_gpu_check.py's class TestDryRun and its module
+# fixture) in one, the rest in the other (`--dist loadscope`: a class is one unit; `loadgroup` groups nothing under
+# pytest 9, whose node ids pytest-xdist 3.8 can no longer suffix with the group).
 test-floors: setup $(FLOORS)/.installed
-	HF_FSDP_QLORA_FLOORS=1 OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(FLOORS)) $(PY) -m pytest -p no:cacheprovider $(FLOORS_TESTS)
+	HF_FSDP_QLORA_FLOORS=1 OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(FLOORS)) $(PY) -m pytest -p no:cacheprovider \
+		-n $(PYTEST_WORKERS) --dist loadscope $(FLOORS_TESTS)

@@ -1,7 +1,7 @@
 """Float32 adapters (the default, issue 34) against the bf16 opt-out: memory and step time, side by side.
 
     python benchmarks/adapter_dtype.py                       # Llama hidden 512, 4 layers, 2 gloo ranks, FSDP2
-    python benchmarks/adapter_dtype.py --steps 2 --warmup 1 --seq 16 --batch 1 --one-launch --json   # the smoke form (tests/test_adapter_dtype_benchmark.py)
+    python benchmarks/adapter_dtype.py --shape small --steps 2 --warmup 1 --seq 16 --batch 1 --one-launch --json   # the smoke form (tests/test_adapter_dtype_benchmark.py)
 
 Both contestants train the same workload under FSDP2 on 2 CPU ranks (accelerate launch with
 accelerate_configs/cpu_fsdp2_rehearsal.yaml): a Llama built locally from a config (random weights, saved in bf16
@@ -24,16 +24,22 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _launch  # benchmarks/, this script's folder, is first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 CONTESTANTS = ("float32", "bfloat16")
-SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 512}  # fmt: skip
+# Llama config fields. "cpu": the benchmark's; "small": the smoke test's (the bytes' ratios hold at any shape).
+SHAPES = {
+    "cpu": {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 512},
+    "small": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512},
+}  # fmt: skip
 
 
 def _port() -> int:
@@ -42,12 +48,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def build_model(path: Path) -> None:
+def build_model(path: Path, shape: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE)).to(torch.bfloat16)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).to(torch.bfloat16)
     model.save_pretrained(path)
 
 
@@ -89,7 +95,9 @@ def train_one(name: str, args) -> dict:
     model = load_qlora_model(args.model, adapter_dtype=getattr(torch, name), gradient_checkpointing=False)
     found = {"contestant": name, "rank": rank, "world": world}
     gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(3, SHAPE["vocab_size"], (args.steps * args.batch * world, args.seq), generator=gen)
+    ids = torch.randint(
+        3, SHAPES[args.shape]["vocab_size"], (args.steps * args.batch * world, args.seq), generator=gen
+    )
     data = [{"input_ids": r.tolist(), "labels": r.tolist()} for r in ids]
     steps, marks = [], {}
 
@@ -136,12 +144,13 @@ def launch(names: list[str], model: Path, out: Path, args) -> dict[str, list[dic
     config = ROOT / "accelerate_configs" / "cpu_fsdp2_rehearsal.yaml"
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), "--num_processes",
            "2", "--main_process_port", str(_port()), str(Path(__file__).resolve()), "--worker", name,
+           "--shape", args.shape,
            "--model", str(model), "--out", str(out), "--seq", str(args.seq), "--batch", str(args.batch),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("ACCELERATE_USE_FSDP", None)
     env.pop("HF_FSDP_QLORA_ADAPTER_DTYPE", None)
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    proc = _launch.run(cmd, env, args.timeout)
     ranks = [out / n / f"rank{r}.json" for n in names for r in range(2)]
     if proc.returncode != 0 or not all(p.exists() for p in ranks):
         tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
@@ -183,6 +192,7 @@ def print_table(result: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=2, help="per-device batch size")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per launch, warm-up included")
@@ -204,16 +214,17 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
-        model = work / "llama-512x4"
+        model = work / f"llama-{args.shape}"
         if not (model / "config.json").exists():
-            build_model(model)
+            build_model(model, args.shape)
         if args.one_launch:
             runs = launch(list(CONTESTANTS), model, work / "run", args)
         else:
             runs = {n: launch([n], model, work / f"run-{n}", args)[n] for n in CONTESTANTS}
     result = summarize(runs)
-    result["workload"] = {**SHAPE, "seq": args.seq, "batch": args.batch, "ranks": 2, "steps": args.steps,
-                          "warmup": args.warmup, "lora_r": 16, "one_launch": args.one_launch}  # fmt: skip
+    result["workload"] = {"shape": args.shape, **SHAPES[args.shape], "seq": args.seq, "batch": args.batch,
+                          "ranks": 2, "steps": args.steps, "warmup": args.warmup, "lora_r": 16,
+                          "one_launch": args.one_launch}  # fmt: skip
     print_table(result)
     if args.json:
         print(json.dumps(result, indent=1))

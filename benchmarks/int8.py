@@ -17,10 +17,11 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import _launch  # benchmarks/, this script's folder, is first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +103,7 @@ def launch(names: list[str], model: Path, work: Path, args) -> dict[str, list[di
         config = ROOT / "accelerate_configs" / "cpu_fsdp2_rehearsal.yaml"
         cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config),
                "--num_processes", str(ranks), "--main_process_port", str(_free_port()), *tail]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
+    proc = _launch.run(cmd, env, args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{names} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     runs = {n: [json.loads((work / f"{n}-rank{r}.json").read_text()) for r in range(ranks)] for n in names}

@@ -34,12 +34,13 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
+
+import _launch  # benchmarks/, this script's folder, is first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTESTANTS = ("ours", "stock")
@@ -214,7 +215,7 @@ def launch(names: list[str], model: Path, out: Path, args) -> dict[str, list[dic
            *(["--profile"] if args.profile else [])]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("ACCELERATE_USE_FSDP", None)
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    proc = _launch.run(cmd, env, args.timeout)
     ranks = {n: [out / n / f"rank{r}.json" for r in range(args.nproc)] for n in names}
     if proc.returncode != 0 or not all(p.exists() for n in names for p in ranks[n]):
         tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()

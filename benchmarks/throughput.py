@@ -35,11 +35,12 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+
+import _launch  # benchmarks/, this script's folder, is first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "_throughput_worker.py"
@@ -101,9 +102,7 @@ def launch(contestant: str, model: Path, out: Path, args) -> dict[str, list[dict
                str(args.nproc), "--main_process_port", str(_port()), *worker_args]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("ACCELERATE_USE_FSDP", None)
-    proc = subprocess.run(
-        cmd, check=False, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=str(ROOT)
-    )
+    proc = _launch.run(cmd, env, args.timeout)
     names = contestant.split(",")
     folders = {name: out / name if len(names) > 1 else out for name in names}  # the worker's layout for several
     ranks = {name: [folder / f"rank{r}.json" for r in range(args.nproc)] for name, folder in folders.items()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,23 +327,23 @@ def test_trl_sft_script_trains_8bit_and_resumes(trl_runs, tmp_path):
 
 
 @pytest.mark.distributed
-def test_benchmark_smoke():
-    """benchmarks/int8.py in its smallest form: each contestant trained as it claims, figures printed."""
-    import subprocess
+def test_benchmark_smoke(capsys):
+    """benchmarks/int8.py in its smallest form: each contestant trained as it claims, figures printed. Its main() runs
+    here and its launches are forked (tests/bench_runner.py): the 2-rank one from `accelerate launch` with the CPU
+    FSDP2 config, the single process as plain `python`."""
+    from bench_runner import benchmark, launched
 
-    from dist_utils import REPO
-
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "int8.py"), "--hidden", "64", "--layers", "2", "--steps", "2",
-         "--warmup", "1", "--batch", "1", "--one-launch", "--json"],
-        capture_output=True, text=True, timeout=600, check=False, cwd=str(REPO),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    rows = json.loads(proc.stdout[proc.stdout.index("\n{\n") :])["contestants"]
+    with benchmark("int8") as bench:
+        assert bench.main(["--hidden", "64", "--layers", "2", "--steps", "2", "--warmup", "1", "--batch", "1",
+                           "--one-launch", "--json"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert [Path(c[0]).name for c in launched] == ["accelerate", Path(sys.executable).name]
+    assert "cpu_fsdp2_rehearsal.yaml" in " ".join(launched[0]) and "--num_processes" in launched[0]
+    rows = json.loads(out[out.index("\n{\n") :])["contestants"]
     assert rows["int8_fsdp2"]["base_share"] == rows["nf4_fsdp2"]["base_share"] == 0.5  # sharded 1/2 per rank
     assert rows["int8_single"]["base_share"] == 1.0
     # int8: 1 byte per weight; NF4: half a byte (its absmax are not in the weight) - the oracle is the arithmetic.
     assert rows["int8_fsdp2"]["base_bytes_total"] == 2 * rows["nf4_fsdp2"]["base_bytes_total"]
     assert rows["int8_fsdp2"]["base_bytes_total"] == rows["int8_single"]["base_bytes_total"]
     assert all(row["step_s"] > 0 for row in rows.values())
-    assert "int8_fsdp2" in proc.stdout and "step vs 1 proc" in proc.stdout
+    assert "int8_fsdp2" in out and "step vs 1 proc" in out

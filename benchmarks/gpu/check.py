@@ -46,6 +46,8 @@ STAGES = {  # name -> (scenarios, summary): every stage of budget.PLAN that laun
     "longest_seq": (stages_new.longest_scenarios, stages_new.longest_summary),
     "capacity": (stages_speed.capacity_scenarios, stages_speed.capacity_summary),
 }
+# A launch with less time than this left is not started (its scenarios read "stopped"): it could not finish one.
+MIN_LAUNCH_S = 5.0
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "trl", "datasets", "hf-fsdp-qlora")
 
 
@@ -89,7 +91,7 @@ def run_scenarios(ctx: Context, scenarios: list[dict], deadline: float, parallel
         left = deadline - time.monotonic()
         if not todo:
             continue
-        if left < 5:
+        if left < MIN_LAUNCH_S:
             results.update({sc["name"]: {"status": "stopped", "note": "stage time box spent"} for sc in todo})
             continue
         results.update(launch(ctx, config, todo, todo[0]["name"], left))
@@ -102,7 +104,7 @@ def _launch_together(ctx: Context, groups: list[tuple[str | None, list[dict]]], 
     from concurrent.futures import ThreadPoolExecutor
 
     left = deadline - time.monotonic()
-    if left < 5:
+    if left < MIN_LAUNCH_S:
         return {sc["name"]: {"status": "stopped", "note": "stage time box spent"} for _, g in groups for sc in g}
     results: dict = {}
     with ThreadPoolExecutor(len(groups)) as pool:
@@ -298,8 +300,16 @@ def main(argv=None) -> int:
         for proc in tests.values():  # no stage will wait for them
             os.killpg(proc.pid, signal.SIGKILL)
         return 1
-    run_stages(ctx, report, plan, end, _dry_pool(ctx, plan, end) if ctx.dry else None, tests, kept,
-               resumed=bool(args.resume_from))
+    run_stages(
+        ctx,
+        report,
+        plan,
+        end,
+        _dry_pool(ctx, plan, end) if ctx.dry else None,
+        tests,
+        kept,
+        resumed=bool(args.resume_from),
+    )
     report.data["total_s"] = time.monotonic() - started
     report.write()
     print(f"report: {out / 'gpu_report.md'}")
