@@ -144,6 +144,23 @@ def accelerate_launch(
     return _run(cmd, timeout, env)
 
 
+def launch_via_run(config: str | Path, script: str | Path, *args: str, timeout: int = 420, fork: bool | None = None):
+    """`accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run SCRIPT ARGS` (SCRIPT: a path, e.g. trl's own
+    sft.py, or a name in tests/scripts/). `fork` as in accelerate_launch: by default the ranks are forked and run
+    `python -m hf_fsdp_qlora.run SCRIPT ARGS` with that launch's environment (fork_launch.py's ``-m``); keep
+    ``fork=False`` for the launch that is a user path's only proof through the real launcher."""
+    config = Path(config) if Path(config).is_absolute() else CONFIGS / config
+    if FORK_DEFAULT if fork is None else fork:
+        cmd = _fork_cmd(str(script), args, timeout, config=config)
+        at = len(cmd) - len(args) - 1  # before the script: fork_launch's `-m MODULE SCRIPT ARGS`
+        return _run([*cmd[:at], "-m", "hf_fsdp_qlora.run", *cmd[at:]], timeout, None)
+    cmd = [
+        str(BIN / "accelerate"), "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
+        "-m", "hf_fsdp_qlora.run", str(SCRIPTS / script), *args,
+    ]  # fmt: skip
+    return _run(cmd, timeout, None)
+
+
 def torchrun(
     script: str, *args: str, nproc: int = 2, timeout: int = 300, env: dict | None = None, fork: bool | None = None
 ):
