@@ -144,6 +144,16 @@ def accelerate_launch(
     return _run(cmd, timeout, env)
 
 
+def run_single(script: str, *args: str, timeout: int = 300, env: dict | None = None, fork: bool | None = None):
+    """`python tests/scripts/SCRIPT ARGS`: one plain process (a single-process oracle), with the launches'
+    environment. `fork` (default as accelerate_launch's): the process is forked from this process's fork server
+    (fork_launch.py --single), which spares its ~8 CPU-s of imports; no rank or launcher environment either way."""
+    if FORK_DEFAULT if fork is None else fork:
+        cmd = [sys.executable, str(FORK_LAUNCH), "--single", "--timeout", str(max(timeout - 5, 1))]
+        return _run([*cmd, str(SCRIPTS / script), *args], timeout, env)
+    return _run([sys.executable, str(SCRIPTS / script), *args], timeout, env)
+
+
 def launch_via_run(config: str | Path, script: str | Path, *args: str, timeout: int = 420, fork: bool | None = None):
     """`accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run SCRIPT ARGS` (SCRIPT: a path, e.g. trl's own
     sft.py, or a name in tests/scripts/). `fork` as in accelerate_launch: by default the ranks are forked and run
