@@ -47,6 +47,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="kill the ranks after this many seconds")
     parser.add_argument("--grace", type=float, default=_GRACE_S, help="after a rank failed, kill the rest this late")
     parser.add_argument("-m", dest="module", help="run this module as __main__ with SCRIPT ARGS as its arguments")
+    parser.add_argument("--ignore-signal", action="append", default=[], metavar="NAME",
+                        help="start the ranks with this signal ignored, as a launcher started under `trap '' NAME` "
+                        "passes it on (the SLURM recipe's node script: USR1)")  # fmt: skip
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     return parser.parse_args(argv)
@@ -216,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     if opts.module:  # what the module imports (our run module: our package), inherited by the ranks
         preload_module(opts.module.rpartition(".")[0] or opts.module)
     assert_single_threaded()
+    for name in opts.ignore_signal:  # inherited by the ranks, as exec keeps an ignored disposition
+        signal.signal(getattr(signal, name if name.startswith("SIG") else f"SIG{name}"), signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}
