@@ -145,9 +145,10 @@ def accelerate_launch(
 
 
 def run_single(script: str, *args: str, timeout: int = 300, env: dict | None = None, fork: bool | None = None):
-    """`python tests/scripts/SCRIPT ARGS`: one plain process (a single-process oracle), with the launches'
-    environment. `fork` (default as accelerate_launch's): the process is forked from this process's fork server
-    (fork_launch.py --single), which spares its ~8 CPU-s of imports; no rank or launcher environment either way."""
+    """`python tests/scripts/SCRIPT ARGS` (or SCRIPT, a path): one plain process (a single-process oracle, a
+    sweep), with the launches' environment. `fork` (default as accelerate_launch's): the process is forked from
+    this process's fork server (fork_launch.py --single), which spares its ~8 CPU-s of imports; no rank or launcher
+    environment either way."""
     if FORK_DEFAULT if fork is None else fork:
         cmd = [sys.executable, str(FORK_LAUNCH), "--single", "--timeout", str(max(timeout - 5, 1))]
         return _run([*cmd, str(SCRIPTS / script), *args], timeout, env)
