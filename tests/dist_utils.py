@@ -144,6 +144,34 @@ def accelerate_launch(
     return _run(cmd, timeout, env)
 
 
+def run_single(script: str, *args: str, timeout: int = 300, env: dict | None = None, fork: bool | None = None):
+    """`python tests/scripts/SCRIPT ARGS` (or SCRIPT, a path): one plain process (a single-process oracle, a
+    sweep), with the launches' environment. `fork` (default as accelerate_launch's): the process is forked from
+    this process's fork server (fork_launch.py --single), which spares its ~8 CPU-s of imports; no rank or launcher
+    environment either way."""
+    if FORK_DEFAULT if fork is None else fork:
+        cmd = [sys.executable, str(FORK_LAUNCH), "--single", "--timeout", str(max(timeout - 5, 1))]
+        return _run([*cmd, str(SCRIPTS / script), *args], timeout, env)
+    return _run([sys.executable, str(SCRIPTS / script), *args], timeout, env)
+
+
+def launch_via_run(config: str | Path, script: str | Path, *args: str, timeout: int = 420, fork: bool | None = None):
+    """`accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run SCRIPT ARGS` (SCRIPT: a path, e.g. trl's own
+    sft.py, or a name in tests/scripts/). `fork` as in accelerate_launch: by default the ranks are forked and run
+    `python -m hf_fsdp_qlora.run SCRIPT ARGS` with that launch's environment (fork_launch.py's ``-m``); keep
+    ``fork=False`` for the launch that is a user path's only proof through the real launcher."""
+    config = Path(config) if Path(config).is_absolute() else CONFIGS / config
+    if FORK_DEFAULT if fork is None else fork:
+        cmd = _fork_cmd(str(script), args, timeout, config=config)
+        at = len(cmd) - len(args) - 1  # before the script: fork_launch's `-m MODULE SCRIPT ARGS`
+        return _run([*cmd[:at], "-m", "hf_fsdp_qlora.run", *cmd[at:]], timeout, None)
+    cmd = [
+        str(BIN / "accelerate"), "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
+        "-m", "hf_fsdp_qlora.run", str(SCRIPTS / script), *args,
+    ]  # fmt: skip
+    return _run(cmd, timeout, None)
+
+
 def torchrun(
     script: str, *args: str, nproc: int = 2, timeout: int = 300, env: dict | None = None, fork: bool | None = None
 ):

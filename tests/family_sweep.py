@@ -251,6 +251,11 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     os.environ.setdefault("TQDM_DISABLE", "1")
+    # transformers' own bars (weight loading, shard writing) too: a worker forked from the suite's fork server
+    # imported tqdm before this line could switch it off
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     main(sys.argv[1:])
     sys.stdout.flush()
     os._exit(0)  # some families' modules leave threads behind; the results are written

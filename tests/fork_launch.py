@@ -15,12 +15,15 @@ the third-party stack once (tests/fork_server.py); run as a command, it imports 
 
     python tests/fork_launch.py --nproc 2 --master-port P [--accelerate-config FILE] SCRIPT [ARGS...]
     python tests/fork_launch.py ... -m MODULE SCRIPT [ARGS...]   (the ranks run `python -m MODULE SCRIPT ARGS`)
+    python tests/fork_launch.py --single SCRIPT [ARGS...]   (one plain process, as `python SCRIPT ARGS`: no rank
+                                                              environment; a single-process oracle's imports spared)
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import gc
 import importlib
 import os
 import signal
@@ -38,12 +41,16 @@ _GRACE_S = 15.0
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--master-port", type=int, help="required unless --single")
+    parser.add_argument("--single", action="store_true", help="one plain process, no rank or launcher environment")
     parser.add_argument("--accelerate-config", help="an accelerate config file whose launch environment to give")
     parser.add_argument("--num-processes", type=int, help="override the config's num_processes (as --num_processes)")
     parser.add_argument("--timeout", type=float, default=600.0, help="kill the ranks after this many seconds")
     parser.add_argument("--grace", type=float, default=_GRACE_S, help="after a rank failed, kill the rest this late")
     parser.add_argument("-m", dest="module", help="run this module as __main__ with SCRIPT ARGS as its arguments")
+    parser.add_argument("--ignore-signal", action="append", default=[], metavar="NAME",
+                        help="start the ranks with this signal ignored, as a launcher started under `trap '' NAME` "
+                        "passes it on (the SLURM recipe's node script: USR1)")  # fmt: skip
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     return parser.parse_args(argv)
@@ -125,14 +132,15 @@ def _fresh_seeds() -> None:
 
 
 def run_rank(rank: int, world: int, script: Path, args: list[str], module: str | None = None) -> None:
-    """In the forked child: become rank `rank`, run `script` (or `module`, given `script` as its first argument)
-    as __main__, and leave with its exit status."""
+    """In the forked child: become rank `rank` (world 0: a plain process, no rank environment), run `script` (or
+    `module`, given `script` as its first argument) as __main__, and leave with its exit status."""
     _die_with_parent()
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world), GROUP_WORLD_SIZE="1", ROLE_NAME="default",
-        TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
-    )  # fmt: skip
+    if world:
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world), ROLE_WORLD_SIZE=str(world), GROUP_WORLD_SIZE="1", ROLE_NAME="default",
+            TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="none",
+        )  # fmt: skip
     code = 0
     try:
         _fresh_seeds()
@@ -198,19 +206,30 @@ def main(argv: list[str] | None = None) -> int:
     # pyarrow (datasets) bundles a jemalloc that starts a background purge thread when loaded; without it the
     # parent stays single-threaded (arrow's default pool is mimalloc anyway).
     os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
-    if opts.accelerate_config:
-        env, world = accelerate_env(opts.accelerate_config, opts.master_port, opts.num_processes)
-        os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(opts.master_port))
+    if opts.single:  # `python SCRIPT ARGS`: one process, world 0 = no rank environment (run_rank)
+        world = 0
+    elif opts.master_port is None:
+        raise SystemExit("fork_launch: --master-port is required for a multi-process launch (or pass --single)")
+    else:
+        if opts.accelerate_config:
+            env, world = accelerate_env(opts.accelerate_config, opts.master_port, opts.num_processes)
+            os.environ.update(env)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(opts.master_port))
     sys.path.insert(0, str(script.parent))
     preload(script)
     if opts.module:  # what the module imports (our run module: our package), inherited by the ranks
         preload_module(opts.module.rpartition(".")[0] or opts.module)
     assert_single_threaded()
+    for name in opts.ignore_signal:  # inherited by the ranks, as exec keeps an ignored disposition
+        signal.signal(getattr(signal, name if name.startswith("SIG") else f"SIG{name}"), signal.SIG_IGN)
+    # The ~500k objects the imports made live as long as the process: moved out of the collector's generations, so
+    # each rank's full collections (Trainer.train() runs one, accelerate's free_memory: ~0.25 CPU-s each) only walk
+    # what the rank made itself. Python's advice for fork without exec; nothing imported is freed either way.
+    gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}
-    for rank in range(world):
+    for rank in range(max(world, 1)):
         pid = os.fork()
         if pid == 0:
             run_rank(rank, world, script, opts.args, opts.module)

@@ -25,8 +25,12 @@ VARIANTS = ("expert_lora", "int8", "prequantized")
 SHARDS = int(os.environ.get("FAMILY_SWEEP_SHARDS", "1"))
 
 
-def run_sweep(timeout: float = 900) -> dict:
-    """{model_type: record} from `SHARDS` worker process(es) of tests/family_sweep.py, run side by side."""
+def run_sweep(timeout: float = 900, fork: bool = False) -> dict:
+    """{model_type: record} from `SHARDS` worker process(es) of tests/family_sweep.py, run side by side. `fork` (the
+    suite's, one shard): the one worker is forked from the test process's fork server (dist_utils.run_single),
+    which spares it the import of the stack (~8 CPU-s)."""
+    if fork and SHARDS == 1:
+        return _forked_sweep(timeout)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     worker = Path(__file__).parent / "family_sweep.py"
@@ -48,6 +52,17 @@ def run_sweep(timeout: float = 900) -> dict:
                 raise RuntimeError(f"a sweep worker wrote no results: {err[-3000:]}")
             results.update(json.loads(out.read_text()))
     return results
+
+
+def _forked_sweep(timeout: float) -> dict:
+    from dist_utils import run_single
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "sweep.json"
+        proc = run_single(str(Path(__file__).parent / "family_sweep.py"), str(out), timeout=int(timeout))
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"the sweep worker wrote no results (status {proc.returncode}): {proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
 
 
 def status(record: dict) -> str:

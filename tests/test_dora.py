@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import BIN, SCRIPTS, _run, accelerate_launch, check, read_results
+from dist_utils import accelerate_launch, check, read_results, run_single
 from recipe_fixtures import build_chat_dataset, build_recipe_model
 from safetensors.torch import load_file
 from tiny_models import build_tiny_model
@@ -46,10 +46,6 @@ PREC_TOL = {"lora_A": 0.2, "lora_B": 0.08, "lora_magnitude_vector": 0.08}
 MOVED = 0.99  # fraction of each lora_A / magnitude tensor's elements that must change (measured 1.0)
 
 
-def _launch(args, timeout=600):
-    return _run(args, timeout, None)
-
-
 def _trl_args(recipe, chat, out, batch, *extra):
     return [
         "--trl", "--model_name_or_path", str(recipe), "--dataset_name", str(chat), "--output_dir", str(out),
@@ -64,7 +60,6 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dora")
     model = build_tiny_model(root / "llama", "llama")
     recipe, chat = build_recipe_model(root / "recipe"), build_chat_dataset(root / "chat")
-    worker = str(SCRIPTS / "dora_scenarios.py")
     done = {"model": model}
     for version in (1, 2):
         out = root / f"fsdp{version}"
@@ -79,14 +74,15 @@ def runs(tmp_path_factory):
         results = read_results(out)
         assert sorted(results) == [0, 1], f"expected results from 2 ranks, got {sorted(results)}"
         done[version] = (out, results, proc)
-    # The oracle process, last: `stockpeft` starts from the adapters FSDP2's `prec` run started from.
+    # The oracle process, last: `stockpeft` starts from the adapters FSDP2's `prec` run started from. One plain
+    # process, forked from the fork server (dist_utils.run_single: its imports spared).
     out = root / "single"
-    cmd = [
-        str(BIN / "python"), worker, "--single", "--model", str(model), "--out", str(out),
+    proc = run_single(
+        "dora_scenarios.py", "--single", "--model", str(model), "--out", str(out),
         "--scenarios", "ours,sft,stockpeft", "--init", str(root / "fsdp2" / "prec" / "weights.pt"),
-        *_trl_args(recipe, chat, out / "trl", 4, "--use_cpu", "true"),
-    ]  # fmt: skip
-    check(_launch(cmd))
+        *_trl_args(recipe, chat, out / "trl", 4, "--use_cpu", "true"), timeout=600,
+    )  # fmt: skip
+    check(proc)
     done[0] = (out, read_results(out), None)
     return done
 

@@ -1,10 +1,10 @@
 """The family sweep (issue 35): every causal-LM family transformers ships either works on a 4-bit base or is refused
 by name; docs/families.md says which, and equals what the sweep finds.
 
-The sweep (tests/family_sweep.py) runs once per session in one worker process and writes JSON;
-the tests here only read it. What each step checks, and its oracle (peft's `merge_and_unload` on the 16-bit base, and
-on the weights training saw for `dequantize="nf4"`), is in the worker's docstring. Families the generic shrink cannot
-build are listed in the page with the reason and not asserted on.
+The sweep (tests/family_sweep.py) runs once per session in one worker process (forked from the fork server: the
+stack's imports spared) and writes JSON; the tests here only read it. What each step checks, and its oracle (peft's
+`merge_and_unload` on the 16-bit base, and on the weights training saw for `dequantize="nf4"`), is in the worker's
+docstring. Families the generic shrink cannot build are listed in the page with the reason and not asserted on.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ OTHER_FAILURES: dict[str, str] = {}
 
 @pytest.fixture(scope="session")
 def sweep() -> dict:
-    return run_sweep()
+    return run_sweep(fork=True)
 
 
 def _expected_failure(family: str):

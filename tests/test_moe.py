@@ -550,16 +550,20 @@ def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
     """The issue's goal: trl's sft.py, unchanged, `--use_peft --load_in_4bit --lora_dropout 0
     --lora_target_parameters ...` on a Qwen3-MoE checkpoint, through `-m hf_fsdp_qlora.run` under FSDP1 and FSDP2:
     FSDP engaged, the experts streamed from the shards into 4 bits by trl's own from_pretrained (never 16-bit) and
-    sharded, computed grouped, the adapter trained, in peft's own format, and merged by merge-adapters equal to peft."""
+    sharded, computed grouped, the adapter trained, in peft's own format, and merged by merge-adapters equal to peft.
+    The ranks are forked with the launch's environment (dist_utils.launch_via_run): the real `accelerate launch -m
+    hf_fsdp_qlora.run` of trl's sft.py is test_recipes' to prove (and test_readme's); what is MoE's here runs in the
+    ranks, the same either way (~15 CPU-s of launcher and rank imports spared per launch)."""
     import json
     import re
     import shutil
 
-    from dist_utils import check
+    import trl.scripts.sft
+    from dist_utils import check, launch_via_run
     from peft import PeftModel, get_peft_model_state_dict
     from recipe_fixtures import build_chat_dataset, build_recipe_model
     from test_merge_moe import _assert_equals_peft
-    from test_recipes import _adapter, _launch_script, _script_args
+    from test_recipes import _adapter, _script_args
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_fsdp_qlora.merge.pipeline import merge_adapters
@@ -573,7 +577,7 @@ def test_trl_sft_script_trains_lora_on_4bit_experts(moe_models, tmp_path):
         args = _script_args(
             model, data, out, *lora, *EXPERT_TARGETS, "--max_steps", "2"
         )  # eval + checkpoint at step 2
-        proc = _launch_script(f"cpu_fsdp{version}_rehearsal.yaml", "sft", *args)
+        proc = launch_via_run(f"cpu_fsdp{version}_rehearsal.yaml", trl.scripts.sft.__file__, *args)
         check(proc)
         text = proc.stdout + proc.stderr
         assert f"FSDP{version} engaged on 2 rank(s)" in text

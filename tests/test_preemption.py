@@ -3,11 +3,13 @@ resumes it bit for bit.
 
 Per FSDP version, a chain of launches of ONE command on one output_dir (2 CPU ranks, gloo, real FSDP1/FSDP2, 10
 steps of 2 micro-steps); the last launch also trains the uninterrupted baseline from scratch in a fresh folder (one
-launch fewer). One launch per chain is the user's real `accelerate launch` (FSDP2: the SLURM node script's
-`-m hf_fsdp_qlora.run` line with SIGUSR1 ignored; FSDP1: the SIGKILL, which torch elastic answers by stopping the
-survivor); the others fork their ranks from the fork server (tests/fork_launch.py: the same worker, environment and
-real signals, ~15 CPU-s of imports spared per launch), whose launcher lists each failed rank's status as torch
-elastic's summary does. Every fault hits ONE rank only:
+launch fewer). FSDP1's SIGKILL launch is the user's real `accelerate launch`: torch elastic's own answer to a dead
+rank (it stops the survivor) is what it proves. The others fork their ranks from the fork server
+(tests/fork_launch.py: the same worker, environment and real signals, ~15 CPU-s of imports spared per launch),
+whose launcher lists each failed rank's status as torch elastic's summary does; FSDP2's first launch starts its
+ranks with SIGUSR1 ignored, as the SLURM node script's `trap '' USR1` starts the launcher (the real `accelerate
+launch -m hf_fsdp_qlora.run` under that node script, signalled, is tests/test_slurm_recipe.py's real job).
+Every fault hits ONE rank only:
 
   FSDP1, FSDPQLoRATrainer + auto_resume=True:
     SIGTERM between micro-steps of a seeded random step -> SIGTERM in evaluation of a dict eval_dataset (the second
@@ -63,7 +65,7 @@ class Chain:
         self.out, self.record = root / "run", root / "record"
         self.walls = {}
 
-    def command(self, run, fault, baseline_out=None, real=False):
+    def command(self, run, fault, baseline_out=None, real=False, ignore_usr1=False):
         config = CONFIGS / f"cpu_fsdp{self.version}_rehearsal.yaml"
         module = ["-m", "hf_fsdp_qlora.run"] if self.route == "plain" else []
         if real:
@@ -71,7 +73,8 @@ class Chain:
                         "--main_process_port", str(free_port())]  # fmt: skip
         else:
             launcher = [sys.executable, str(FORK_LAUNCH), "--nproc", "2", "--master-port", str(free_port()),
-                        "--timeout", "290", "--accelerate-config", str(config)]  # fmt: skip
+                        "--timeout", "290", "--accelerate-config", str(config),
+                        *(["--ignore-signal", "USR1"] if ignore_usr1 else [])]  # fmt: skip
         return [
             *launcher, *module, str(WORKER),
             "--models", str(self.models), "--out", str(self.out), "--record", str(self.record),
@@ -87,8 +90,7 @@ class Chain:
         runs in a thread (dist_utils._run) while this one may signal a rank; a real one is a Popen."""
         (self.record / "signal_time").unlink(missing_ok=True)
         real = real or not FORK_DEFAULT  # TESTS_FORK_LAUNCH=0: every step a real launch, to compare
-        assert real or not ignore_usr1, "SIGUSR1 ignored by the launcher: a real launch (the fork server's is not)"
-        started, cmd = time.time(), self.command(run, fault, baseline_out, real)
+        started, cmd = time.time(), self.command(run, fault, baseline_out, real, ignore_usr1)
         done = {}
 
         def run_forked():
@@ -206,9 +208,9 @@ def _run_chain(version, route, models, root, seed):
     rng = random.Random(seed)
     took = {}
     if version == 2:  # 0: one rank signalled before train(): every rank stops before the first step, no checkpoint
-        # The chain's real `accelerate launch -m hf_fsdp_qlora.run` (the SLURM node script's launch line).
-        rc, output, took["load"] = chain.launch("r0", f"load:{rng.randint(0, 1)}:SIGUSR1", ignore_usr1=True, real=True)
-        assert _rank_statuses(output, real=True) == [75, 75] and took["load"] < 120, output[-4000:]
+        # Ranks started with SIGUSR1 ignored, as under the SLURM node script's `trap '' USR1`.
+        rc, output, took["load"] = chain.launch("r0", f"load:{rng.randint(0, 1)}:SIGUSR1", ignore_usr1=True)
+        assert _rank_statuses(output, not FORK_DEFAULT) == [75, 75] and took["load"] < 120, output[-4000:]
         marker = json.loads((chain.out / "preempted.json").read_text())
         assert marker["checkpoint"] is None and marker["new_checkpoint"] is False, marker
         assert "SIGUSR1 before training started: no new checkpoint written" in output, output[-4000:]

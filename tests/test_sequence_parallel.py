@@ -114,7 +114,7 @@ def _build_one_kv_head(path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from dist_utils import SCRIPTS, _env, accelerate_launch, check, read_results
+    from dist_utils import accelerate_launch, check, read_results, run_single
     from tiny_models import build_tiny_model
 
     models = tmp_path_factory.mktemp("models")
@@ -126,12 +126,9 @@ def runs(tmp_path_factory):
         timeout=500,
     )  # fmt: skip
     check(proc)
-    single = subprocess.run(
-        [sys.executable, str(SCRIPTS / "sequence_parallel_scenarios.py"), "--models", str(models), "--out", str(out),
-         "--single"],
-        env=_env(), capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert single.returncode == 0, single.stderr[-4000:]
+    # The oracle: one plain process, forked from the fork server (dist_utils.run_single: its imports spared).
+    check(run_single("sequence_parallel_scenarios.py", "--models", str(models), "--out", str(out), "--single",
+                     timeout=400))  # fmt: skip
     import json
 
     return out, read_results(out), json.loads((out / "single.json").read_text()), models
@@ -328,7 +325,7 @@ def _sft_args(model, data, out):
 def sft_run(tmp_path_factory):
     """One forked 2-rank FSDP2 launch: `-m hf_fsdp_qlora.run` of tests/scripts/sequence_parallel_sft.py (trl's sft.py
     via runpy), the accelerate config being the CPU FSDP2 rehearsal plus `parallelism_config_sp_size: 2`."""
-    from dist_utils import CONFIGS, _fork_cmd, _run, check
+    from dist_utils import CONFIGS, check, launch_via_run
     from recipe_fixtures import build_chat_dataset, build_recipe_model
 
     root = tmp_path_factory.mktemp("sp_sft")
@@ -339,10 +336,8 @@ def sft_run(tmp_path_factory):
         + "\nparallelism_config:\n  parallelism_config_sp_size: 2\n"
     )
     out = root / "record"
-    args = [str(out), *_sft_args(model, data, root / "sft")]
-    cmd = _fork_cmd("sequence_parallel_sft.py", args, 400, config=config)
-    at = len(cmd) - len(args) - 1  # fork_launch's `-m MODULE SCRIPT ARGS`
-    proc = _run([*cmd[:at], "-m", "hf_fsdp_qlora.run", *cmd[at:]], 400, None)
+    proc = launch_via_run(config, "sequence_parallel_sft.py", str(out), *_sft_args(model, data, root / "sft"),
+                          timeout=400, fork=True)  # fmt: skip
     check(proc)
     ranks = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
     return model, root / "sft", ranks, torch.load(out / "steps.pt"), proc.stdout + proc.stderr
