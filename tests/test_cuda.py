@@ -178,3 +178,59 @@ def test_qlora_weights_on_gpu_have_one_dtype_and_match_cpu_quantization(demo_mod
     with torch.no_grad():
         logits = gpu(input_ids=ids.cuda()).logits
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("prequantized", [False, True], ids=["16bit", "stock_4bit"])
+def test_moe_experts_stream_onto_the_gpu(tmp_path, prequantized, monkeypatch, caplog):
+    """Issue 40 on a GPU (run by the GPU check's tests_rest stage; on CPU the same loads are tests/test_moe_stream.py's,
+    with CUDA mocked for the placement): a tiny Qwen3-MoE, 16-bit or a stock 4-bit save (FP4, packed linear layers,
+    16-bit experts), loaded as trl's sft.py loads it under ``-m hf_fsdp_qlora.run`` (``device_map=None`` in a
+    multi-GPU launch, ``"auto"`` in one process: both stream), and by ``load_qlora_model``. The experts modules load
+    on the CPU and stream onto the GPU in 4 bits: every tensor of the model ends on the GPU, no 16-bit expert weight
+    is left, the dispatch is released (no ``hf_device_map``, the offload flag cleared). Oracle: the load the stream
+    does not follow (``use_safetensors=True``: the 16-bit experts packed on the GPU by the peft hook / the loader),
+    every base tensor equal to the bit, and the logits."""
+    from test_moe_stream import _assert_streamed_equal, _lora, _oracle_of, _trl_peft_loads
+    from tiny_models import build_prequantized, build_tiny_model
+
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+
+    path = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    if prequantized:
+        path = build_prequantized(tmp_path / "bnb4", "fp4", False, source=path)
+    loads = {"oracle": {"use_safetensors": True}, "none": {"device_map": None}, "auto": {}}
+    models, logs = _trl_peft_loads(path, loads, monkeypatch, caplog)
+    oracle, theirs, base_keys = _oracle_of(models, logs)
+    for name, model in models.items():
+        _assert_streamed_equal(name, model, logs[name], theirs, base_keys)
+    kinds = {"none": "trl, device_map=None", "auto": "trl, device_map='auto'"}
+    ids = torch.randint(0, oracle.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        expected = oracle(input_ids=ids).logits
+    loader = {k: {"use_safetensors": True} if k == "oracle" else {} for k in ("oracle", "streamed")}
+    for name, extra in loader.items():
+        models[f"loader_{name}"] = load_qlora_model(str(path), dtype="bfloat16", lora_config=_lora(),
+                                                    gradient_checkpointing=False, **extra)  # fmt: skip
+    kinds["loader_streamed"] = "load_qlora_model"
+    for name, model in models.items():
+        where = {t.device.type for t in [*model.parameters(), *model.buffers()]}
+        assert where == {"cuda"}, (kinds.get(name, name), where)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        devices = {str(d) for d in (getattr(base, "hf_device_map", None) or {}).values()}
+        assert devices <= {"0", "cuda", "cuda:0"}, (name, base.hf_device_map)  # released, or all on the GPU
+        experts = [m for m in base.modules() if isinstance(m, QuantizedExperts)]
+        assert len(experts) == 2, name
+        left_16bit = [n for n, p in base.named_parameters() if p.dim() == 3 and p.dtype == torch.bfloat16]
+        assert not left_16bit, (name, left_16bit)
+        quant = getattr(base.config, "quantization_config", None)
+        flag = (quant.get if isinstance(quant, dict) else lambda k: getattr(quant, k, None))(
+            "llm_int8_enable_fp32_cpu_offload"
+        )
+        assert not flag, (name, quant)
+        if not name.startswith("loader"):
+            with torch.no_grad():
+                assert torch.equal(model(input_ids=ids).logits, expected), kinds[name]
+    mine, theirs = (models[f"loader_{k}"].state_dict() for k in ("streamed", "oracle"))
+    assert [k for k in theirs if "lora_" not in k and not torch.equal(mine[k].reshape(-1).view(torch.uint8),
+                                                                        theirs[k].reshape(-1).view(torch.uint8))] == []  # fmt: skip
