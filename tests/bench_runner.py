@@ -13,6 +13,7 @@ and the benchmark still refuses one that did not engage as it claims.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -85,3 +86,15 @@ def benchmark(name: str):
             _launch.RUNNER = None
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def one_fsdp2_launch_smoke(name: str, argv: list[str], capsys) -> tuple[dict, str]:
+    """benchmarks/NAME.py's ``main(argv)`` with ``--one-launch --json``: it succeeds, builds the one command a user's
+    run launches (``accelerate launch`` with the CPU FSDP2 rehearsal config), and prints its JSON; (that JSON, the
+    whole output)."""
+    with benchmark(name) as bench:
+        assert bench.main([*argv, "--one-launch", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert [Path(c[0]).name for c in launched] == ["accelerate"]
+    assert "cpu_fsdp2_rehearsal.yaml" in " ".join(launched[0])  # the command a user's run launches
+    return json.loads(out[out.index("\n{\n") :]), out

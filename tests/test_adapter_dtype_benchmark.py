@@ -8,24 +8,16 @@ benchmark's to report, not this test's to assert.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 
 @pytest.mark.distributed
 def test_smoke_fp32_bytes_twice_bf16(tmp_path, capsys):
     # The benchmark's main() runs here, its one launch forked (tests/bench_runner.py) from the command it built.
-    from bench_runner import benchmark, launched
+    from bench_runner import one_fsdp2_launch_smoke
 
-    with benchmark("adapter_dtype") as bench:
-        assert bench.main(["--shape", "small", "--steps", "2", "--warmup", "1", "--seq", "16", "--batch", "1",
-                           "--one-launch", "--json", "--keep", str(tmp_path)]) == 0  # fmt: skip
-    out = capsys.readouterr().out
-    assert [Path(c[0]).name for c in launched] == ["accelerate"]
-    assert "cpu_fsdp2_rehearsal.yaml" in " ".join(launched[0])  # the command a user's run launches
-    result = json.loads(out[out.index("\n{\n") :])
+    argv = "--shape small --steps 2 --warmup 1 --seq 16 --batch 1 --keep".split() + [str(tmp_path)]
+    result, out = one_fsdp2_launch_smoke("adapter_dtype", argv, capsys)
     fp32, bf16 = result["contestants"]["float32"], result["contestants"]["bfloat16"]
     for key in ("adapter_bytes", "grad_bytes"):
         assert fp32[key] == 2 * bf16[key] > 0, key

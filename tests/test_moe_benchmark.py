@@ -9,10 +9,8 @@ this test's to assert.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from dist_utils import REPO
@@ -23,15 +21,10 @@ BENCH = REPO / "benchmarks" / "moe.py"
 @pytest.mark.distributed
 def test_smoke_experts_bytes_and_figures(tmp_path, capsys):
     # The benchmark's main() runs here, its one launch forked (tests/bench_runner.py) from the command it built.
-    from bench_runner import benchmark, launched
+    from bench_runner import one_fsdp2_launch_smoke
 
-    with benchmark("moe") as bench:
-        assert bench.main(["--shape", "small", "--steps", "2", "--warmup", "1", "--seq", "16", "--batch", "1",
-                           "--one-launch", "--json", "--keep", str(tmp_path)]) == 0  # fmt: skip
-    out = capsys.readouterr().out
-    assert [Path(c[0]).name for c in launched] == ["accelerate"]
-    assert "cpu_fsdp2_rehearsal.yaml" in " ".join(launched[0])  # the command a user's run launches
-    result = json.loads(out[out.index("\n{\n") :])
+    argv = "--shape small --steps 2 --warmup 1 --seq 16 --batch 1 --keep".split() + [str(tmp_path)]
+    result, out = one_fsdp2_launch_smoke("moe", argv, capsys)
     ours, stock = result["contestants"]["ours"], result["contestants"]["stock"]
     w = result["workload"]
     assert w["ranks"] == 2 and w["num_experts"] == 8
