@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import BIN, CONFIGS, SCRIPTS, _fork_cmd, _run, accelerate_launch, check, free_port, read_results
+from dist_utils import BIN, CONFIGS, SCRIPTS, _run, accelerate_launch, check, free_port, launch_via_run, read_results
 from recipe_fixtures import TRL_MARKER, build_chat_dataset, build_preference_dataset, build_recipe_model
 
 sys.path.insert(0, str(SCRIPTS))
@@ -149,15 +149,7 @@ def _trl_script(name):
 def _launch_script(config, script, *args, timeout=420, fork=False):
     """`accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run trl/scripts/SCRIPT.py ARGS`, as users launch it;
     `fork`: the same module and arguments run by ranks forked with that launch's environment (tests/fork_launch.py)."""
-    if fork:
-        cmd = _fork_cmd(_trl_script(script), args, timeout, config=CONFIGS / config)
-        at = len(cmd) - len(args) - 1  # before the script: fork_launch's `-m MODULE SCRIPT ARGS`
-        return _run([*cmd[:at], "-m", "hf_fsdp_qlora.run", *cmd[at:]], timeout, None)
-    cmd = [
-        str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / config),
-        "--main_process_port", str(free_port()), "-m", "hf_fsdp_qlora.run", _trl_script(script), *args,
-    ]  # fmt: skip
-    return _run(cmd, timeout, None)
+    return launch_via_run(config, _trl_script(script), *args, timeout=timeout, fork=fork)
 
 
 def _script_args(model, data, out, *extra):

@@ -12,9 +12,10 @@ what gets quantized by nothing). The flag goes in a copy of the quantization con
 run's, or for a pre-quantized checkpoint (a stock 4-bit save) the checkpoint's own, inside a copy of its config
 (:func:`placed_kwargs` merges it with the caller's kwargs). The GPU is the one bitsandbytes would pick without a map,
 or the one device a caller's ``device_map`` names (:func:`one_device`; :func:`placement_kwargs`), in
-``load_qlora_model`` and in trl's route (:mod:`~hf_fsdp_qlora.loading._script_stream`). Such a map makes transformers dispatch the model with accelerate hooks: the CPU
-modules' weights move to the meta device behind an offload hook, ``model.to`` is wrapped with a warning, and
-``hf_device_map`` names two devices, which Trainer and accelerate read as model parallelism.
+``load_qlora_model`` and in trl's route (:mod:`~hf_fsdp_qlora.loading._script_stream`). Such a map makes
+transformers dispatch the model with accelerate hooks: the CPU modules' weights move to the meta device behind an
+offload hook, ``model.to`` is wrapped with a warning, and ``hf_device_map`` names two devices, which Trainer and
+accelerate read as model parallelism.
 :func:`release_experts_dispatch` undoes exactly that (accelerate's own ``remove_hook_from_module`` puts the offloaded
 weights back on the CPU) before :func:`quantize_experts` packs the experts expert by expert onto the GPU.
 
