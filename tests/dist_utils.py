@@ -210,15 +210,42 @@ def launch_scenarios(tmp_path_factory, name, scenarios, script="train_scenarios.
     models = Path(models) if models else tmp_path_factory.mktemp("models")
     for arch in {arch for arch, _ in scenarios.values()}:
         build_tiny_model(models / arch, arch)
-    out = tmp_path_factory.mktemp(name) / "run"
     spec = ",".join(f"{key}={arch}:{kind}" for key, (arch, kind) in scenarios.items())
-    proc = accelerate_launch(
-        f"cpu_fsdp{version}_rehearsal.yaml", script,
-        "--models", str(models), "--out", str(out), "--fsdp-version", str(version), "--scenarios", spec,
-        timeout=600,
-    )  # fmt: skip
+    for attempt in (1, 2):
+        out = tmp_path_factory.mktemp(name) / "run"
+        proc = accelerate_launch(
+            f"cpu_fsdp{version}_rehearsal.yaml", script,
+            "--models", str(models), "--out", str(out), "--fsdp-version", str(version), "--scenarios", spec,
+            timeout=600,
+        )  # fmt: skip
+        if attempt == 2 or not crashed(proc):
+            break
+        _warn_crash(name, proc)
     check(proc)
     return models, out, read_results(out), proc
+
+
+# Exit codes of a launch whose rank died of a signal that no test sends: a crash in native code, not a failed check.
+CRASH_CODES = {128 + signal.SIGSEGV, 128 + signal.SIGBUS, 128 + signal.SIGABRT}
+
+
+def crashed(proc: subprocess.CompletedProcess) -> bool:
+    """Whether a launch ended because a rank crashed in native code (segfault, bus error, abort)."""
+    return proc.returncode in CRASH_CODES
+
+
+def _warn_crash(name: str, proc: subprocess.CompletedProcess) -> None:
+    """A shared launch runs ~36 scenarios for ~60 tests: one rare native crash would fail them all. torch 2.13's
+    gloo collectives on CPU segfaulted about once in 45 such launches here (at a random scenario, in a DTensor
+    all-gather; faulthandler's stack in the warning), so the launch runs once more in a fresh folder; a second
+    crash fails, as does any other failure. The warning shows in pytest's summary and in the launch log."""
+    import warnings
+
+    tail = proc.stderr[-4000:]
+    if os.environ.get("TESTS_LAUNCH_LOG"):
+        with open(os.environ["TESTS_LAUNCH_LOG"], "a") as log:
+            log.write(json.dumps({"test": name, "relaunched_after_crash": proc.returncode}) + "\n")
+    warnings.warn(f"launch {name} crashed (exit {proc.returncode}); running it once more. Its stderr's end:\n{tail}")
 
 
 def shared_scenarios_launch(session, tmp_path_factory, models, version):

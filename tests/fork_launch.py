@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import faulthandler
 import gc
 import importlib
 import os
@@ -135,6 +136,7 @@ def run_rank(rank: int, world: int, script: Path, args: list[str], module: str |
     """In the forked child: become rank `rank` (world 0: a plain process, no rank environment), run `script` (or
     `module`, given `script` as its first argument) as __main__, and leave with its exit status."""
     _die_with_parent()
+    faulthandler.enable(all_threads=True)  # a crashing rank prints its Python stack, as `python -X faulthandler`
     if world:
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), WORLD_SIZE=str(world),
@@ -225,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     # The ~500k objects the imports made live as long as the process: moved out of the collector's generations, so
     # each rank's full collections (Trainer.train() runs one, accelerate's free_memory: ~0.25 CPU-s each) only walk
     # what the rank made itself. Python's advice for fork without exec; nothing imported is freed either way.
-    gc.freeze()
+    if not os.environ.get("TESTS_NO_GC_FREEZE"):  # TESTS_NO_GC_FREEZE=1: to rule the freeze out of a crash hunt
+        gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}

@@ -207,3 +207,44 @@ def test_module_mode_runs_as_python_m(tmp_path):
             "name": "__main__",
             "path0": str(REPO),
         }
+
+
+_CRASHING_WORKER = """
+import json, os, signal, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))  # as launch_scenarios calls a worker: --models M --out O ...
+models, rank = args["--models"], os.environ["RANK"]
+mode = open(os.path.join(models, "mode")).read()
+if rank == "0":
+    with open(os.path.join(models, "attempts"), "a") as f:
+        f.write("x")
+    first = os.path.getsize(os.path.join(models, "attempts")) == 1
+    if mode == "always" or (mode == "once" and first):
+        os.kill(os.getpid(), signal.SIGSEGV)  # a native crash, as torch's gloo collectives rarely do
+    if mode == "fail":
+        sys.exit(1)
+os.makedirs(args["--out"], exist_ok=True)
+with open(os.path.join(args["--out"], f"rank{rank}.json"), "w") as f:
+    json.dump({"scenarios": args["--scenarios"]}, f)
+"""
+
+
+@pytest.mark.parametrize("mode", ["once", "always", "fail"])
+def test_a_crashed_scenarios_launch_runs_once_more(tmp_path, tmp_path_factory, mode):
+    """dist_utils.launch_scenarios (the shared launches ~60 tests read): a rank that segfaults once costs one more
+    launch and a warning, not every test; a second crash, or any other failure, fails as before."""
+    from dist_utils import launch_scenarios
+
+    script = _script(tmp_path, "crash.py", _CRASHING_WORKER)
+    (tmp_path / "mode").write_text(mode)
+    warned = pytest.warns(UserWarning, match=r"crashed \(exit 139\); running it once more")
+    if mode == "once":
+        with warned:
+            _, out, results, _ = launch_scenarios(tmp_path_factory, "crash", {}, script=script, models=tmp_path)
+        assert results == {0: {"scenarios": ""}, 1: {"scenarios": ""}} and out.parent.name.startswith("crash")
+    elif mode == "always":
+        with warned, pytest.raises(AssertionError, match="exit code 139"):
+            launch_scenarios(tmp_path_factory, "crash", {}, script=script, models=tmp_path)
+    else:
+        with pytest.raises(AssertionError, match="exit code 1:"):
+            launch_scenarios(tmp_path_factory, "crash", {}, script=script, models=tmp_path)
+    assert (tmp_path / "attempts").read_text() == ("x" if mode == "fail" else "xx")
