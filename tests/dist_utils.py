@@ -236,9 +236,9 @@ def crashed(proc: subprocess.CompletedProcess) -> bool:
 
 def _warn_crash(name: str, proc: subprocess.CompletedProcess) -> None:
     """A shared launch runs ~36 scenarios for ~60 tests: one rare native crash would fail them all. torch 2.13's
-    gloo collectives on CPU segfaulted about once in 45 such launches here (at a random scenario, in a DTensor
-    all-gather; faulthandler's stack in the warning), so the launch runs once more in a fresh folder; a second
-    crash fails, as does any other failure. The warning shows in pytest's summary and in the launch log."""
+    gloo collectives on CPU segfaulted once in ~200 such launches here and once in CI (at a random scenario; here in
+    a DTensor all-gather, faulthandler's stack in the warning), so the launch runs once more in a fresh folder; a
+    second crash fails, as does any other failure. The warning shows in pytest's summary and in the launch log."""
     import warnings
 
     tail = proc.stderr[-4000:]
