@@ -283,6 +283,17 @@ def test_script_from_pretrained_streams_a_stock_4bit_checkpoint_with_its_quantiz
         "device_map"]  # fmt: skip
     assert_transformers_accepts_the_placement(path, {k: load.from_pretrained_kwargs[k] for k in load.placed}, {})
     assert not load.from_pretrained_kwargs["config"].use_cache
+    # A config of the caller's (what transformers then loads with): the placement's copy is made of it, the caller's
+    # object is left as it was; before, such a load put the 16-bit experts on the GPU.
+    from transformers import AutoConfig
+
+    theirs = AutoConfig.from_pretrained(path, output_router_logits=True)
+    load = _qlora_placement(path, config=theirs)
+    assert load.streamed is not None and set(load.placed) == {"device_map", "config"}
+    placed = load.from_pretrained_kwargs["config"]
+    assert placed is not theirs and placed.output_router_logits
+    assert not theirs.quantization_config.get("llm_int8_enable_fp32_cpu_offload")  # theirs as it was
+    assert_transformers_accepts_the_placement(path, {k: load.from_pretrained_kwargs[k] for k in load.placed}, {})
 
 
 def _qlora_placement(path, **from_pretrained_kwargs):

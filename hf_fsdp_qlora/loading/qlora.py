@@ -288,6 +288,8 @@ def _place_experts(load: _Load) -> None:
     kwargs = load.from_pretrained_kwargs
     if not load.quantize_experts:
         return
+    from transformers import PretrainedConfig
+
     from ._experts_map import accelerator_device, experts_on_cpu_kwargs, one_device, placed_kwargs
 
     if "device_map" in kwargs:
@@ -300,11 +302,14 @@ def _place_experts(load: _Load) -> None:
         load.experts_device = accelerator_device()
     if load.experts_device is None:
         return
+    # A config of the caller's is what transformers loads with (a pre-quantized checkpoint's quantization included):
+    # the placement's copy, which allows the experts on the CPU, is made of it.
+    config = kwargs["config"] if isinstance(kwargs.get("config"), PretrainedConfig) else load.config
     placement = experts_on_cpu_kwargs(
-        load.config, load.quantization_config, load.dtype, load.trust_remote_code, load.experts_device
+        config, load.quantization_config, load.dtype, load.trust_remote_code, load.experts_device
     )
-    if not placement or "config" in placement and "config" in kwargs:  # no fused experts; a config of yours
-        return  # the caller's map, or none: bitsandbytes' own choice (the whole model on the GPU)
+    if not placement:  # no fused experts: the caller's map, or none (bitsandbytes' own: the whole model on the GPU)
+        return
     load.quantization_config = placement.pop("quantization_config", load.quantization_config)
     load.from_pretrained_kwargs = placed_kwargs(kwargs, placement)
     load.placed = tuple(placement)
