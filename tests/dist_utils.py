@@ -72,13 +72,17 @@ def _run(cmd: list[str], timeout: int, env: dict | None) -> subprocess.Completed
                 stdout, stderr = proc.communicate()
                 raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr) from None
         code, cpu_s = proc.returncode, _children_cpu() - cpu
-    if os.environ.get("TESTS_LAUNCH_LOG"):
-        entry = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), "cmd": [Path(c).name for c in cmd[:8]],
+    _log_launch({"test": os.environ.get("PYTEST_CURRENT_TEST", "?"), "cmd": [Path(c).name for c in cmd[:8]],
                  "via": "server" if served is not None else _not_served_why(cmd), "rc": code,
-                 "wall_s": round(time.monotonic() - started, 1), "cpu_s": round(cpu_s, 1)}  # fmt: skip
+                 "wall_s": round(time.monotonic() - started, 1), "cpu_s": round(cpu_s, 1)})  # fmt: skip
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+def _log_launch(entry: dict) -> None:
+    """Append `entry` as a JSON line to the launch log, when TESTS_LAUNCH_LOG=FILE is exported."""
+    if os.environ.get("TESTS_LAUNCH_LOG"):
         with open(os.environ["TESTS_LAUNCH_LOG"], "a") as log:
             log.write(json.dumps(entry) + "\n")
-    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
 def _not_served_why(cmd: list[str]) -> str:
@@ -242,9 +246,7 @@ def _warn_crash(name: str, proc: subprocess.CompletedProcess) -> None:
     import warnings
 
     tail = proc.stderr[-4000:]
-    if os.environ.get("TESTS_LAUNCH_LOG"):
-        with open(os.environ["TESTS_LAUNCH_LOG"], "a") as log:
-            log.write(json.dumps({"test": name, "relaunched_after_crash": proc.returncode}) + "\n")
+    _log_launch({"test": name, "relaunched_after_crash": proc.returncode})
     warnings.warn(f"launch {name} crashed (exit {proc.returncode}); running it once more. Its stderr's end:\n{tail}")
 
 
