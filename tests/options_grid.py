@@ -1,0 +1,148 @@
+"""The options sweep's grid (issue 49): options a user sets on TrainingArguments or the Trainer (rows) x settings this
+package adds (columns). Read by the worker (tests/scripts/options_sweep.py), the test (tests/test_options.py) and the
+page's generator (tests/make_options_table.py), so the three cannot disagree on what a cell is.
+
+Every cell trains a tiny 4-bit Llama (NF4, float32 compute, all-linear LoRA r=4 from one initial adapter) for
+STEPS optimizer steps on 2 ranks and is compared with the stock run in one process: transformers' ``Trainer`` and
+stock peft (float32 adapters) on the same start, the same global batches and the same option. A cell is ``equal``
+(within the tolerances below), ``refused`` (an error naming the option, raised before the first step) or a failure;
+a combination that cannot exist is ``n/a`` by :func:`not_applicable`, never left blank.
+"""
+
+from __future__ import annotations
+
+import re
+
+STEPS = 3
+SEQ = 16  # even: the sequence-parallel column splits it 8 + 8
+TRAIN_ROWS = 12  # 3 steps x a global batch of 2, twice over for gradient accumulation 2: no remainder
+EVAL_ROWS = 5  # odd: a remainder batch on 2 ranks, and under sp_size=2 with an evaluation batch of 2
+LEARNING_RATE = 5e-2
+
+# Tolerances against the stock run (float32 throughout; FSDP sums gradients in another order than one process):
+# losses and metrics relative; the adapter's change relative to the size of the stock change, plus a few float32
+# steps of the weight's own size (a clipped step changes a weight by less than its rounding).
+LOSS_RTOL = 1e-4
+ADAPTER_RTOL = 1e-3
+ADAPTER_ULPS = 4
+LOGITS_ATOL = 1e-4
+# bitsandbytes' LLM.int8() matmul (the stock 8-bit forward) also quantizes the activations to int8; ours multiplies
+# them unquantized by the dequantized weight (hf_fsdp_qlora/loading/int8.py): logits ~1% apart, losses within 1e-4.
+LOGITS_ATOL_BY_MODEL = {"int8": 2e-2}
+
+
+def _token_loss(logits, labels):
+    """(sum of the next-token cross-entropy, labelled-token count) of one batch."""
+    import torch.nn.functional as F
+
+    logits = logits[..., :-1, :].float().reshape(-1, logits.shape[-1])
+    targets = labels[..., 1:].reshape(-1).to(logits.device)
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum"), (targets != -100).sum()
+
+
+def causal_lm_loss(outputs, labels, num_items_in_batch=None):
+    """A user's own causal-LM loss, as transformers' docs show ``compute_loss_func`` (sum over tokens, divided by
+    the batch's labelled tokens): what stock computes by default, written out."""
+    total, count = _token_loss(outputs["logits"], labels)
+    return total / (num_items_in_batch if num_items_in_batch is not None else count)
+
+
+def group_means_loss(groups: int):
+    """The stock oracle of ``average_tokens_across_devices=False`` on `groups` data-parallel ranks, in one process:
+    each rank's rows (a contiguous share of the global batch) divided by that rank's own labelled tokens, and the
+    ranks' losses averaged (as the gradient all-reduce averages them)."""
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        parts = zip(outputs["logits"].chunk(groups), labels.chunk(groups))
+        means = [total / count for total, count in (_token_loss(*part) for part in parts)]
+        return sum(means) / len(means)
+
+    return loss
+
+
+def gapped_positions(features):
+    """Batches with user position ids that jump (0..7 then 12..19: two sequences by transformers' rule, a step other
+    than 1 starts one) and no attention mask, as a padding-free collator hands them to the model."""
+    import torch
+
+    batch = {key: torch.stack([f[key] for f in features]) for key in ("input_ids", "labels")}
+    half = SEQ // 2
+    positions = torch.cat([torch.arange(half), torch.arange(half) + half + 4])
+    batch["position_ids"] = positions.expand(len(features), -1).clone()
+    return batch
+
+
+# name -> {"args": TrainingArguments settings, "trainer": Trainer keywords, "after": evaluation calls compared,
+# "per_rank_mean": the option averages per data-parallel rank (its stock oracle: group_means_loss)}.
+OPTIONS = {
+    "defaults": {},
+    "gradient_accumulation_steps=2": {"args": {"gradient_accumulation_steps": 2}},
+    "max_grad_norm=0.05 (clipping)": {"args": {"max_grad_norm": 0.05}},
+    "weight_decay=0.5": {"args": {"weight_decay": 0.5}},
+    "warmup + cosine schedule": {"args": {"warmup_steps": 1, "lr_scheduler_type": "cosine"}},
+    "label_smoothing_factor=0.1": {"args": {"label_smoothing_factor": 0.1}},
+    "compute_loss_func": {"trainer": {"compute_loss_func": causal_lm_loss}},
+    "average_tokens_across_devices=False": {"args": {"average_tokens_across_devices": False}, "per_rank_mean": True},
+    "position_ids with gaps": {
+        "trainer": {"data_collator": gapped_positions},
+        "args": {"remove_unused_columns": False},
+    },
+    "include_num_input_tokens_seen": {"args": {"include_num_input_tokens_seen": "all"}},
+    "evaluate, remainder batch": {"after": ("evaluate",)},
+    "predict": {"after": ("predict",)},
+}
+
+# name -> {"version": FSDP version, "args": FSDPQLoRATrainingArguments settings, "batch"/"eval_batch": per-device
+# train/eval batch, "dp": data-parallel groups, "model": the model variant (worker's MODELS)}. Every column's global
+# batch is 2: 2 data-parallel ranks x 1 row, or one sequence-parallel group of 2 ranks x 2 rows.
+_PLAIN = {"args": {}, "batch": 1, "eval_batch": 1, "dp": 2, "model": "lora"}
+SETTINGS = {
+    "FSDP1": {**_PLAIN, "version": 1},
+    "FSDP2": {**_PLAIN, "version": 2},
+    "FSDP2 + sp_size=2": {**_PLAIN, "version": 2, "args": {"sp_size": 2}, "batch": 2, "eval_batch": 2, "dp": 1},
+    "FSDP2 + tiled_mlp": {**_PLAIN, "version": 2, "args": {"tiled_mlp": True, "tiled_mlp_tokens": 4}},
+    "FSDP2 + chunked_loss": {**_PLAIN, "version": 2, "args": {"chunked_loss": True}},
+    "FSDP2 + activation_offloading": {**_PLAIN, "version": 2, "args": {"activation_offloading": True}},
+    "FSDP2 + DoRA": {**_PLAIN, "version": 2, "model": "dora"},
+    "FSDP2 + 8-bit base": {**_PLAIN, "version": 2, "model": "int8"},
+}
+
+
+def option(name: str) -> dict:
+    return {"args": {}, "trainer": {}, "after": (), "per_rank_mean": False, **OPTIONS[name]}
+
+
+def not_applicable(option_name: str, setting: str) -> str | None:
+    """Why a cell cannot exist (shown in the table), or None. No cell of this grid is meaningless yet; the rule is
+    where one goes (for example an option a setting cannot have, such as FSDP1 with sp_size)."""
+    return None
+
+
+def cells() -> list[tuple[str, str]]:
+    return [(o, s) for s in SETTINGS for o in OPTIONS]
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+
+
+def cell_key(option_name: str, setting: str) -> str:
+    """A file-name-safe key of a cell."""
+    return _safe(f"{setting}__{option_name}")
+
+
+def stock_run(option_name: str, setting: str) -> tuple[str, str, int]:
+    """(option, model variant, data-parallel groups) of the stock run a cell is compared with: the groups matter
+    only to an option that averages per rank."""
+    column = SETTINGS[setting]
+    return option_name, column["model"], column["dp"] if option(option_name)["per_rank_mean"] else 1
+
+
+def stock_runs() -> list[tuple[str, str, int]]:
+    """Every stock run the grid needs, in a stable order."""
+    return sorted({stock_run(o, s) for o, s in cells() if not_applicable(o, s) is None})
+
+
+def stock_key(run: tuple[str, str, int]) -> str:
+    name, model, groups = run
+    return _safe(f"stock__{model}__dp{groups}__{name}")

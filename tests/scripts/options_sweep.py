@@ -1,0 +1,186 @@
+"""Worker of the options sweep (tests/options_grid.py says what a cell is; tests/test_options.py asserts).
+
+``--stock``: one process, no FSDP: per option, transformers' ``Trainer`` on a stock peft model (float32 adapters)
+loaded with ``from_pretrained(quantization_config=...)``; the first run's initial adapter is saved (init.pt) and
+every run starts from it. Writes stock.json and, per run, its adapter and prediction tensors (KEY.pt).
+Launched (2 ranks, the CPU rehearsal config of ``--fsdp-version``): every cell of the grid's settings of that FSDP
+version, through ``load_qlora_model`` and ``FSDPQLoRATrainer`` from the same initial adapter. Rank 0 writes
+rank0.json and KEY.pt per cell. A cell raising before its first optimizer step is recorded as refused with the
+error's text; anything else raised is a failure (with its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import traceback
+from pathlib import Path
+
+import options_grid as grid
+import torch
+import train_scenarios as ts
+from dist_utils import finish_worker
+
+import hf_fsdp_qlora  # noqa: F401  (CPU rehearsal hook before TrainingArguments)
+
+
+class TrainData(torch.utils.data.Dataset):
+    """Rows of SEQ tokens whose first 1-5 targets are masked (uneven: the loss's normalisation is visible)."""
+
+    def __init__(self, rows=grid.TRAIN_ROWS, masked=True, seed=17):
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, 256, (rows, grid.SEQ), generator=gen)
+        self.masked = masked
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        ids = self.ids[i]
+        labels = ids.clone()
+        if self.masked:
+            labels[: 1 + i % 5] = -100
+        return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+def eval_data():
+    """Fully labelled rows of one length: the evaluation loss does not depend on how rows are batched."""
+    return TrainData(rows=grid.EVAL_ROWS, masked=False, seed=23)
+
+
+def lora_config(model: str):
+    # lora_B non-zero: the adapter acts from the first step
+    return ts.lora_config(init_lora_weights=False, use_dora=(model == "dora"))
+
+
+def common_args(out: Path, option: str, eval_batch: int) -> dict:
+    settings = grid.option(option)["args"]
+    return dict(
+        output_dir=str(out), max_steps=grid.STEPS, learning_rate=grid.LEARNING_RATE, optim="sgd", logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        train_sampling_strategy="sequential", per_device_eval_batch_size=eval_batch, disable_tqdm=True, **settings,
+    )  # fmt: skip
+
+
+def copy_adapter(model, init: dict) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in init.items():
+            params[name].copy_(value)
+
+
+def record(trainer, model, option: str, out: Path, key: str, version: int | None) -> dict:
+    """What a run is compared on: per-step logs, the evaluation's metrics and tensors, the adapter (KEY.pt)."""
+    tensors, found = {}, {"logs": [h for h in trainer.state.log_history if "loss" in h]}
+    for call in grid.option(option)["after"]:
+        if call == "evaluate":
+            found["eval_loss"] = trainer.evaluate(eval_data())["eval_loss"]
+        elif call == "predict":
+            pred = trainer.predict(eval_data())
+            logits = pred.predictions[0] if isinstance(pred.predictions, tuple) else pred.predictions
+            tensors["predictions"], tensors["label_ids"] = torch.as_tensor(logits), torch.as_tensor(pred.label_ids)
+            found["test_loss"] = pred.metrics.get("test_loss")
+    tensors["adapter"] = ts.full_trainable(model, version) if version else ts.trainable_snapshot(model)
+    if ts.rank() == 0:
+        torch.save(tensors, out / f"{key}.pt")
+    return found
+
+
+def stock_model(path: str, variant: str):
+    """The model as a user builds it with stock transformers + peft: float32 adapters (peft's default)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32,
+    )  # fmt: skip
+    if variant == "int8":
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32)
+    for module in model.modules():  # bitsandbytes' in-place CPU repack at a no-grad forward (FACTS.md): off
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    torch.manual_seed(0)
+    return get_peft_model(model, lora_config(variant))
+
+
+def initial_adapter(model, variant: str, out: Path) -> dict:
+    """The first stock model's trainable weights of `variant`, saved (init_VARIANT.pt) for every run to start from."""
+    path = out / f"init_{variant}.pt"
+    if not path.exists():
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, path)
+    return torch.load(path)
+
+
+def run_stock(path: str, out: Path) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    found = {}
+    for run in grid.stock_runs():
+        option, variant, groups = run
+        model = stock_model(path, variant)
+        copy_adapter(model, initial_adapter(model, variant, out))
+        key, chosen = grid.stock_key(run), grid.option(option)
+        args = TrainingArguments(per_device_train_batch_size=2, **common_args(out / key, option, eval_batch=1))
+        extra = {"compute_loss_func": grid.group_means_loss(groups)} if chosen["per_rank_mean"] else {}
+        trainer = Trainer(model=model, args=args, train_dataset=TrainData(), **{**chosen["trainer"], **extra})
+        trainer.train()
+        found[key] = record(trainer, model, option, out, key, None)
+    return found
+
+
+def run_cell(path: str, out: Path, option: str, setting: str, inits: Path) -> dict:
+    from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
+    from hf_fsdp_qlora.train.fsdp import fsdp_engagement
+
+    column, key = grid.SETTINGS[setting], grid.cell_key(option, setting)
+    bits = 8 if column["model"] == "int8" else 4
+    model = load_qlora_model(path, dtype=torch.float32, lora_config=lora_config(column["model"]), bits=bits)
+    copy_adapter(model, torch.load(inits / f"init_{column['model']}.pt"))
+    trainer = None
+    try:
+        args = FSDPQLoRATrainingArguments(
+            per_device_train_batch_size=column["batch"], **common_args(out / key, option, column["eval_batch"]),
+            **column["args"],
+        )  # fmt: skip
+        trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=TrainData(), **grid.option(option)["trainer"])
+        trainer.train()
+        found = {"outcome": "ran", **record(trainer, trainer.model, option, out, key, column["version"])}
+        found["distributed_type"] = str(trainer.accelerator.distributed_type)
+        found["engaged"] = fsdp_engagement(trainer.model)
+    except Exception as exc:  # noqa: BLE001  (a cell's outcome, recorded for the test)
+        steps = trainer.state.global_step if trainer is not None else 0
+        outcome = "refused" if steps == 0 else "failed"
+        found = {"outcome": outcome, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        ts.reset_accelerate()
+        del model, trainer
+        gc.collect()
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stock", action="store_true")
+    parser.add_argument("--fsdp-version", type=int)
+    parser.add_argument("--inits", help="the stock run's folder: every cell starts from its init_VARIANT.pt")
+    args = parser.parse_args()
+    out, path = Path(args.out), str(Path(args.models) / "llama")
+    out.mkdir(parents=True, exist_ok=True)
+    if args.stock:
+        (out / "stock.json").write_text(json.dumps(run_stock(path, out), indent=1))
+        return
+    found = {}
+    for setting, column in grid.SETTINGS.items():
+        for option in grid.OPTIONS if column["version"] == args.fsdp_version else ():
+            if grid.not_applicable(option, setting) is None:
+                found[grid.cell_key(option, setting)] = run_cell(path, out, option, setting, Path(args.inits))
+    finish_worker(out, found)
+
+
+if __name__ == "__main__":
+    main()
