@@ -26,7 +26,8 @@ def run_sweep(work: Path, fork: bool | None = None) -> dict:
     import dist_utils
     from tiny_models import build_tiny_model
 
-    build_tiny_model(work / "models" / "llama", "llama")
+    for arch in {grid.option(name)["model"]["arch"] for name in grid.OPTIONS}:
+        build_tiny_model(work / "models" / arch, arch)
     stock = work / "stock"
     dist_utils.check(
         dist_utils.run_single("options_sweep.py", "--models", str(work / "models"), "--out", str(stock), "--stock",
@@ -90,18 +91,22 @@ def _compare_outputs(ours: dict, theirs: dict, mine: dict, stock: dict) -> str |
     return None
 
 
-def compare(cell: dict, stock: dict) -> tuple[str, str]:
+def compare(cell: dict, stock: dict, init: Path) -> tuple[str, str]:
     """(status, detail) of one cell: equal, refused (with the error's text) or failed (with what differs)."""
     import torch
 
-    if cell["outcome"] != "ran":
-        return cell["outcome"], cell["error"]
+    if cell["outcome"] == "raised":
+        # A refusal: this package's error, or the very error stock gives, before the first step; else a failure
+        refused = cell["before_first_step"] and (cell["ours"] or cell["error"] == stock.get("error"))
+        return ("refused" if refused else "failed"), cell["error"]
+    if "error" in stock:
+        return "failed", f"trained where stock fails ({stock['error'][:200]}): nothing to compare with"
     if cell.get("distributed_type") != "DistributedType.FSDP" or not (
         cell["engaged"]["flat_params"] or cell["engaged"]["fsdp2_modules"]
     ):
         return "failed", f"FSDP did not engage: {cell.get('distributed_type')} {cell.get('engaged')}"
     ours, theirs = torch.load(cell["tensors"]), torch.load(stock["tensors"])
-    init = torch.load(Path(stock["tensors"]).parent / f"init_{stock['model']}.pt")
+    init = torch.load(init)
     problem = (
         _compare_logs(cell["logs"], stock["logs"])
         or _compare_outputs(ours, theirs, cell, stock)
@@ -122,7 +127,10 @@ def statuses(sweep: dict) -> dict:
             found[option, setting] = ("failed", "the cell did not run")
         else:
             run = grid.stock_run(option, setting)
-            found[option, setting] = compare(cell, {**sweep["stock"][grid.stock_key(run)], "model": run[1]})
+            stock = {**sweep["stock"][grid.stock_key(run)], "model": run[1]}
+            found[option, setting] = compare(
+                cell, stock, grid.init_file(Path(stock["tensors"]).parent, option, run[1])
+            )
     return found
 
 

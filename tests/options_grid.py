@@ -72,8 +72,21 @@ def gapped_positions(features):
     return batch
 
 
+# A row's own model: a tiny Qwen3-MoE whose router aux loss joins the loss (16-bit experts, as stock loads them:
+# bitsandbytes quantizes only nn.Linear), with transformers' keywords from_pretrained passes to its config.
+# LoRA on the attention only: stock peft's all-linear also wraps the fused experts (as target_parameters), which
+# this row does not compare (the family sweep and tests/test_moe.py do).
+ROUTER_AUX = {
+    "arch": "qwen3_moe",
+    "config": {"output_router_logits": True, "router_aux_loss_coef": 1.0},
+    "load": {"quantize_experts": False},
+    "lora": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+}
+_LLAMA = {"arch": "llama", "config": {}, "load": {}, "lora": {}}
+
 # name -> {"args": TrainingArguments settings, "trainer": Trainer keywords, "after": evaluation calls compared,
-# "per_rank_mean": the option averages per data-parallel rank (its stock oracle: group_means_loss)}.
+# "per_rank_mean": the option averages per data-parallel rank (its stock oracle: group_means_loss), "model": the
+# row's own model (default: the tiny Llama)}.
 OPTIONS = {
     "defaults": {},
     "gradient_accumulation_steps=2": {"args": {"gradient_accumulation_steps": 2}},
@@ -88,6 +101,7 @@ OPTIONS = {
         "args": {"remove_unused_columns": False},
     },
     "include_num_input_tokens_seen": {"args": {"include_num_input_tokens_seen": "all"}},
+    "output_router_logits (Qwen3-MoE)": {"model": ROUTER_AUX},
     "evaluate, remainder batch": {"after": ("evaluate",)},
     "predict": {"after": ("predict",)},
 }
@@ -109,7 +123,7 @@ SETTINGS = {
 
 
 def option(name: str) -> dict:
-    return {"args": {}, "trainer": {}, "after": (), "per_rank_mean": False, **OPTIONS[name]}
+    return {"args": {}, "trainer": {}, "after": (), "per_rank_mean": False, "model": _LLAMA, **OPTIONS[name]}
 
 
 def not_applicable(option_name: str, setting: str) -> str | None:
@@ -146,3 +160,11 @@ def stock_runs() -> list[tuple[str, str, int]]:
 def stock_key(run: tuple[str, str, int]) -> str:
     name, model, groups = run
     return _safe(f"stock__{model}__dp{groups}__{name}")
+
+
+def init_file(folder, option_name: str, variant: str):
+    """Where the stock run's initial adapter of `variant` on `option_name`'s model lies (one per variant and
+    architecture): every run of that pair, stock and ours, starts from it."""
+    from pathlib import Path
+
+    return Path(folder) / f"init_{variant}_{option(option_name)['model']['arch']}.pt"

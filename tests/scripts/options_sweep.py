@@ -49,9 +49,10 @@ def eval_data():
     return TrainData(rows=grid.EVAL_ROWS, masked=False, seed=23)
 
 
-def lora_config(model: str):
+def lora_config(model: str, option: str):
     # lora_B non-zero: the adapter acts from the first step
-    return ts.lora_config(init_lora_weights=False, use_dora=(model == "dora"))
+    row = grid.option(option)["model"]
+    return ts.lora_config(init_lora_weights=False, use_dora=(model == "dora"), **row["lora"])
 
 
 def common_args(out: Path, option: str, eval_batch: int) -> dict:
@@ -65,6 +66,8 @@ def common_args(out: Path, option: str, eval_batch: int) -> dict:
 
 def copy_adapter(model, init: dict) -> None:
     params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert trainable == set(init), f"not the stock run's adapter: {sorted(trainable ^ set(init))[:4]}"
     with torch.no_grad():
         for name, value in init.items():
             params[name].copy_(value)
@@ -87,7 +90,7 @@ def record(trainer, model, option: str, out: Path, key: str, version: int | None
     return found
 
 
-def stock_model(path: str, variant: str):
+def stock_model(models: Path, option: str, variant: str):
     """The model as a user builds it with stock transformers + peft: float32 adapters (peft's default)."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -98,49 +101,64 @@ def stock_model(path: str, variant: str):
     )  # fmt: skip
     if variant == "int8":
         quant = BitsAndBytesConfig(load_in_8bit=True)
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32)
+    row = grid.option(option)["model"]
+    path = models / row["arch"]
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32, **row["config"])
     for module in model.modules():  # bitsandbytes' in-place CPU repack at a no-grad forward (FACTS.md): off
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     torch.manual_seed(0)
-    return get_peft_model(model, lora_config(variant))
+    return get_peft_model(model, lora_config(variant, option))
 
 
-def initial_adapter(model, variant: str, out: Path) -> dict:
-    """The first stock model's trainable weights of `variant`, saved (init_VARIANT.pt) for every run to start from."""
-    path = out / f"init_{variant}.pt"
+def initial_adapter(model, option: str, variant: str, out: Path) -> dict:
+    """The first stock model's trainable weights of `variant` on that architecture, saved for every run to start
+    from."""
+    path = grid.init_file(out, option, variant)
     if not path.exists():
         torch.save({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, path)
     return torch.load(path)
 
 
-def run_stock(path: str, out: Path) -> dict:
+def stock_run(models: Path, out: Path, run: tuple) -> dict:
+    """One stock run (tests/options_grid.py's stock_run): its record, its tensors saved."""
     from transformers import Trainer, TrainingArguments
 
+    option, variant, groups = run
+    model = stock_model(models, option, variant)
+    copy_adapter(model, initial_adapter(model, option, variant, out))
+    key, chosen = grid.stock_key(run), grid.option(option)
+    args = TrainingArguments(per_device_train_batch_size=2, **common_args(out / key, option, eval_batch=1))
+    extra = {"compute_loss_func": grid.group_means_loss(groups)} if chosen["per_rank_mean"] else {}
+    trainer = Trainer(model=model, args=args, train_dataset=TrainData(), **{**chosen["trainer"], **extra})
+    trainer.train()
+    return record(trainer, model, option, out, key, None)
+
+
+def run_stock(models: Path, out: Path) -> dict:
     found = {}
     for run in grid.stock_runs():
-        option, variant, groups = run
-        model = stock_model(path, variant)
-        copy_adapter(model, initial_adapter(model, variant, out))
-        key, chosen = grid.stock_key(run), grid.option(option)
-        args = TrainingArguments(per_device_train_batch_size=2, **common_args(out / key, option, eval_batch=1))
-        extra = {"compute_loss_func": grid.group_means_loss(groups)} if chosen["per_rank_mean"] else {}
-        trainer = Trainer(model=model, args=args, train_dataset=TrainData(), **{**chosen["trainer"], **extra})
-        trainer.train()
-        found[key] = record(trainer, model, option, out, key, None)
+        try:
+            found[grid.stock_key(run)] = stock_run(models, out, run)
+        except Exception as exc:  # noqa: BLE001  (stock itself refuses: the cell must refuse too)
+            found[grid.stock_key(run)] = {"error": f"{type(exc).__name__}: {exc}"}
     return found
 
 
-def run_cell(path: str, out: Path, option: str, setting: str, inits: Path) -> dict:
+def run_cell(models: Path, out: Path, option: str, setting: str, inits: Path) -> dict:
     from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
     from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 
     column, key = grid.SETTINGS[setting], grid.cell_key(option, setting)
-    bits = 8 if column["model"] == "int8" else 4
-    model = load_qlora_model(path, dtype=torch.float32, lora_config=lora_config(column["model"]), bits=bits)
-    copy_adapter(model, torch.load(inits / f"init_{column['model']}.pt"))
-    trainer = None
+    row, model, trainer = grid.option(option)["model"], None, None
     try:
+        model = load_qlora_model(
+            models / row["arch"], dtype=torch.float32, lora_config=lora_config(column["model"], option),
+            bits=8 if column["model"] == "int8" else 4, **row["load"], **row["config"],
+        )  # fmt: skip
+        init = grid.init_file(inits, option, column["model"])
+        if init.exists():  # none where stock itself refused: then only a refusal before the first step compares
+            copy_adapter(model, torch.load(init))
         args = FSDPQLoRATrainingArguments(
             per_device_train_batch_size=column["batch"], **common_args(out / key, option, column["eval_batch"]),
             **column["args"],
@@ -151,9 +169,9 @@ def run_cell(path: str, out: Path, option: str, setting: str, inits: Path) -> di
         found["distributed_type"] = str(trainer.accelerator.distributed_type)
         found["engaged"] = fsdp_engagement(trainer.model)
     except Exception as exc:  # noqa: BLE001  (a cell's outcome, recorded for the test)
-        steps = trainer.state.global_step if trainer is not None else 0
-        outcome = "refused" if steps == 0 else "failed"
-        found = {"outcome": outcome, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        found = {"outcome": "raised", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        found["before_first_step"] = trainer is None or trainer.state.global_step == 0
+        found["ours"] = type(exc).__module__ == "hf_fsdp_qlora.errors"  # raised on purpose, with its fix
     finally:
         ts.reset_accelerate()
         del model, trainer
@@ -169,7 +187,7 @@ def main():
     parser.add_argument("--fsdp-version", type=int)
     parser.add_argument("--inits", help="the stock run's folder: every cell starts from its init_VARIANT.pt")
     args = parser.parse_args()
-    out, path = Path(args.out), str(Path(args.models) / "llama")
+    out, path = Path(args.out), Path(args.models)
     out.mkdir(parents=True, exist_ok=True)
     if args.stock:
         (out / "stock.json").write_text(json.dumps(run_stock(path, out), indent=1))
