@@ -131,3 +131,27 @@ def test_without_a_record_a_4bit_merge_asks_which_round_trip(run, tmp_path, caps
     assert _merge(base, stock, tmp_path / "dq", "--double-quant") == 0  # the other round trip: not training's
     wrong = _differing(load_file(str(tmp_path / "dq" / "model.safetensors")), ref)
     assert min(wrong.values()) > 0.5, wrong
+
+
+def test_a_prequantized_base_named_by_the_adapter_tells_the_settings(run, tmp_path, capsys):
+    """No record, but adapter_config.json names a local pre-quantized checkpoint (nf4, no double quant): its
+    quantization_config decides (the merge equals the one with --no-double-quant), and contradicting it is refused."""
+    from tiny_models import build_prequantized
+
+    base, out, _ = run
+    prequantized = build_prequantized(tmp_path / "bnb4", "nf4", False, source=base)
+    stock = tmp_path / "stock"
+    stock.mkdir()
+    shutil.copy(out / "adapter_model.safetensors", stock / "adapter_model.safetensors")
+    config = json.loads((out / "adapter_config.json").read_text())
+    (stock / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(prequantized)}))
+    assert _merge(base, stock, tmp_path / "told") == 0
+    assert _merge(base, stock, tmp_path / "by_hand", "--no-double-quant") == 0
+    told, by_hand = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("told", "by_hand"))
+    assert told.keys() == by_hand.keys() and all(torch.equal(told[k], by_hand[k]) for k in told)
+    capsys.readouterr()
+    assert _merge(base, stock, tmp_path / "bad", "--double-quant") == 2
+    assert f"quantization_config of {prequantized / 'config.json'}" in capsys.readouterr().err
+    argv = ["merge", "--base", str(base), "--adapter", str(stock), "--output", str(tmp_path / "fp4"), "--no-progress"]
+    assert cli_main([*argv, "--dequantize", "fp4"]) == 2
+    assert "quantizes nf4. Pass --dequantize nf4" in capsys.readouterr().err

@@ -69,7 +69,7 @@ def _from_checkpoint(found, dequantize, double_quant, blocksize) -> QuantSetting
     if trained != dequantize:
         raise MergeUsageError(
             f"`dequantize` {dequantize} does not match training: {source} quantizes {trained}. "
-            f"Pass dequantize={trained!r}."
+            f"Pass `dequantize={trained!r}`."
         )
     said = bool(config.get("bnb_4bit_use_double_quant", False)) if trained != "int8" else False
     if trained != "int8":
