@@ -95,11 +95,16 @@ def collect_record(model, *, bits: int, quant_type: str, double_quant: bool, ski
 
 
 def _live_settings(base) -> tuple[int, str | None, bool] | None:
-    """(bits, quant type, double quant) of the bitsandbytes weights of `base`, read off their quant states (the
-    truth of what was loaded, whatever the config says), or None: no bitsandbytes weight, or 4-bit weights of
-    more than one setting (no record can say that)."""
+    """(bits, quant type, double quant) of the bitsandbytes weights of `base` (and our 4-bit experts), read off
+    their quant states (the truth of what was loaded, whatever the config says), or None: no bitsandbytes weight,
+    or 4-bit weights of more than one setting (no record can say that: the merge then asks)."""
     four, eight = set(), False
     for module in base.modules():
+        if getattr(type(module), "packed_experts", False):  # our 4-bit experts (trl's route streams them too)
+            for name in module.layout.weights:
+                nested = hasattr(module, f"{name}_absmax2")
+                four.add((module.quant_type, nested, module._meta[name][1]))
+            continue
         weight = dict(module.named_parameters(recurse=False)).get("weight")
         kind = type(weight).__name__
         if kind == "Params4bit" and getattr(weight, "quant_state", None) is not None:

@@ -155,3 +155,32 @@ def test_a_prequantized_base_named_by_the_adapter_tells_the_settings(run, tmp_pa
     argv = ["merge", "--base", str(base), "--adapter", str(stock), "--output", str(tmp_path / "fp4"), "--no-progress"]
     assert cli_main([*argv, "--dequantize", "fp4"]) == 2
     assert "quantizes nf4. Pass --dequantize nf4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("experts_double_quant", [False, True])
+def test_the_live_record_names_the_4bit_experts_or_none(tmp_path, experts_double_quant):
+    """A transformers-loaded MoE whose experts we packed in 4 bits (trl's route streams them): the record names the
+    experts where their settings are the linear layers'; where they differ no record can say both, so none is kept
+    (a 4-bit merge then asks for the setting instead of following half of it)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hf_fsdp_qlora.loading.experts import quantize_experts
+    from hf_fsdp_qlora.quant_record import RECORD_ATTR, keep_live_record
+
+    base = build_tiny_model(tmp_path / "moe", "qwen3_moe")
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+                               bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, quantization_config=quant)
+    quantize_experts(model, quant_type="nf4", double_quant=experts_double_quant, dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    record = keep_live_record(model)
+    if experts_double_quant:
+        assert record is None and getattr(model, RECORD_ATTR, None) is None
+        return
+    assert (record.bits, record.quant_type, record.double_quant, record.blocksize) == (4, "nf4", False, 64)
+    assert record.experts == [
+        f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")
+    ]
+    model.save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / RECORD_NAME).read_text())["experts"] == record.experts
