@@ -2,7 +2,8 @@
 
 The library writes a parameter as `name` or `name=value` (in backticks). A command rewrites the names it has an
 option for - its argparse destinations, ``vars(args)`` - into the flag (``--name-with-dashes``), so the same error
-reads right in Python (``merge_adapters(force=True)``) and on the command line (``--force``); ``name=False`` is ``--no-name``.
+reads right in Python (``merge_adapters(force=True)``) and on the command line (``--force``); ``name=False`` is
+``--no-name``.
 """
 
 from __future__ import annotations
