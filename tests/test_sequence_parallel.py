@@ -66,6 +66,37 @@ def test_split_keeps_packed_positions_and_refuses_padding():
         split_batch({"input_ids": ids, "labels": ids, "token_type_ids": ids}, 2, 0)
 
 
+def test_packed_sequences_follow_transformers_rule():
+    """Issue 49, row 5: a new packed sequence starts wherever the position does not step by exactly 1 (a gap, a reset,
+    a repeat), as transformers' masking_utils decides; and, as there, only without an attention mask."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from hf_fsdp_qlora.train.ulysses import document_ids
+
+    for row in ([*range(8), *range(12, 20)], [0, 1, 2, 0, 1, 2, 3], [3, 4, 5, 6], [0, 1, 1, 2], [0, 2, 1, 2]):
+        positions = torch.tensor([row])
+        want = find_packed_sequence_indices(positions)
+        assert torch.equal(document_ids(positions), torch.zeros_like(positions) if want is None else want), row
+    ids = torch.arange(16).unsqueeze(0)
+    gaps = torch.cat([torch.arange(8), torch.arange(12, 20)]).unsqueeze(0)
+    _, packed, _ = split_batch({"input_ids": ids, "labels": ids, "position_ids": gaps}, 2, 0)
+    assert torch.equal(packed, gaps)  # two sequences: the mask keeps them apart
+    masked = {"input_ids": ids, "labels": ids, "position_ids": gaps, "attention_mask": torch.ones_like(ids)}
+    local, packed, _ = split_batch(masked, 2, 1)
+    assert packed is None and local["position_ids"].tolist() == [list(range(12, 20))]  # one causal sequence
+
+
+def test_router_aux_loss_without_balancing_function_is_refused():
+    """A model asked for its router logits whose family has no load_balancing_loss_func: refused by name."""
+    from hf_fsdp_qlora.train.sp_outputs import check_router_aux
+
+    model = _model()
+    check_router_aux(model, "FSDPQLoRATrainingArguments(sp_size=2)")  # not asked: nothing to recompute
+    model.config.output_router_logits = True
+    with pytest.raises(UnsupportedSetupError, match=r"sp_size=2\) with output_router_logits=True: LlamaForCausalLM"):
+        check_router_aux(model, "FSDPQLoRATrainingArguments(sp_size=2)")
+
+
 def test_packed_mask_is_causal_within_each_sequence():
     mask = _packed_mask(torch.tensor([[0, 1, 2, 0, 1]]))[0, 0].int().tolist()
     assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
@@ -119,6 +150,7 @@ def runs(tmp_path_factory):
 
     models = tmp_path_factory.mktemp("models")
     build_tiny_model(models / "llama")
+    build_tiny_model(models / "qwen3_moe", arch="qwen3_moe")
     _build_one_kv_head(models / "llama_kv1")
     out = tmp_path_factory.mktemp("sp") / "run"
     proc = accelerate_launch(
@@ -161,6 +193,60 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
         assert scale > 0, key  # random lora_B at start (init_lora_weights=False): no gradient is trivially 0
         error = float((grads[key] - ref).abs().max())
         assert error <= GRAD_TOL * max(scale, 1e-12), (key, error, scale)
+
+
+def _assert_engaged(got):
+    assert got["distributed_type"] == "DistributedType.FSDP" and got["world"] == 2
+    assert got["engaged"]["fsdp2_modules"] > 0 and got["dtensor_params"] > 0, got["engaged"]
+
+
+def test_sp2_evaluation_and_predict_equal_one_process(runs):
+    """Issue 49, rows 1-2: evaluation on 5 samples in batches of 2 (a remainder batch: was 5.599060 against one
+    process's 5.563670, one rank's partial loss kept), the same with the predictions (compute_metrics), and predict():
+    the stock shapes (were [8, 8, 256] / [8, 16], half-sequences taken for batch rows) and values."""
+    out, ranks, single, _ = runs
+    oracle = single["plain"]
+    for found in ranks.values():
+        got = found["plain"]
+        assert "error" not in got, got.get("error")
+        _assert_engaged(got)
+        assert got["eval5_loss"] == pytest.approx(oracle["eval5_loss"], rel=LOSS_RTOL)
+        metrics, want = got["eval5_metrics"], oracle["eval5_metrics"]
+        assert metrics["eval_rows"] == want["eval_rows"] == 5 and metrics["eval_label_sum"] == want["eval_label_sum"]
+        assert metrics["eval_loss"] == pytest.approx(want["eval_loss"], rel=LOSS_RTOL)
+        assert metrics["eval_logit_sum"] == pytest.approx(want["eval_logit_sum"], rel=1e-5, abs=1e-2)
+        assert got["predict_shapes"] == oracle["predict_shapes"] == [[4, 15, 256], [4, 15]]
+        assert got["predict_loss"] == pytest.approx(oracle["predict_loss"], rel=LOSS_RTOL)
+    got, want = torch.load(out / "predict_plain_sp2.pt"), torch.load(out / "predict_plain_sp1.pt")
+    assert torch.equal(got["label_ids"], want["label_ids"])
+    torch.testing.assert_close(got["predictions"], want["predictions"], rtol=1e-5, atol=1e-5)
+
+
+# Issue 49, rows 3-5 (first loss ours vs one process, before the fix): the router aux loss (9.693460 / aux 4.221398 vs
+# 7.577868 / 2.105806), label smoothing and a compute_loss_func (labels shifted twice), position ids with a gap.
+OPTION_SCENARIOS = ("moe_aux", "smooth", "loss_func", "gaps")
+
+
+@pytest.mark.parametrize("name", OPTION_SCENARIOS)
+def test_sp2_options_equal_one_process(runs, name):
+    out, ranks, single, _ = runs
+    oracle = single[name]
+    assert "error" not in oracle, oracle.get("error")
+    for found in ranks.values():
+        got = found[name]
+        assert "error" not in got, got.get("error")
+        _assert_engaged(got)
+        assert len(got["losses"]) == 4
+        torch.testing.assert_close(got["losses"], oracle["losses"], rtol=LOSS_RTOL, atol=0)
+        if name == "moe_aux":
+            assert oracle["first_aux"] > 1.0  # coefficient 1.0: the aux loss is a visible part of the loss
+            assert got["first_aux"] == pytest.approx(oracle["first_aux"], rel=LOSS_RTOL)
+    grads, want = torch.load(out / f"grads_{name}_sp2.pt"), torch.load(out / f"grads_{name}_sp1.pt")
+    assert set(grads) == set(want) and want
+    for key, ref in want.items():
+        scale = float(ref.abs().max())
+        assert scale > 0, key
+        assert float((grads[key] - ref).abs().max()) <= GRAD_TOL * scale, key
 
 
 def test_resume_under_sp2_is_bit_exact(runs):
