@@ -86,17 +86,6 @@ def test_packed_sequences_follow_transformers_rule():
     assert packed is None and local["position_ids"].tolist() == [list(range(12, 20))]  # one causal sequence
 
 
-def test_router_aux_loss_without_balancing_function_is_refused():
-    """A model asked for its router logits whose family has no load_balancing_loss_func: refused by name."""
-    from hf_fsdp_qlora.train.sp_outputs import check_router_aux
-
-    model = _model()
-    check_router_aux(model, "FSDPQLoRATrainingArguments(sp_size=2)")  # not asked: nothing to recompute
-    model.config.output_router_logits = True
-    with pytest.raises(UnsupportedSetupError, match=r"sp_size=2\) with output_router_logits=True: LlamaForCausalLM"):
-        check_router_aux(model, "FSDPQLoRATrainingArguments(sp_size=2)")
-
-
 def test_packed_mask_is_causal_within_each_sequence():
     mask = _packed_mask(torch.tensor([[0, 1, 2, 0, 1]]))[0, 0].int().tolist()
     assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
@@ -217,6 +206,8 @@ def test_sp2_evaluation_and_predict_equal_one_process(runs):
         assert metrics["eval_logit_sum"] == pytest.approx(want["eval_logit_sum"], rel=1e-5, abs=1e-2)
         assert got["predict_shapes"] == oracle["predict_shapes"] == [[4, 15, 256], [4, 15]]
         assert got["predict_loss"] == pytest.approx(oracle["predict_loss"], rel=LOSS_RTOL)
+        # include_num_input_tokens_seen: a group's shared batches counted once (were counted sp_size times)
+        assert got["num_input_tokens_seen"] == oracle["num_input_tokens_seen"] == 8 * 2 * 2 * 15
     got, want = torch.load(out / "predict_plain_sp2.pt"), torch.load(out / "predict_plain_sp1.pt")
     assert torch.equal(got["label_ids"], want["label_ids"])
     torch.testing.assert_close(got["predictions"], want["predictions"], rtol=1e-5, atol=1e-5)
@@ -247,6 +238,24 @@ def test_sp2_options_equal_one_process(runs, name):
         scale = float(ref.abs().max())
         assert scale > 0, key
         assert float((grads[key] - ref).abs().max()) <= GRAD_TOL * scale, key
+
+
+def test_sp2_ranks_draw_their_own_dropout_masks(runs):
+    """Issue 49's suspicion, measured: one process draws its dropout masks independently along the whole sequence; the
+    two ranks of a group, seeded alike by the Trainer, drew the same mask for their two halves (before the fix: equal,
+    element for element). Each rank now draws from a stream of its own: the halves differ, each at the rate asked."""
+    _, ranks, single, _ = runs
+    assert "error" not in single["dropout"], single["dropout"].get("error")
+    whole = torch.tensor(single["dropout"]["first_dropout_mask"])  # [2, 15, 64]: one process, the whole sequence
+    halves = [torch.tensor(ranks[r]["dropout"]["first_dropout_mask"]) for r in (0, 1)]  # [2, 8, 64] each
+    assert whole.shape == (2, 15, 64) and all(h.shape == (2, 8, 64) for h in halves)
+    assert not torch.equal(whole[:, :7], whole[:, 8:15])  # one process: independent along the sequence
+    assert not torch.equal(halves[0][:, :7], halves[1][:, :7])  # the group's ranks: independent too
+    for mask in (whole, *halves):
+        assert 0.05 < mask.float().mean() < 0.15, mask.float().mean()  # lora_dropout=0.1
+    for found in ranks.values():
+        assert "error" not in found["dropout"], found["dropout"].get("error")
+        assert len(found["dropout"]["losses"]) == 4 and all(torch.isfinite(torch.tensor(found["dropout"]["losses"])))
 
 
 def test_resume_under_sp2_is_bit_exact(runs):

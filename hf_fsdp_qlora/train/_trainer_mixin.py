@@ -10,6 +10,7 @@ create_accelerator_and_postprocess   accelerator_setup (settings set aside, acti
                                      consistency.follow_wrapping (after-wrap fix-ups)
 get_train_dataloader, compute_loss   long_context (a sequence-parallel group's ranks share batches and split
                                      each sequence; then loss.compute_loss, the chunked loss)
+_track_num_input_tokens              long_context (a group's shared batches counted once)
 train                                preemption_callback (auto_resume, the exit after a stop)
 _finalize_training                   preemption_callback (no best-model load or rotation after a stop)
 evaluate                             preemption_callback (an evaluation a stop ended has no metrics)
@@ -124,6 +125,11 @@ class FSDPSaveMixin:
         from .long_context import train_dataloader
 
         return train_dataloader(self, super().get_train_dataloader)
+
+    def _track_num_input_tokens(self, inputs):
+        from .long_context import track_num_input_tokens
+
+        return track_num_input_tokens(self, super()._track_num_input_tokens, inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # The sequence split (under sp_size > 1), then the chunked loss where the trainer keeps transformers' stock one

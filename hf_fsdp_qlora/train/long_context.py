@@ -9,7 +9,14 @@ from __future__ import annotations
 from . import sequence_parallel, sp_outputs, ulysses
 from .tiled_mlp import install_tiled_mlp
 
-__all__ = ["compute_loss", "evaluation_loop", "install_long_context", "prediction_step", "train_dataloader"]
+__all__ = [
+    "compute_loss",
+    "evaluation_loop",
+    "install_long_context",
+    "prediction_step",
+    "track_num_input_tokens",
+    "train_dataloader",
+]
 
 
 def install_long_context(trainer) -> None:
@@ -38,6 +45,17 @@ def evaluation_loop(trainer, stock, dataloader, *args, **kwargs):
 def prediction_step(trainer, stock, model, inputs, prediction_loss_only, ignore_keys=None):
     """The stock prediction step; under sp_size > 1, the group's whole loss and outputs (sp_outputs)."""
     return sp_outputs.prediction_step(trainer, stock, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
+
+def track_num_input_tokens(trainer, stock, inputs) -> None:
+    """The Trainer's ``num_input_tokens_seen`` count (`stock`: the sum over every rank of its batch's tokens); under
+    sp_size > 1 a group's ranks share each batch, so the sum counts it sp_size times: what it added is divided by
+    sp_size (the count one process, or one rank per group, makes)."""
+    sp_size = sequence_parallel.sp_size_of(trainer.args)
+    before = trainer.state.num_input_tokens_seen
+    stock(inputs)
+    if sp_size > 1:
+        trainer.state.num_input_tokens_seen = before + (trainer.state.num_input_tokens_seen - before) // sp_size
 
 
 def compute_loss(trainer, stock, model, inputs, return_outputs=False, num_items_in_batch=None):

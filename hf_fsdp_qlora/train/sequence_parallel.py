@@ -28,6 +28,7 @@ over every rank. What this module owns, each a function below:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -334,10 +335,30 @@ def compute_loss(trainer, inner, model, inputs, return_outputs=False, num_items_
     state.aux_divisor = float(sp) if num_items_in_batch is not None else scale
     # The global positions stay set after the call: an activation-checkpointed layer recomputes its attention in
     # backward, and needs the same mask; the next batch's split replaces them.
-    result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    with _own_random_stream(model, state):
+        result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
     if return_outputs:
         return result[0] * scale, result[1]
     return result * scale
+
+
+@contextlib.contextmanager
+def _own_random_stream(model, state):
+    """In training, each rank of the group draws the forward's random numbers (dropout masks: LoRA's, attention's;
+    NEFTune's noise) from a stream of its own. One process draws them independently along the whole sequence; the
+    group's ranks, seeded alike by the Trainer, would draw the same masks for their chunks. One draw from the shared
+    generator (which keeps the group's ranks, and a resumed run, in step) seeds this rank's stream for this forward;
+    activation checkpointing stashes that stream's state with the forward and recomputes with it."""
+    if not model.training:
+        yield
+        return
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) + state.sp_rank
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.random.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
+        yield
 
 
 def _takes_logits(trainer) -> bool:
@@ -355,7 +376,8 @@ def _whole_logits_loss(trainer, inner, model, inputs, local, return_outputs, num
     local["labels"] = inputs["labels"]  # popped by Trainer.compute_loss before the forward: the model computes none
     previous, state.gather_outputs = state.gather_outputs, True
     try:
-        result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        with _own_random_stream(model, state):
+            result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
     finally:
         state.gather_outputs = previous
     multiplied = (

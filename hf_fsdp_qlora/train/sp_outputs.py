@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UnsupportedSetupError
+from ..sp_rules import router_aux_kind, router_aux_problem
 from . import ulysses
 
 __all__ = ["check_router_aux", "group_gather", "install_output_hook", "prediction_step"]
 
 _HOOK = "_hf_fsdp_qlora_sp_outputs_hook"
-_ROUTER_ATTRIBUTES = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
 
 
 def _balancing_loss(model):
@@ -37,23 +37,33 @@ def _balancing_loss(model):
     return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
 
 
+def _router_settings(model) -> tuple:
+    """(experts, experts per token, aux coefficient): the model's attributes, else its text config's."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+    def first(*names):
+        found = (getattr(model, n, None) for n in names)
+        found = next((v for v in found if v is not None), None)
+        return found if found is not None else next((getattr(config, n) for n in names if hasattr(config, n)), None)
+
+    return first("num_experts", "num_local_experts"), first("num_experts_per_tok"), first("router_aux_loss_coef")
+
+
 def check_router_aux(model, setting: str) -> None:
-    """Refuse, before the first step, a router aux loss this module cannot recompute over the whole sequence.
+    """Refuse, before the first step, a router aux loss this module cannot recompute over the whole sequence (the
+    rule is :func:`hf_fsdp_qlora.sp_rules.router_aux_problem`, the doctor's too).
 
     Raises:
         UnsupportedSetupError: naming output_router_logits and what to use instead.
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if not getattr(config, "output_router_logits", False):
-        return
-    missing = [name for name in _ROUTER_ATTRIBUTES if not hasattr(model, name)]
-    if _balancing_loss(model) is None or missing:
-        raise UnsupportedSetupError(
-            f"{setting} with output_router_logits=True: {type(model).__name__} computes its router aux loss without "
-            "transformers' load_balancing_loss_func(router_logits, num_experts, num_experts_per_tok), so it cannot be "
-            "recomputed over the whole sequence (each rank's chunk gives another value). Set "
-            "output_router_logits=False in the model's config, or use sp_size=1."
-        )
+    asked = bool(getattr(config, "output_router_logits", False))
+    kind = router_aux_kind(type(model))
+    if kind == "balancing" and asked and None in _router_settings(model):
+        kind = "other"  # no experts count, top-k or coefficient to call it with
+    found = router_aux_problem(type(model).__name__, asked, kind)
+    if found is not None:
+        raise UnsupportedSetupError(f"{setting}{found.problem} {found.fix}")
 
 
 def install_output_hook(model) -> None:
@@ -68,8 +78,11 @@ def _after_forward(model, args, output):
     state = ulysses.active_group()
     if state is None or state.length is None or not hasattr(output, "keys"):
         return output
-    if getattr(output, "aux_loss", None) is not None and getattr(output, "router_logits", None) is not None:
+    router = getattr(output, "router_logits", None)
+    if router is not None and getattr(output, "aux_loss", None) is not None:
         _whole_router_aux(model, output, state)
+    elif router is not None and state.gather_outputs:  # router logits without an aux loss, for predictions
+        output.router_logits = tuple(_whole_rows(layer, state) for layer in router)
     if state.gather_outputs:
         _whole_outputs(output, state)
     return output
@@ -96,7 +109,7 @@ def _whole_rows(rows: torch.Tensor, state) -> torch.Tensor:
 def _whole_router_aux(model, output, state) -> None:
     """Replace the chunk's router aux loss by the whole sequence's, in `output.aux_loss` and in `output.loss`."""
     balancing = _balancing_loss(model)
-    experts, top_k, coef = (getattr(model, name) for name in _ROUTER_ATTRIBUTES)
+    experts, top_k, coef = _router_settings(model)
     logits = tuple(output.router_logits)
     mine = balancing(logits, experts, top_k, None)
     if not torch.allclose(mine.float(), output.aux_loss.float(), rtol=1e-5, atol=1e-7):  # never a wrong loss

@@ -13,7 +13,8 @@ and ``predict()`` (predictions and label ids written to predict_<name>_sp<N>.pt 
 Options one step away (issue 49), 4 steps each: ``moe_aux`` (tiny Qwen3-MoE, ``output_router_logits=True``,
 ``router_aux_loss_coef=1.0``: the router aux loss of the first forward recorded), ``smooth``
 (``label_smoothing_factor=0.1``), ``loss_func`` (a causal-LM ``compute_loss_func``), ``gaps`` (user ``position_ids``
-with a gap, ``[0..7, 12..19]``: transformers starts a new sequence wherever the step is not 1).
+with a gap, ``[0..7, 12..19]``: transformers starts a new sequence wherever the step is not 1), ``dropout`` (LoRA
+dropout 0.1: the first mask each rank draws recorded).
 Each rank writes rank<N>.json (logged losses, FSDP engagement) and rank 0
 grads_<name>.pt (every LoRA gradient at the first optimizer step, gathered whole).
 
@@ -37,7 +38,7 @@ from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlo
 from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 
 SCENARIOS = {
-    "plain": {},  # also evaluates after training
+    "plain": {"include_num_input_tokens_seen": True},  # also evaluates after training
     "ckpt": {"chunked_loss": False, "tiled_mlp": True, "tiled_mlp_tokens": 4},
     "packed": {"activation_offloading": True},  # offloading's saved-tensor hooks around the all-to-alls
     "gqa": {},  # one key/value head for sp_size=2: replicated to the query heads before the exchange
@@ -46,6 +47,7 @@ SCENARIOS = {
     "smooth": {"label_smoothing_factor": 0.1},
     "loss_func": {},  # a causal-LM compute_loss_func
     "gaps": {},  # user position_ids with a gap: [0..7, 12..19]
+    "dropout": {},  # LoRA dropout 0.1: the masks each rank draws for its chunk recorded
 }
 OPTION_STEPS = 4  # the option scenarios' steps (the first four: the proven paths, STEPS)
 # Launched only: 4 steps with a checkpoint at step 2, then a fresh trainer resumed from it (steps 3 and 4).
@@ -158,7 +160,7 @@ def run(name, path, out, sp_size):
     ):  # launched: the rehearsal config's FSDP checkpointing, per scenario
         os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = str(name == "ckpt").lower()
     model = _load(name, path)
-    option = name in ("moe_aux", "smooth", "loss_func", "gaps")
+    option = name in ("moe_aux", "smooth", "loss_func", "gaps", "dropout")
     args = FSDPQLoRATrainingArguments(
         output_dir=str(out / f"{name}_sp{sp_size}"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         max_steps=OPTION_STEPS if option else STEPS, learning_rate=0.1, optim="sgd", logging_steps=1, report_to=[],
@@ -171,6 +173,7 @@ def run(name, path, out, sp_size):
     data = VariedData() if name == "packed" else GapData() if name == "gaps" else PromptData()
     trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=data, callbacks=[FirstGrads()], **extra)
     aux = _record_aux(model) if name == "moe_aux" else None
+    masks = _record_dropout(model) if name == "dropout" else None
     trainer.train()
     found = _evaluate_options(trainer, out, name, sp_size) if name == "plain" else {"eval_loss": None}
     if ts.rank() == 0:
@@ -179,6 +182,8 @@ def run(name, path, out, sp_size):
         **found,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "first_aux": aux[0] if aux else None,
+        "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
+        "first_dropout_mask": masks[0] if masks else None,
         "engaged": seen.get("engaged"),
         "dtensor_params": seen.get("dtensor_params"),
         "checkpointed": seen.get("checkpointed"),
@@ -194,7 +199,7 @@ def _load(name, path):
     model = load_qlora_model(
         str(Path(path).parent / folder) if folder else path,
         dtype=torch.float32,
-        lora_config=ts.lora_config(init_lora_weights=False),
+        lora_config=ts.lora_config(init_lora_weights=False, lora_dropout=0.1 if name == "dropout" else 0.0),
         gradient_checkpointing=(name == "ckpt"),
     )
     model.config.use_cache = False
@@ -202,6 +207,19 @@ def _load(name, path):
         model.config.output_router_logits, model.config.router_aux_loss_coef = True, 1.0
         model.get_base_model().router_aux_loss_coef = 1.0
     return model
+
+
+def _record_dropout(model) -> list:
+    """The mask of the first layer's q_proj LoRA dropout in every training forward: [batch, tokens, hidden] 0/1."""
+    found = []
+    dropout = model.get_base_model().model.layers[0].self_attn.q_proj.lora_dropout["default"]
+
+    def hook(module, args, output):
+        if module.training:
+            found.append(((output == 0) & (args[0] != 0)).int().tolist())
+
+    dropout.register_forward_hook(hook)
+    return found
 
 
 def _record_aux(model) -> list:
