@@ -14,7 +14,7 @@ over every rank. What this module owns, each a function below:
 * the setup (:func:`setup_sequence_parallel`): the process groups, the attention function of
   :mod:`hf_fsdp_qlora.train.ulysses` registered and selected;
 * the data (:func:`shard_by_group`): the ranks of a group receive the same batches (the sampler shards over the
-  ``world / sp_size`` groups, not over ranks);
+  ``world / sp_size`` groups, not over ranks; one group's last batch stays partial, as one process's);
 * the split (:func:`split_batch`): labels shifted over the whole sequence first, so no target is lost at a shard
   boundary; global position ids (RoPE); the sequence padded to a multiple of ``sp_size`` with ignored targets;
   each rank keeps its contiguous chunk;
@@ -24,6 +24,9 @@ over every rank. What this module owns, each a function below:
   ``sp_size`` up to the world size. trl's ``SFTTrainer`` normalises its loss like transformers' (by
   ``num_items_in_batch``, else its micro-batch's labelled tokens), so the same scale applies to it; its metrics
   (entropy, token accuracy) are sums over tokens and counts gathered over every rank, so they come out whole.
+  A loss the Trainer computes from the logits (``compute_loss_func``, label smoothing) gets the whole sequence's
+  logits and labels instead; each rank draws its own dropout masks (:func:`_own_random_stream`). What leaves the
+  model (outputs, a router aux loss, evaluation's results) is made whole by :mod:`hf_fsdp_qlora.train.sp_outputs`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedSetupError
 from ..sp_rules import local_attention_kinds, sequence_parallel_problem
-from . import ulysses
+from . import sp_outputs, ulysses
 
 __all__ = [
     "adopt_launch_sp_size",
@@ -209,8 +212,6 @@ def setup_sequence_parallel(trainer) -> ulysses.UlyssesGroup | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     impl = check_sequence_parallel(base, sp_size, dist.get_world_size())
     _refuse_gather_object(trainer.args, sp_size)
-    from . import sp_outputs
-
     sp_outputs.check_router_aux(base, setting_name(sp_size))
     sp_outputs.install_output_hook(base)  # whole outputs and router aux loss (train/sp_outputs.py)
     group, sp_rank, dp_index = ulysses.new_groups(sp_size)
@@ -311,7 +312,7 @@ def compute_loss(trainer, inner, model, inputs, return_outputs=False, num_items_
     divided by sp; num_items_in_batch of this rank alone counts its group's batch, so the loss is multiplied by sp;
     no num_items_in_batch (a mean per micro-batch), the local mean is rescaled to sp x sum / the batch's count.
     A loss computed by the Trainer from the logits (a compute_loss_func, label smoothing) gets the whole sequence's
-    logits instead (:func:`_whole_logits_loss`).
+    logits instead (:func:`hf_fsdp_qlora.train.sp_outputs.whole_logits_loss`).
     """
     state = ulysses.active_group()
     if state is None:
@@ -323,8 +324,11 @@ def compute_loss(trainer, inner, model, inputs, return_outputs=False, num_items_
     averaged = num_items_in_batch is not None and trainer.args.average_tokens_across_devices
     if averaged:
         num_items_in_batch = num_items_in_batch // sp
-    if _takes_logits(trainer) and inputs.get("labels") is not None:
-        return _whole_logits_loss(trainer, inner, model, inputs, local, return_outputs, num_items_in_batch)
+    if sp_outputs.takes_logits(trainer) and inputs.get("labels") is not None:
+        with _own_random_stream(model, state):
+            return sp_outputs.whole_logits_loss(
+                trainer, inner, model, inputs, local, return_outputs, num_items_in_batch
+            )
     if num_items_in_batch is not None:
         scale = 1.0 if averaged else float(sp)
     else:
@@ -359,34 +363,3 @@ def _own_random_stream(model, state):
         if devices:
             torch.cuda.manual_seed(seed)
         yield
-
-
-def _takes_logits(trainer) -> bool:
-    """The Trainer computes the loss from the model's logits and the labels it pops before the forward."""
-    return trainer.compute_loss_func is not None or getattr(trainer, "label_smoother", None) is not None
-
-
-def _whole_logits_loss(trainer, inner, model, inputs, local, return_outputs, num_items_in_batch):
-    """A compute_loss_func or label smoothing: the Trainer shifts the labels itself and normalises as it likes, so it
-    gets what one process gives it: the whole batch's labels and logits (gathered along the sequence from the group,
-    sp_outputs). Every rank of the group computes the same loss; the gather's backward sums the group's gradients, so
-    FSDP's average over the group's ranks is the one-process gradient."""
-    state = ulysses.active_group()
-    local = {k: v for k, v in local.items() if k != "shift_labels"}
-    local["labels"] = inputs["labels"]  # popped by Trainer.compute_loss before the forward: the model computes none
-    previous, state.gather_outputs = state.gather_outputs, True
-    try:
-        with _own_random_stream(model, state):
-            result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-    finally:
-        state.gather_outputs = previous
-    multiplied = (
-        trainer.args.average_tokens_across_devices
-        and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
-        and num_items_in_batch is not None
-    )
-    if not multiplied:
-        return result
-    # Trainer.compute_loss multiplied by the number of processes, and the group's sp ranks each hold the whole loss.
-    sp = state.sp_size
-    return (result[0] / sp, result[1]) if return_outputs else result / sp

@@ -5,8 +5,9 @@ Each rank of a sequence-parallel group runs the model on its chunk of every sequ
 (:mod:`hf_fsdp_qlora.train.sequence_parallel`), so whatever the model returns per token is a chunk, and whatever it
 computes over all tokens at once is this chunk's. Three things follow, each a function below:
 
-* the outputs (:func:`_whole_outputs`): when asked (predictions, a loss the Trainer computes from the logits), the
-  sequence-shaped outputs (logits, hidden states, router logits) are gathered along the sequence from the group;
+* the outputs (:func:`_whole_outputs`): when asked (predictions, a loss the Trainer computes from the logits:
+  :func:`whole_logits_loss`), the sequence-shaped outputs (logits, hidden states, router logits) are gathered along
+  the sequence from the group;
 * the router aux loss of a mixture of experts (:func:`_whole_router_aux`): a load-balancing loss is a product of two
   means over every token, not a sum over tokens, so each rank's chunk gives a different one. It is recomputed by the
   model's own ``load_balancing_loss_func`` from the router logits gathered over the group, replacing the chunk's in
@@ -27,7 +28,14 @@ from ..errors import UnsupportedSetupError
 from ..sp_rules import router_aux_kind, router_aux_problem
 from . import ulysses
 
-__all__ = ["check_router_aux", "group_gather", "install_output_hook", "prediction_step"]
+__all__ = [
+    "check_router_aux",
+    "group_gather",
+    "install_output_hook",
+    "prediction_step",
+    "takes_logits",
+    "whole_logits_loss",
+]
 
 _HOOK = "_hf_fsdp_qlora_sp_outputs_hook"
 
@@ -141,6 +149,36 @@ def _whole_outputs(output, state) -> None:
     for key in list(output.keys()):
         if key not in ("loss", "aux_loss", "router_logits", "past_key_values"):
             output[key] = whole(output[key])
+
+
+def takes_logits(trainer) -> bool:
+    """The Trainer computes the loss from the model's logits and the labels it pops before the forward."""
+    return trainer.compute_loss_func is not None or getattr(trainer, "label_smoother", None) is not None
+
+
+def whole_logits_loss(trainer, inner, model, inputs, local, return_outputs, num_items_in_batch):
+    """A compute_loss_func or label smoothing: the Trainer shifts the labels itself and normalises as it likes, so it
+    gets what one process gives it: the whole batch's labels and logits (gathered along the sequence from the group by
+    :func:`_whole_outputs`). Every rank of the group computes the same loss; the gather's backward sums the group's gradients, so
+    FSDP's average over the group's ranks is the one-process gradient."""
+    state = ulysses.active_group()
+    local = {k: v for k, v in local.items() if k != "shift_labels"}
+    local["labels"] = inputs["labels"]  # popped by Trainer.compute_loss before the forward: the model computes none
+    previous, state.gather_outputs = state.gather_outputs, True
+    try:
+        result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    finally:
+        state.gather_outputs = previous
+    multiplied = (
+        trainer.args.average_tokens_across_devices
+        and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None)
+        and num_items_in_batch is not None
+    )
+    if not multiplied:
+        return result
+    # Trainer.compute_loss multiplied by the number of processes, and the group's sp ranks each hold the whole loss.
+    sp = state.sp_size
+    return (result[0] / sp, result[1]) if return_outputs else result / sp
 
 
 def prediction_step(trainer, stock, model, inputs, prediction_loss_only, ignore_keys=None):
