@@ -10,7 +10,7 @@ they prove the composition, not the transfer), ``gqa`` (a model with one key/val
 ``plain`` also evaluates after training (the eval dataloader sharded by group too): on the whole set, on 5 samples
 in batches of 2 (a remainder batch), with ``prediction_loss_only=False`` (a ``compute_metrics`` over the predictions),
 and ``predict()`` (predictions and label ids written to predict_<name>_sp<N>.pt by rank 0).
-Options one step away (issue 49), 4 steps each: ``moe_aux`` (tiny Qwen3-MoE, ``output_router_logits=True``,
+Options one step away (issue 49), 2 steps each: ``moe_aux`` (tiny Qwen3-MoE, ``output_router_logits=True``,
 ``router_aux_loss_coef=1.0``: the router aux loss of the first forward recorded), ``smooth``
 (``label_smoothing_factor=0.1``), ``loss_func`` (a causal-LM ``compute_loss_func``), ``gaps`` (user ``position_ids``
 with a gap, ``[0..7, 12..19]``: transformers starts a new sequence wherever the step is not 1), ``dropout`` (LoRA
@@ -42,14 +42,14 @@ SCENARIOS = {
     "ckpt": {"chunked_loss": False, "tiled_mlp": True, "tiled_mlp_tokens": 4},
     "packed": {"activation_offloading": True},  # offloading's saved-tensor hooks around the all-to-alls
     "gqa": {},  # one key/value head for sp_size=2: replicated to the query heads before the exchange
-    # Options one step away from the proven path (issue 49): 4 steps each.
+    # Options one step away from the proven path (issue 49): OPTION_STEPS steps each.
     "moe_aux": {},  # Qwen3-MoE with output_router_logits=True, router_aux_loss_coef=1.0
     "smooth": {"label_smoothing_factor": 0.1},
     "loss_func": {},  # a causal-LM compute_loss_func
     "gaps": {},  # user position_ids with a gap: [0..7, 12..19]
     "dropout": {},  # LoRA dropout 0.1: the masks each rank draws for its chunk recorded
 }
-OPTION_STEPS = 4  # the option scenarios' steps (the first four: the proven paths, STEPS)
+OPTION_STEPS = 2  # the option scenarios' steps (the first four: the proven paths, STEPS)
 # Launched only: 4 steps with a checkpoint at step 2, then a fresh trainer resumed from it (steps 3 and 4).
 RESUME = "resume"
 LENGTH, SAMPLES, STEPS = 15, 32, 8
@@ -102,8 +102,9 @@ def _evaluate_options(trainer, out, name, sp_size) -> dict:
     the predictions (compute_metrics); predict() on 4 samples."""
     from torch.utils.data import Subset
 
-    trainer.args.dataloader_drop_last = False  # training's batches are whole; evaluation's last one is not
     found = {"eval_loss": trainer.evaluate(PromptData())["eval_loss"]}
+    # batches of 2 (training's batches were whole; evaluation's last one is not)
+    trainer.args.dataloader_drop_last, trainer.args.per_device_eval_batch_size = False, 2
     found["eval5_loss"] = trainer.evaluate(Subset(PromptData(), range(5)))["eval_loss"]
     trainer.compute_metrics = prediction_metrics
     found["eval5_metrics"] = trainer.evaluate(Subset(PromptData(), range(5)))
@@ -165,7 +166,7 @@ def run(name, path, out, sp_size):
         output_dir=str(out / f"{name}_sp{sp_size}"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         max_steps=OPTION_STEPS if option else STEPS, learning_rate=0.1, optim="sgd", logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=True, dataloader_drop_last=True, seed=0, average_tokens_across_devices=True,
-        sp_size=sp_size, per_device_eval_batch_size=2, **settings,
+        sp_size=sp_size, **settings,
     )  # fmt: skip
     extra = {"data_collator": DataCollatorWithFlattening()} if name == "packed" else {}
     if name == "loss_func":
