@@ -10,7 +10,7 @@ runs on the same tokens, the partial gradients of the two ranks are summed by FS
 losses of the run within 1.7e-7 relative. Asserted with a 10x margin. A second launch runs the plain scenario and the
 resume under FSDP1.
 The same launch runs issue 49's options one step away (evaluation with a remainder batch, predict(), the router aux
-loss, label smoothing, a compute_loss_func, position ids with a gap, LoRA dropout, num_input_tokens_seen): each equal
+loss, label smoothing, a compute_loss_func, position ids with a gap, LoRA dropout, NEFTune, num_input_tokens_seen): each equal
 to the one-process run, figures in docs/long-context.md.
 
 trl's sft.py: ONE forked 2-rank FSDP2 launch of trl's installed script, unchanged (tests/scripts/sequence_parallel_sft.py
@@ -259,6 +259,17 @@ def test_sp2_ranks_draw_their_own_dropout_masks(runs):
     for found in ranks.values():
         assert "error" not in found["dropout"], found["dropout"].get("error")
         assert len(found["dropout"]["losses"]) == 2 and all(torch.isfinite(torch.tensor(found["dropout"]["losses"])))
+
+
+def test_sp2_neftune_noise_has_one_process_bound(runs):
+    """NEFTune bounds its noise by alpha / sqrt(tokens x hidden) of the embeddings it sees: one process sees 15 tokens,
+    each rank 8 (before the fix its noise reached 1.37x one process's bound). The largest of the first forward's
+    noise is within one process's bound, and near it (the largest of 1,024 or more uniform draws)."""
+    _, ranks, single, _ = runs
+    bound = 5.0 / (15 * 64) ** 0.5  # neftune_noise_alpha=5, 15 tokens, hidden size 64
+    for found in (single["neftune"], *(r["neftune"] for r in ranks.values())):
+        assert "error" not in found, found.get("error")
+        assert 0.98 * bound <= found["first_noise_max"] <= bound * (1 + 1e-6), (found["first_noise_max"], bound)
 
 
 def test_resume_under_sp2_is_bit_exact(runs):

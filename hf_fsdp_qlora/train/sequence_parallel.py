@@ -25,13 +25,13 @@ over every rank. What this module owns, each a function below:
   ``num_items_in_batch``, else its micro-batch's labelled tokens), so the same scale applies to it; its metrics
   (entropy, token accuracy) are sums over tokens and counts gathered over every rank, so they come out whole.
   A loss the Trainer computes from the logits (``compute_loss_func``, label smoothing) gets the whole sequence's
-  logits and labels instead; each rank draws its own dropout masks (:func:`_own_random_stream`). What leaves the
-  model (outputs, a router aux loss, evaluation's results) is made whole by :mod:`hf_fsdp_qlora.train.sp_outputs`.
+  logits and labels instead; each rank draws its own dropout masks and NEFTune noise
+  (:mod:`hf_fsdp_qlora.train.sp_random`). What leaves the model (outputs, a router aux loss, evaluation's results)
+  is made whole by :mod:`hf_fsdp_qlora.train.sp_outputs`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedSetupError
 from ..sp_rules import local_attention_kinds, sequence_parallel_problem
-from . import sp_outputs, ulysses
+from . import sp_outputs, sp_random, ulysses
 
 __all__ = [
     "adopt_launch_sp_size",
@@ -325,7 +325,7 @@ def compute_loss(trainer, inner, model, inputs, return_outputs=False, num_items_
     if averaged:
         num_items_in_batch = num_items_in_batch // sp
     if sp_outputs.takes_logits(trainer) and inputs.get("labels") is not None:
-        with _own_random_stream(model, state):
+        with sp_random.forward_draws(trainer, model, state):
             return sp_outputs.whole_logits_loss(
                 trainer, inner, model, inputs, local, return_outputs, num_items_in_batch
             )
@@ -339,27 +339,8 @@ def compute_loss(trainer, inner, model, inputs, return_outputs=False, num_items_
     state.aux_divisor = float(sp) if num_items_in_batch is not None else scale
     # The global positions stay set after the call: an activation-checkpointed layer recomputes its attention in
     # backward, and needs the same mask; the next batch's split replaces them.
-    with _own_random_stream(model, state):
+    with sp_random.forward_draws(trainer, model, state):
         result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
     if return_outputs:
         return result[0] * scale, result[1]
     return result * scale
-
-
-@contextlib.contextmanager
-def _own_random_stream(model, state):
-    """In training, each rank of the group draws the forward's random numbers (dropout masks: LoRA's, attention's;
-    NEFTune's noise) from a stream of its own. One process draws them independently along the whole sequence; the
-    group's ranks, seeded alike by the Trainer, would draw the same masks for their chunks. One draw from the shared
-    generator (which keeps the group's ranks, and a resumed run, in step) seeds this rank's stream for this forward;
-    activation checkpointing stashes that stream's state with the forward and recomputes with it."""
-    if not model.training:
-        yield
-        return
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64)) + state.sp_rank
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.random.default_generator.manual_seed(seed)
-        if devices:
-            torch.cuda.manual_seed(seed)
-        yield

@@ -14,7 +14,8 @@ Options one step away (issue 49), 2 steps each: ``moe_aux`` (tiny Qwen3-MoE, ``o
 ``router_aux_loss_coef=1.0``: the router aux loss of the first forward recorded), ``smooth``
 (``label_smoothing_factor=0.1``), ``loss_func`` (a causal-LM ``compute_loss_func``), ``gaps`` (user ``position_ids``
 with a gap, ``[0..7, 12..19]``: transformers starts a new sequence wherever the step is not 1), ``dropout`` (LoRA
-dropout 0.1: the first mask each rank draws recorded).
+dropout 0.1: the first mask each rank draws recorded), ``neftune`` (``neftune_noise_alpha=5``: the largest noise of
+the first forward recorded).
 Each rank writes rank<N>.json (logged losses, FSDP engagement) and rank 0
 grads_<name>.pt (every LoRA gradient at the first optimizer step, gathered whole).
 
@@ -48,6 +49,7 @@ SCENARIOS = {
     "loss_func": {},  # a causal-LM compute_loss_func
     "gaps": {},  # user position_ids with a gap: [0..7, 12..19]
     "dropout": {},  # LoRA dropout 0.1: the masks each rank draws for its chunk recorded
+    "neftune": {"neftune_noise_alpha": 5.0},  # the largest noise NEFTune added in the first forward recorded
 }
 OPTION_STEPS = 2  # the option scenarios' steps (the first four: the proven paths, STEPS)
 # Launched only: 4 steps with a checkpoint at step 2, then a fresh trainer resumed from it (steps 3 and 4).
@@ -142,6 +144,10 @@ def run(name, path, out, sp_size):
             seen["engaged"] = fsdp_engagement(model) if dist.is_initialized() else {}
             seen["dtensor_params"] = sum(hasattr(p, "to_local") for p in model.parameters())
             seen["checkpointed"] = sum("CheckpointWrapper" in type(m).__name__ for m in model.modules())
+            if name == "neftune":  # after train() put NEFTune's hook on: this one sees the noisy embeddings
+                embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+                embeddings = embeddings or trainer.accelerator.unwrap_model(model).get_input_embeddings()
+                _record_noise(embeddings, seen)
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             if "grads" in seen:
@@ -161,7 +167,7 @@ def run(name, path, out, sp_size):
     ):  # launched: the rehearsal config's FSDP checkpointing, per scenario
         os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = str(name == "ckpt").lower()
     model = _load(name, path)
-    option = name in ("moe_aux", "smooth", "loss_func", "gaps", "dropout")
+    option = name in ("moe_aux", "smooth", "loss_func", "gaps", "dropout", "neftune")
     args = FSDPQLoRATrainingArguments(
         output_dir=str(out / f"{name}_sp{sp_size}"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         max_steps=OPTION_STEPS if option else STEPS, learning_rate=0.1, optim="sgd", logging_steps=1, report_to=[],
@@ -185,6 +191,7 @@ def run(name, path, out, sp_size):
         "first_aux": aux[0] if aux else None,
         "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
         "first_dropout_mask": masks[0] if masks else None,
+        "first_noise_max": seen.get("noise", [None])[0],
         "engaged": seen.get("engaged"),
         "dtensor_params": seen.get("dtensor_params"),
         "checkpointed": seen.get("checkpointed"),
@@ -208,6 +215,23 @@ def _load(name, path):
         model.config.output_router_logits, model.config.router_aux_loss_coef = True, 1.0
         model.get_base_model().router_aux_loss_coef = 1.0
     return model
+
+
+def _record_noise(embeddings, seen) -> None:
+    """Forward hooks recording the largest NEFTune noise of each training forward: the embeddings after NEFTune's hook
+    minus those before it (one hook put first, one last)."""
+    clean = []
+
+    def before(module, args, output):
+        clean.append(output.detach().clone())
+
+    def after(module, args, output):
+        if module.training:
+            seen.setdefault("noise", []).append(float((output - clean.pop()).abs().max()))
+        clean.clear()
+
+    embeddings.register_forward_hook(before, prepend=True)
+    embeddings.register_forward_hook(after)
 
 
 def _record_dropout(model) -> list:
