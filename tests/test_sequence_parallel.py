@@ -89,6 +89,27 @@ def test_packed_sequences_follow_transformers_rule():
     assert packed is None and local["position_ids"].tolist() == [list(range(12, 20))]  # one causal sequence
 
 
+def test_evaluation_refusals_name_the_setting():
+    """Under sp_size: evaluation batches without labels (the split happens where the loss is computed) and
+    eval_use_gather_object=True (evaluation keeps one rank per group of gathered tensors) are refused by name."""
+    from types import SimpleNamespace
+
+    from hf_fsdp_qlora.train import sp_outputs, ulysses
+    from hf_fsdp_qlora.train.sequence_parallel import _refuse_gather_object
+
+    with pytest.raises(UnsupportedSetupError, match=r"sp_size=2\) with eval_use_gather_object=True.*=False"):
+        _refuse_gather_object(SimpleNamespace(eval_use_gather_object=True), 2)
+    ulysses.set_active_group(ulysses.UlyssesGroup(sp_size=2, group=None))
+    try:
+        with pytest.raises(UnsupportedSetupError, match=r"sp_size=2\): evaluate\(\)/predict\(\) on a batch without"):
+            sp_outputs.prediction_step(
+                SimpleNamespace(label_names=["labels"]), None, None, {"input_ids": torch.ones(1, 4)}, False,
+                setting="FSDPQLoRATrainingArguments(sp_size=2)",
+            )  # fmt: skip
+    finally:
+        ulysses.set_active_group(None)
+
+
 def test_packed_mask_is_causal_within_each_sequence():
     mask = _packed_mask(torch.tensor([[0, 1, 2, 0, 1]]))[0, 0].int().tolist()
     assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]

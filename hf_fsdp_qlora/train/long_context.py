@@ -44,7 +44,10 @@ def evaluation_loop(trainer, stock, dataloader, *args, **kwargs):
 
 def prediction_step(trainer, stock, model, inputs, prediction_loss_only, ignore_keys=None):
     """The stock prediction step; under sp_size > 1, the group's whole loss and outputs (sp_outputs)."""
-    return sp_outputs.prediction_step(trainer, stock, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+    setting = sequence_parallel.setting_name(sequence_parallel.sp_size_of(trainer.args))
+    return sp_outputs.prediction_step(
+        trainer, stock, model, inputs, prediction_loss_only, ignore_keys=ignore_keys, setting=setting
+    )
 
 
 def track_num_input_tokens(trainer, stock, inputs) -> None:

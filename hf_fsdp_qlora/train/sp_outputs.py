@@ -181,20 +181,19 @@ def whole_logits_loss(trainer, inner, model, inputs, local, return_outputs, num_
     return (result[0] / sp, result[1]) if return_outputs else result / sp
 
 
-def prediction_step(trainer, stock, model, inputs, prediction_loss_only, ignore_keys=None):
+def prediction_step(trainer, stock, model, inputs, prediction_loss_only, ignore_keys=None, setting=""):
     """`Trainer.prediction_step` under sequence parallelism: the loss is the group's (the mean over its ranks of their
-    scaled shares: :func:`hf_fsdp_qlora.train.sequence_parallel.compute_loss`), and the outputs are whole."""
+    scaled shares: :func:`hf_fsdp_qlora.train.sequence_parallel.compute_loss`), and the outputs are whole. `setting`
+    names the sp_size setting, for the refusal."""
     state = ulysses.active_group()
     if state is None:
         return stock(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
     names = trainer.label_names or []
     if not names or any(inputs.get(name) is None for name in names):
-        from .sequence_parallel import setting_name
-
         raise UnsupportedSetupError(
-            f"{setting_name(state.sp_size)}: evaluate()/predict() on a batch without labels ({names or 'no label_names'})"
-            ": the sequence is split where the loss is computed, so the model would run on whole sequences. Give the "
-            "evaluation dataset labels, or evaluate with sp_size=1."
+            f"{setting}: evaluate()/predict() on a batch without labels ({names or 'no label_names'}): the sequence is "
+            "split where the loss is computed, so the model would run on whole sequences. Give the evaluation dataset "
+            "labels, or evaluate with sp_size=1."
         )
     previous, state.gather_outputs = state.gather_outputs, not prediction_loss_only
     try:
