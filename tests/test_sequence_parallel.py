@@ -10,8 +10,9 @@ runs on the same tokens, the partial gradients of the two ranks are summed by FS
 losses of the run within 1.7e-7 relative. Asserted with a 10x margin. A second launch runs the plain scenario and the
 resume under FSDP1.
 The same launch runs issue 49's options one step away (evaluation with a remainder batch, predict(), the router aux
-loss, label smoothing, a compute_loss_func, position ids with a gap, LoRA dropout, NEFTune, num_input_tokens_seen): each equal
-to the one-process run, figures in docs/long-context.md.
+loss, label smoothing, a compute_loss_func, position ids with a gap, LoRA dropout, NEFTune, num_input_tokens_seen):
+each equal to the one-process run (dropout and NEFTune: drawn as one process draws them), figures in
+docs/long-context.md.
 
 trl's sft.py: ONE forked 2-rank FSDP2 launch of trl's installed script, unchanged (tests/scripts/sequence_parallel_sft.py
 runs it by runpy and records), through `-m hf_fsdp_qlora.run` with `parallelism_config_sp_size: 2` in the accelerate

@@ -159,8 +159,8 @@ def takes_logits(trainer) -> bool:
 def whole_logits_loss(trainer, inner, model, inputs, local, return_outputs, num_items_in_batch):
     """A compute_loss_func or label smoothing: the Trainer shifts the labels itself and normalises as it likes, so it
     gets what one process gives it: the whole batch's labels and logits (gathered along the sequence from the group by
-    :func:`_whole_outputs`). Every rank of the group computes the same loss; the gather's backward sums the group's gradients, so
-    FSDP's average over the group's ranks is the one-process gradient."""
+    :func:`_whole_outputs`). Every rank of the group computes the same loss; the gather's backward sums the group's
+    gradients, so FSDP's average over the group's ranks is the one-process gradient."""
     state = ulysses.active_group()
     local = {k: v for k, v in local.items() if k != "shift_labels"}
     local["labels"] = inputs["labels"]  # popped by Trainer.compute_loss before the forward: the model computes none
