@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .errors import SetupInputError
 from .loss_paths import LOGIT_TRANSFORMS
 from .model_config import load_model_config
-from .sp_rules import local_attention_kinds
+from .sp_rules import local_attention_kinds, router_aux_kind
 
 __all__ = [
     "ExpertsShape",
@@ -94,6 +94,10 @@ class ModelShape:
     # attention layers that are not full causal attention (sliding-window, linear): sequence parallelism refuses them
     local_attention: tuple[str, ...] = ()
     sliding_window: int | None = None
+    # the router aux loss under sequence parallelism (hf_fsdp_qlora.sp_rules.router_aux_problem): asked for by the
+    # config, and how the class computes it (sp_rules.router_aux_kind)
+    output_router_logits: bool = False
+    router_aux: str | None = None
 
     @property
     def expert_params(self) -> int:
@@ -292,6 +296,8 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         logit_transforms={k: getattr(text, k) for k in LOGIT_TRANSFORMS if getattr(text, k, None) is not None},
         local_attention=local_attention_kinds(text),
         sliding_window=getattr(text, "sliding_window", None),
+        output_router_logits=bool(getattr(text, "output_router_logits", False)),
+        router_aux=router_aux_kind(type(module)),
     )
 
 

@@ -7,6 +7,10 @@ int8 skip list if one was set. Every adapter folder our save paths write gets it
 final save without FSDP) and :func:`hf_fsdp_qlora.train.checkpoint.save_adapter` (under FSDP).
 ``merge-adapters --dequantize`` reads it (:func:`read_record`) and round-trips those tensors and no other.
 
+A model loaded another way (``from_pretrained(quantization_config=...)``: trl's ``--load_in_4bit``, a user's own
+script) gets its record from the live model when our trainer or callback is built on it (:func:`keep_live_record`),
+read off its bitsandbytes weights and their quant states, so its saved adapters carry one too.
+
 Below loading/, train/ and merge/ (merge/ imports neither of the others): the format lives here, once.
 """
 
@@ -26,6 +30,7 @@ __all__ = [
     "QuantRecord",
     "attach_record",
     "collect_record",
+    "keep_live_record",
     "read_record",
     "write_record",
 ]
@@ -87,6 +92,54 @@ def collect_record(model, *, bits: int, quant_type: str, double_quant: bool, ski
         experts=sorted(experts),
         skip_modules=list(skip_modules) if skip_modules is not None else None,
     )
+
+
+def _live_settings(base) -> tuple[int, str | None, bool] | None:
+    """(bits, quant type, double quant) of the bitsandbytes weights of `base` (and our 4-bit experts), read off
+    their quant states (the truth of what was loaded, whatever the config says), or None: no bitsandbytes weight,
+    or 4-bit weights of more than one setting (no record can say that: the merge then asks)."""
+    four, eight = set(), False
+    for module in base.modules():
+        if getattr(type(module), "packed_experts", False):  # our 4-bit experts (trl's route streams them too)
+            for name in module.layout.weights:
+                nested = hasattr(module, f"{name}_absmax2")
+                four.add((module.quant_type, nested, module._meta[name][1]))
+            continue
+        weight = dict(module.named_parameters(recurse=False)).get("weight")
+        kind = type(weight).__name__
+        if kind == "Params4bit" and getattr(weight, "quant_state", None) is not None:
+            state = weight.quant_state
+            four.add((state.quant_type, bool(state.nested), state.blocksize))
+        eight = eight or kind == "Int8Params"
+    if four and not eight and len(four) == 1:
+        quant_type, nested, _ = next(iter(four))
+        return 4, quant_type, nested
+    if eight and not four:
+        return 8, None, False
+    return None
+
+
+def keep_live_record(model) -> QuantRecord | None:
+    """Give `model` (a peft model over a bitsandbytes base, before FSDP wraps it) the record of its quantization,
+    read off the live model, unless it has one (``load_qlora_model``'s): its saved adapters then carry it, whoever
+    loaded the base. Returns the record it holds (None: not a peft model over a bitsandbytes base)."""
+    if not hasattr(model, "get_base_model") or not hasattr(model, "peft_config"):
+        return None
+    if getattr(model, RECORD_ATTR, None) is not None:
+        return getattr(model, RECORD_ATTR)
+    settings = _live_settings(model.get_base_model())
+    if settings is None:
+        return None
+    bits, quant_type, double_quant = settings
+    config = getattr(model.get_base_model().config, "quantization_config", None)
+    skip = (
+        config.get("llm_int8_skip_modules")
+        if isinstance(config, dict)
+        else getattr(config, "llm_int8_skip_modules", None)
+    )
+    record = collect_record(model, bits=bits, quant_type=quant_type, double_quant=double_quant, skip_modules=skip)
+    attach_record(model, record)
+    return record
 
 
 def write_record(folder: str | os.PathLike, record: QuantRecord | None) -> None:

@@ -2,14 +2,28 @@
 
 One implementation serves the trainers, which refuse before the first step
 (:func:`hf_fsdp_qlora.train.sequence_parallel.check_sequence_parallel`), and the doctor, which says the same before
-launch (rule ``sequence-parallel-refused``). It sits below both: it reads plain values, never a live model.
+launch (rule ``sequence-parallel-refused``). It sits below both: it reads plain values (a config's, a model class's),
+never a live model's state.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from dataclasses import dataclass
 
-__all__ = ["SUPPORTED_ATTENTION", "SpProblem", "local_attention_kinds", "sequence_parallel_problem"]
+__all__ = [
+    "SUPPORTED_ATTENTION",
+    "SpProblem",
+    "local_attention_kinds",
+    "router_aux_kind",
+    "router_aux_problem",
+    "sequence_parallel_problem",
+]
+
+# transformers' load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask): the router aux loss of
+# most mixture-of-experts families, which train/sp_outputs.py recomputes from the router logits of the whole sequence.
+BALANCING_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
 
 # The attention implementations the Ulysses all-to-all wraps (on CPU only SDPA runs).
 SUPPORTED_ATTENTION = ("sdpa",)
@@ -68,3 +82,27 @@ def sequence_parallel_problem(
             "Train this model with sp_size=1.",
         )
     return None
+
+
+def router_aux_kind(model_class: type) -> str | None:
+    """How a causal-LM class computes its router aux loss when asked for its router logits: None (it computes none),
+    "balancing" (its module's ``load_balancing_loss_func`` with transformers' usual parameters), "other"."""
+    balancing = getattr(sys.modules.get(model_class.__module__), "load_balancing_loss_func", None)
+    if balancing is None:
+        return None
+    names = tuple(inspect.signature(balancing).parameters)[: len(BALANCING_PARAMETERS)]
+    return "balancing" if names == BALANCING_PARAMETERS else "other"
+
+
+def router_aux_problem(name: str, output_router_logits: bool, kind: str | None) -> SpProblem | None:
+    """Why a router aux loss cannot be made exact under sp_size (None: not asked, none computed, or recomputed).
+
+    Each rank's chunk of a sequence gives another load-balancing loss (a product of two means over the tokens, not a
+    sum), so the loss is recomputed from the router logits of the whole sequence, for the function it knows only."""
+    if not output_router_logits or kind in (None, "balancing"):
+        return None
+    return SpProblem(
+        f" with output_router_logits=True: {name} computes its router aux loss with a load_balancing_loss_func of "
+        "other parameters, which cannot be recomputed over the whole sequence (each rank's chunk gives another value).",
+        "Set output_router_logits=False in the model's config, or use sp_size=1.",
+    )

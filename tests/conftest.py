@@ -27,7 +27,7 @@ _SECONDS = {
     "test_slurm_recipe.py": 40, "test_finish.py": 15, "test_fork_launch.py": 25, "test_merge_safety_kill.py": 25,
     "test_dora.py": 35,
     "test_prequantized.py": 40, "test_packing.py": 20,
-    "test_merge_moe.py": 35,
+    "test_merge_moe.py": 35, "test_merge_record.py": 15,
     "test_moe.py": 40, "test_moe_prequantized.py": 25, "test_moe_benchmark.py": 12,
     "test_int8.py": 150,
     "test_moe_load.py": 10,

@@ -543,6 +543,9 @@ def test_cli_shows_its_flags_for_the_parameters_library_errors_name():
     assert cli_message(text, names) == (
         "--output /x already exists. Pass --force; pass --base (and --dequantize nf4); `seq_len` stays"
     )
+    assert cli_message("Pass `double_quant=False` or `double_quant=True`", {"double_quant"}) == (
+        "Pass --no-double-quant or --double-quant"
+    )
     # every parameter a library message may name has the option cli_message writes for it
     for parser, func in (
         (MergeCommand().standalone_parser("merge-adapters"), merge_adapters),

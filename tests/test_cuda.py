@@ -73,7 +73,7 @@ def test_merge_on_cuda_equals_cpu_merge_and_peft(llama_base, tmp_path, name):
 def test_dequantized_merge_on_cuda_uses_the_cuda_kernels_and_matches_cpu(llama_base, tmp_path):
     """`dequantize="nf4"` on CUDA quantizes with bnb's CUDA kernels: the same 4-bit round trip as on CPU."""
     adapter = make_adapter(llama_base, tmp_path / "adapter", r=4, target_modules=["q_proj", "down_proj"])
-    kwargs = {"dequantize": "nf4", "progress": False}
+    kwargs = {"dequantize": "nf4", "double_quant": True, "progress": False}
     on_cpu = read_output(merge_adapters(llama_base, adapter, tmp_path / "cpu", device="cpu", **kwargs))
     on_gpu = read_output(merge_adapters(llama_base, adapter, tmp_path / "cuda", device="cuda", **kwargs))
     untargeted = "model.layers.0.self_attn.k_proj.weight"

@@ -250,8 +250,9 @@ def test_merge_round_trips_what_training_quantized(families, family, tmp_path):
         if adapter == "stock":  # the same adapter as stock peft writes it: no record
             (tmp_path / "peft" / RECORD_NAME).unlink()
             adapter = "peft"
+        dq = {"double_quant": True} if not (tmp_path / adapter / RECORD_NAME).exists() else {}
         out = merge_adapters(base, tmp_path / adapter, tmp_path / f"merged_{adapter}", dequantize="nf4",
-                             progress=False, force=True)  # fmt: skip
+                             progress=False, force=True, **dq)  # fmt: skip
         merged = _tensors(out)
         for key in convs:  # never quantized in training: byte for byte
             assert torch.equal(merged[key].view(torch.uint8), source[key].view(torch.uint8)), key
@@ -279,7 +280,8 @@ def test_merge_follows_the_record_of_an_moe(families, tmp_path):
         merge_adapters(base, tmp_path / "adapter", tmp_path / "fp4", dequantize="fp4", progress=False)
     recorded = _tensors(merge_adapters(base, tmp_path / "adapter", tmp_path / "a", dequantize="nf4", progress=False))
     (tmp_path / "adapter" / RECORD_NAME).unlink()
-    by_rule = _tensors(merge_adapters(base, tmp_path / "adapter", tmp_path / "b", dequantize="nf4", progress=False))
+    by_rule = _tensors(merge_adapters(base, tmp_path / "adapter", tmp_path / "b", dequantize="nf4",
+                                      double_quant=True, progress=False))  # fmt: skip
     source = _tensors(base)
     assert recorded.keys() == by_rule.keys() == source.keys()
     assert all(torch.equal(recorded[k], by_rule[k]) for k in source)

@@ -372,7 +372,7 @@ def test_dequantize_nf4_matches_bnb_weights_training_saw(bases, tmp_path):
     ref_model.load_state_dict(dequantized, strict=False)
     ref = PeftModel.from_pretrained(ref_model, adapter).merge_and_unload().state_dict()
 
-    out = merge_adapters(base, adapter, tmp_path / "out", dequantize="nf4", progress=False)
+    out = merge_adapters(base, adapter, tmp_path / "out", dequantize="nf4", double_quant=True, progress=False)
     ours = read_output(out)
     for key, tensor in ours.items():
         assert_within_one_rounding(tensor, ref[key], key)

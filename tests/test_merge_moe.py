@@ -208,7 +208,7 @@ def test_dequantize_nf4_round_trips_experts_as_load_qlora_model(moe_bases, tmp_p
     adapter = _make_adapter(
         base, tmp_path / "adapter", r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]
     )
-    out = merge_adapters(base, adapter, tmp_path / "merged", dequantize="nf4", progress=False)
+    out = merge_adapters(base, adapter, tmp_path / "merged", dequantize="nf4", double_quant=True, progress=False)
     ours, stored = _load(out).state_dict(), _load(base).state_dict()
     trained = _load(base)
     quantize_experts(trained, quant_type="nf4", double_quant=True, dtype=torch.bfloat16)
@@ -233,7 +233,9 @@ def test_dequantize_nf4_round_trips_experts_as_load_qlora_model(moe_bases, tmp_p
                 assert bool(((ours[key].float() - expected).abs() <= eps * expected.abs()).all()), key
             else:
                 assert torch.equal(ours[key], seen), key
-    kept = merge_adapters(base, adapter, tmp_path / "kept", dequantize="nf4", dequantize_experts=False, progress=False)
+    kept = merge_adapters(
+        base, adapter, tmp_path / "kept", dequantize="nf4", double_quant=True, dequantize_experts=False, progress=False
+    )
     kept = _load(kept).state_dict()
     gate_up = [k for k in kept if k.endswith("gate_up_proj")]
     assert gate_up and all(torch.equal(kept[k], stored[k]) for k in gate_up)

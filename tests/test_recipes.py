@@ -232,6 +232,41 @@ def test_trl_script_unchanged_through_run(script_runs, models, script, version):
     }
     if script == "dpo":
         assert _log(out / "checkpoint-4")[0]["loss"] == LN2_FP32
+    _check_quant_record(models / "recipe", out, final, text)
+
+
+def _check_quant_record(base, out, final, text):
+    """trl's --load_in_4bit (nf4, no double quant, loaded by transformers): every save under FSDP carries the record
+    read off the live model (issue 49, row 7: none before, and `--dequantize nf4` assumed double quant), and the
+    merge by it equals the merge with that setting given by hand (its exactness against peft's own merge:
+    tests/test_merge_record.py)."""
+    from safetensors.torch import load_file
+
+    from hf_fsdp_qlora.cli.main import main as cli_main
+    from hf_fsdp_qlora.quant_record import RECORD_NAME, read_record
+
+    linear = {f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}  # fmt: skip
+    for folder in (out, out / "checkpoint-2", out / "checkpoint-4"):
+        record = read_record(folder)
+        assert record is not None, (folder, text[-2000:])
+        assert (record.bits, record.quant_type, record.double_quant, record.blocksize) == (4, "nf4", False, 64)
+        assert set(record.linear) == linear and record.experts == [], record.linear
+    assert any(".q_proj.lora_" in k for k in final)  # peft's Llama default targets: a round-tripped layer
+    stock = out.parent / f"{out.name}_stock_adapter"  # the same adapter without the record
+    stock.mkdir(exist_ok=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (stock / name).write_bytes((out / name).read_bytes())
+    assert not (stock / RECORD_NAME).exists()
+    merged = {}
+    for name, adapter, flags in (("recorded", out, []), ("by_hand", stock, ["--no-double-quant"])):
+        merged_dir = out.parent / f"{out.name}_{name}"
+        argv = ["merge", "--base", str(base), "--adapter", str(adapter), "--output", str(merged_dir)]
+        assert cli_main([*argv, "--dequantize", "nf4", "--no-progress", "--force", *flags]) == 0
+        merged[name] = load_file(str(merged_dir / "model.safetensors"))
+    a, b = merged["recorded"], merged["by_hand"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("script,version", [("sft", 2), ("dpo", 1)])

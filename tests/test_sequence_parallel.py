@@ -9,6 +9,10 @@ Measured (float32 compute, 4-bit NF4 base, LoRA r=4 on every linear layer, rando
 runs on the same tokens, the partial gradients of the two ranks are summed by FSDP's reduce-scatter); the 8 logged
 losses of the run within 1.7e-7 relative. Asserted with a 10x margin. A second launch runs the plain scenario and the
 resume under FSDP1.
+The same launch runs issue 49's options one step away (evaluation with a remainder batch, predict(), the router aux
+loss, label smoothing, a compute_loss_func, position ids with a gap, LoRA dropout, NEFTune, num_input_tokens_seen):
+each equal to the one-process run (dropout and NEFTune: drawn as one process draws them), figures in
+docs/long-context.md.
 
 trl's sft.py: ONE forked 2-rank FSDP2 launch of trl's installed script, unchanged (tests/scripts/sequence_parallel_sft.py
 runs it by runpy and records), through `-m hf_fsdp_qlora.run` with `parallelism_config_sp_size: 2` in the accelerate
@@ -66,6 +70,47 @@ def test_split_keeps_packed_positions_and_refuses_padding():
         split_batch({"input_ids": ids, "labels": ids, "token_type_ids": ids}, 2, 0)
 
 
+def test_packed_sequences_follow_transformers_rule():
+    """Issue 49, row 5: a new packed sequence starts wherever the position does not step by exactly 1 (a gap, a reset,
+    a repeat), as transformers' masking_utils decides; and, as there, only without an attention mask."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from hf_fsdp_qlora.train.ulysses import document_ids
+
+    for row in ([*range(8), *range(12, 20)], [0, 1, 2, 0, 1, 2, 3], [3, 4, 5, 6], [0, 1, 1, 2], [0, 2, 1, 2]):
+        positions = torch.tensor([row])
+        want = find_packed_sequence_indices(positions)
+        assert torch.equal(document_ids(positions), torch.zeros_like(positions) if want is None else want), row
+    ids = torch.arange(16).unsqueeze(0)
+    gaps = torch.cat([torch.arange(8), torch.arange(12, 20)]).unsqueeze(0)
+    _, packed, _ = split_batch({"input_ids": ids, "labels": ids, "position_ids": gaps}, 2, 0)
+    assert torch.equal(packed, gaps)  # two sequences: the mask keeps them apart
+    masked = {"input_ids": ids, "labels": ids, "position_ids": gaps, "attention_mask": torch.ones_like(ids)}
+    local, packed, _ = split_batch(masked, 2, 1)
+    assert packed is None and local["position_ids"].tolist() == [list(range(12, 20))]  # one causal sequence
+
+
+def test_evaluation_refusals_name_the_setting():
+    """Under sp_size: evaluation batches without labels (the split happens where the loss is computed) and
+    eval_use_gather_object=True (evaluation keeps one rank per group of gathered tensors) are refused by name."""
+    from types import SimpleNamespace
+
+    from hf_fsdp_qlora.train import sp_outputs, ulysses
+    from hf_fsdp_qlora.train.sequence_parallel import _refuse_gather_object
+
+    with pytest.raises(UnsupportedSetupError, match=r"sp_size=2\) with eval_use_gather_object=True.*=False"):
+        _refuse_gather_object(SimpleNamespace(eval_use_gather_object=True), 2)
+    ulysses.set_active_group(ulysses.UlyssesGroup(sp_size=2, group=None))
+    try:
+        with pytest.raises(UnsupportedSetupError, match=r"sp_size=2\): evaluate\(\)/predict\(\) on a batch without"):
+            sp_outputs.prediction_step(
+                SimpleNamespace(label_names=["labels"]), None, None, {"input_ids": torch.ones(1, 4)}, False,
+                setting="FSDPQLoRATrainingArguments(sp_size=2)",
+            )  # fmt: skip
+    finally:
+        ulysses.set_active_group(None)
+
+
 def test_packed_mask_is_causal_within_each_sequence():
     mask = _packed_mask(torch.tensor([[0, 1, 2, 0, 1]]))[0, 0].int().tolist()
     assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
@@ -119,6 +164,7 @@ def runs(tmp_path_factory):
 
     models = tmp_path_factory.mktemp("models")
     build_tiny_model(models / "llama")
+    build_tiny_model(models / "qwen3_moe", arch="qwen3_moe")
     _build_one_kv_head(models / "llama_kv1")
     out = tmp_path_factory.mktemp("sp") / "run"
     proc = accelerate_launch(
@@ -161,6 +207,91 @@ def test_sp2_under_fsdp2_equals_one_process_on_the_whole_sequence(runs, name):
         assert scale > 0, key  # random lora_B at start (init_lora_weights=False): no gradient is trivially 0
         error = float((grads[key] - ref).abs().max())
         assert error <= GRAD_TOL * max(scale, 1e-12), (key, error, scale)
+
+
+def _assert_engaged(got):
+    assert got["distributed_type"] == "DistributedType.FSDP" and got["world"] == 2
+    assert got["engaged"]["fsdp2_modules"] > 0 and got["dtensor_params"] > 0, got["engaged"]
+
+
+def test_sp2_evaluation_and_predict_equal_one_process(runs):
+    """Issue 49, rows 1-2: evaluation on 5 samples in batches of 2 (a remainder batch: was 5.599060 against one
+    process's 5.563670, one rank's partial loss kept), the same with the predictions (compute_metrics), and predict():
+    the stock shapes (were [8, 8, 256] / [8, 16], half-sequences taken for batch rows) and values."""
+    out, ranks, single, _ = runs
+    oracle = single["plain"]
+    for found in ranks.values():
+        got = found["plain"]
+        assert "error" not in got, got.get("error")
+        _assert_engaged(got)
+        assert got["eval5_loss"] == pytest.approx(oracle["eval5_loss"], rel=LOSS_RTOL)
+        metrics, want = got["eval5_metrics"], oracle["eval5_metrics"]
+        assert metrics["eval_rows"] == want["eval_rows"] == 5 and metrics["eval_label_sum"] == want["eval_label_sum"]
+        assert metrics["eval_loss"] == pytest.approx(want["eval_loss"], rel=LOSS_RTOL)
+        assert metrics["eval_logit_sum"] == pytest.approx(want["eval_logit_sum"], rel=1e-5, abs=1e-2)
+        assert got["predict_shapes"] == oracle["predict_shapes"] == [[4, 15, 256], [4, 15]]
+        assert got["predict_loss"] == pytest.approx(oracle["predict_loss"], rel=LOSS_RTOL)
+        # include_num_input_tokens_seen: a group's shared batches counted once (were counted sp_size times)
+        assert got["num_input_tokens_seen"] == oracle["num_input_tokens_seen"] == 8 * 2 * 2 * 15
+    got, want = torch.load(out / "predict_plain_sp2.pt"), torch.load(out / "predict_plain_sp1.pt")
+    assert torch.equal(got["label_ids"], want["label_ids"])
+    torch.testing.assert_close(got["predictions"], want["predictions"], rtol=1e-5, atol=1e-5)
+
+
+# Issue 49, rows 3-5 (first loss ours vs one process, before the fix): the router aux loss (9.693460 / aux 4.221398 vs
+# 7.577868 / 2.105806), label smoothing and a compute_loss_func (labels shifted twice), position ids with a gap.
+OPTION_SCENARIOS = ("moe_aux", "smooth", "loss_func", "gaps")
+
+
+@pytest.mark.parametrize("name", OPTION_SCENARIOS)
+def test_sp2_options_equal_one_process(runs, name):
+    out, ranks, single, _ = runs
+    oracle = single[name]
+    assert "error" not in oracle, oracle.get("error")
+    for found in ranks.values():
+        got = found[name]
+        assert "error" not in got, got.get("error")
+        _assert_engaged(got)
+        assert len(got["losses"]) == 2
+        torch.testing.assert_close(got["losses"], oracle["losses"], rtol=LOSS_RTOL, atol=0)
+        if name == "moe_aux":
+            assert oracle["first_aux"] > 1.0  # coefficient 1.0: the aux loss is a visible part of the loss
+            assert got["first_aux"] == pytest.approx(oracle["first_aux"], rel=LOSS_RTOL)
+    grads, want = torch.load(out / f"grads_{name}_sp2.pt"), torch.load(out / f"grads_{name}_sp1.pt")
+    assert set(grads) == set(want) and want
+    for key, ref in want.items():
+        scale = float(ref.abs().max())
+        assert scale > 0, key
+        assert float((grads[key] - ref).abs().max()) <= GRAD_TOL * scale, key
+
+
+def test_sp2_ranks_draw_their_own_dropout_masks(runs):
+    """Issue 49's suspicion, measured: one process draws its dropout masks independently along the whole sequence; the
+    two ranks of a group, seeded alike by the Trainer, drew the same mask for their two halves (before the fix: equal,
+    element for element). Each rank now draws from a stream of its own: the halves differ, each at the rate asked."""
+    _, ranks, single, _ = runs
+    assert "error" not in single["dropout"], single["dropout"].get("error")
+    whole = torch.tensor(single["dropout"]["first_dropout_mask"])  # [2, 15, 64]: one process, the whole sequence
+    halves = [torch.tensor(ranks[r]["dropout"]["first_dropout_mask"]) for r in (0, 1)]  # [2, 8, 64] each
+    assert whole.shape == (2, 15, 64) and all(h.shape == (2, 8, 64) for h in halves)
+    assert not torch.equal(whole[:, :7], whole[:, 8:15])  # one process: independent along the sequence
+    assert not torch.equal(halves[0][:, :7], halves[1][:, :7])  # the group's ranks: independent too
+    for mask in (whole, *halves):
+        assert 0.05 < mask.float().mean() < 0.15, mask.float().mean()  # lora_dropout=0.1
+    for found in ranks.values():
+        assert "error" not in found["dropout"], found["dropout"].get("error")
+        assert len(found["dropout"]["losses"]) == 2 and all(torch.isfinite(torch.tensor(found["dropout"]["losses"])))
+
+
+def test_sp2_neftune_noise_has_one_process_bound(runs):
+    """NEFTune bounds its noise by alpha / sqrt(tokens x hidden) of the embeddings it sees: one process sees 15 tokens,
+    each rank 8 (before the fix its noise reached 1.37x one process's bound). The largest of the first forward's
+    noise is within one process's bound, and near it (the largest of 1,024 or more uniform draws)."""
+    _, ranks, single, _ = runs
+    bound = 5.0 / (15 * 64) ** 0.5  # neftune_noise_alpha=5, 15 tokens, hidden size 64
+    for found in (single["neftune"], *(r["neftune"] for r in ranks.values())):
+        assert "error" not in found, found.get("error")
+        assert 0.98 * bound <= found["first_noise_max"] <= bound * (1 + 1e-6), (found["first_noise_max"], bound)
 
 
 def test_resume_under_sp2_is_bit_exact(runs):
@@ -233,9 +364,9 @@ def test_sp_size_is_never_ignored(tmp_path, route):
 
 
 def test_sp2_under_fsdp1_equals_one_process(runs, tmp_path):
-    """The same under FSDP1 (FlatParameters, one launch): the plain scenario's 8 losses and evaluation equal the
-    oracle's (measured within 8.6e-8; eval equal), and the sp_size=2 resume is bit-exact. (FSDP1's gradients are
-    flat shards: the gradients are compared under FSDP2 above.)"""
+    """The same under FSDP1 (FlatParameters, one launch): the plain scenario's 8 losses and evaluations (a remainder
+    batch, predict(), the token count) equal the oracle's (measured within 8.6e-8; eval equal), and the sp_size=2
+    resume is bit-exact. (FSDP1's gradients are flat shards: the gradients are compared under FSDP2 above.)"""
     from dist_utils import accelerate_launch, check, read_results
 
     _, _, single, models = runs
@@ -250,6 +381,11 @@ def test_sp2_under_fsdp1_equals_one_process(runs, tmp_path):
         assert got["engaged"]["flat_params"] > 0 and got["distributed_type"] == "DistributedType.FSDP"
         torch.testing.assert_close(got["losses"], oracle["losses"], rtol=LOSS_RTOL, atol=0)
         assert got["eval_loss"] == pytest.approx(oracle["eval_loss"], rel=LOSS_RTOL)
+        assert got["eval5_loss"] == pytest.approx(oracle["eval5_loss"], rel=LOSS_RTOL)  # a remainder batch
+        assert got["predict_shapes"] == oracle["predict_shapes"] and got["predict_loss"] == pytest.approx(
+            oracle["predict_loss"], rel=LOSS_RTOL
+        )
+        assert got["num_input_tokens_seen"] == oracle["num_input_tokens_seen"]
         resume = found["resume"]
         assert resume["resumed"] == resume["whole"] and resume["resumed_steps_run"] == [3, 4], resume
         assert resume["preempt_resumed"] == resume["whole"] and resume["preempt_resumed_steps_run"] == [4], resume

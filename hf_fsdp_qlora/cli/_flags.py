@@ -2,7 +2,8 @@
 
 The library writes a parameter as `name` or `name=value` (in backticks). A command rewrites the names it has an
 option for - its argparse destinations, ``vars(args)`` - into the flag (``--name-with-dashes``), so the same error
-reads right in Python (``merge_adapters(force=True)``) and on the command line (``--force``).
+reads right in Python (``merge_adapters(force=True)``) and on the command line (``--force``); ``name=False`` is
+``--no-name``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def cli_message(text: str, names) -> str:
             return match.group(0)
         if value is None or value == "True":  # a switch: `force=True` is --force
             return flag(name)
+        if value == "False":  # its negative form: `double_quant=False` is --no-double-quant
+            return "--no-" + flag(name).removeprefix("--")
         return f"{flag(name)} {value.strip(chr(39) + chr(34))}"
 
     return _REFERENCE.sub(replace, text)

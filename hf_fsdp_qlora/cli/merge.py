@@ -78,16 +78,20 @@ replaced, no CUDA for --device cuda).
             "bnb_4bit_quant_type of QLoRA) or int8 (load_in_8bit) (default: merge onto the 16-bit base as is)",
         )
         parser.add_argument(
-            "--no-double-quant",
+            "--double-quant",
             dest="double_quant",
-            action="store_false",
-            help="with --dequantize nf4/fp4: training used bnb_4bit_use_double_quant=False (default: double quant on)",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="with --dequantize nf4/fp4: whether training used bnb_4bit_use_double_quant. The adapter's "
+            "quantization record (saved by load_qlora_model and this package's trainers) or a pre-quantized base "
+            "named in adapter_config.json decides; without either, one of the two is required "
+            "(--no-double-quant for BitsAndBytesConfig's default and trl's --load_in_4bit)",
         )
         parser.add_argument(
             "--quant-blocksize",
             type=int,
-            default=64,
-            help="with --dequantize nf4/fp4: the 4-bit block size of training (default: 64)",
+            default=None,
+            help="with --dequantize nf4/fp4: the 4-bit block size of training (default: the record's, else 64)",
         )
         parser.add_argument(
             "--no-dequantize-experts",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..sp_rules import sequence_parallel_problem
+from ..sp_rules import router_aux_problem, sequence_parallel_problem
 from ._rules import _SPREADING_MAPS, OURS, Context, _finding
 from .advice import combined, ranked_levers
 from .memory import FIT_FRACTION, MemoryPlan, format_size, verdict
@@ -261,7 +261,7 @@ def sequence_parallel_rule(ctx: Context):
         return
     found = sequence_parallel_problem(
         s.sp_size, s.world_size, shape.num_heads, s.attn_implementation, shape.local_attention, shape.sliding_window
-    )
+    ) or router_aux_problem(repr(shape.model_type), shape.output_router_logits, shape.router_aux)
     if found is not None:
         yield _finding(
             "sequence-parallel-refused", "error",

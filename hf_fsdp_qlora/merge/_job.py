@@ -24,12 +24,12 @@ from hf_fsdp_qlora.merge._experts import read_param_targets
 from hf_fsdp_qlora.merge._key_map import checkpoint_places, follow_checkpoint_keys, quantized_places
 from hf_fsdp_qlora.merge._lora_math import collect_updates
 from hf_fsdp_qlora.merge._plan import plan
-from hf_fsdp_qlora.merge.adapter_io import read_quant_record
+from hf_fsdp_qlora.merge._quant_settings import quant_settings
 from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir
 
 __all__ = [
     "adapter_updates",
-    "check_skip_modules",
+    "check_quant_options",
     "output_with_room",
     "planned_items",
     "quantized_layout",
@@ -38,12 +38,19 @@ __all__ = [
 ]
 
 
-def check_skip_modules(skip_modules, dequantize) -> None:
+def check_quant_options(skip_modules, dequantize, double_quant, blocksize) -> None:
+    """Options that describe training's quantization, refused without the `dequantize` they apply to."""
     if skip_modules and not dequantize:
         raise MergeUsageError(
             f"`skip_modules` {list(skip_modules)} only applies with `dequantize` (the layers training kept 16-bit): "
             "pass dequantize='int8' (or nf4/fp4) too, or leave skip_modules out"
         )
+    for name, value in (("double_quant", double_quant), ("quant_blocksize", blocksize)):
+        if value is not None and dequantize not in ("nf4", "fp4"):
+            raise MergeUsageError(
+                f"`{name}` only applies with `dequantize` nf4 or fp4 (a 4-bit training's settings), not with "
+                f"dequantize={dequantize!r}: pass dequantize='nf4' (or fp4) too, or leave {name} out"
+            )
 
 
 def read_base_config(base: Path) -> dict:
@@ -71,17 +78,19 @@ def adapter_updates(base: Path, loaded, entries: dict):
 def quantized_layout(base, loaded, entries, places, *, dequantize, dequantize_experts, skip_modules, double_quant,
                      blocksize):  # fmt: skip
     """What training quantized (tensor names, expert groups, fused chunks) and the 4-bit settings to round-trip
-    with: the record load_qlora_model saved with the adapter, else transformers' rule (experts by the experts
-    table, 4-bit only), else nothing."""
-    record = read_quant_record(loaded.folder, dequantize)
-    if record is not None:  # what training quantized, recorded by load_qlora_model: exactly those
+    with: the record saved with the adapter, else transformers' rule (experts by the experts table, 4-bit only)
+    with the settings a pre-quantized base or the caller gives (:mod:`._quant_settings`), else nothing."""
+    settings = quant_settings(loaded.folder, loaded.config, dequantize, double_quant, blocksize)
+    record = settings.record
+    if record is not None:  # what training quantized, recorded when the adapter was saved: exactly those
         quantized, groups, chunks = quantized_places(base, record.names, entries, places)
-        return quantized, groups, chunks, record.double_quant, record.blocksize or blocksize
+        return quantized, groups, chunks, settings.double_quant, settings.blocksize
     if dequantize:  # stock peft: transformers' rule; experts (4-bit only) by the experts table
         experts = dequantize_experts and dequantize != "int8"
-        keys = quantized_keys(base, experts=experts, skip_modules=skip_modules)
-        return (*quantized_places(base, keys, entries, places), double_quant, blocksize)
-    return set(), {}, {}, double_quant, blocksize
+        skip = [*skip_modules, *settings.skip_modules]
+        keys = quantized_keys(base, experts=experts, skip_modules=skip)
+        return (*quantized_places(base, keys, entries, places), settings.double_quant, settings.blocksize)
+    return set(), {}, {}, settings.double_quant, settings.blocksize
 
 
 def planned_items(base, config, loaded, entries, updates, layout, conv1d, *, out_dtype, untie_embeddings, device):

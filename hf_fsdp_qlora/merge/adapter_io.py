@@ -307,6 +307,6 @@ def read_quant_record(folder: Path, dequantize: str | None):
     if trained != dequantize:
         raise MergeUsageError(
             f"`dequantize` {dequantize} does not match training: {folder / RECORD_NAME} records a {trained} base "
-            f"({record.bits}-bit). Pass dequantize={trained!r}."
+            f"({record.bits}-bit). Pass `dequantize={trained!r}`."
         )
     return record

@@ -28,7 +28,7 @@ from hf_fsdp_qlora.merge._base_model import (
 )
 from hf_fsdp_qlora.merge._job import (
     adapter_updates,
-    check_skip_modules,
+    check_quant_options,
     no_space,
     output_with_room,
     planned_items,
@@ -80,7 +80,7 @@ def _check_usage(base, adapter, output, force, dtype, device, dequantize, max_sh
     if adapter_config is not None:
         inputs.append(("`adapter_config`", adapter_config))
     out = check_output(output, inputs, force)
-    if dequantize in ("nf4", "fp4") and blocksize not in _BLOCKSIZES:
+    if dequantize in ("nf4", "fp4") and blocksize is not None and blocksize not in _BLOCKSIZES:
         raise MergeUsageError(
             f"`quant_blocksize` {blocksize} is not a 4-bit block size bitsandbytes uses: pass the "
             f"bnb_4bit_blocksize of training, one of {', '.join(map(str, _BLOCKSIZES))} (default 64)"
@@ -267,8 +267,8 @@ def merge_adapters(
     device: str = "cpu",
     force: bool = False,
     dequantize: str | None = None,
-    double_quant: bool = True,
-    quant_blocksize: int = 64,
+    double_quant: bool | None = None,
+    quant_blocksize: int | None = None,
     dequantize_experts: bool = True,
     skip_modules: list[str] | tuple[str, ...] = (),
     untie_embeddings: bool = False,
@@ -292,14 +292,15 @@ def merge_adapters(
             the current or home folder, or a folder with other content is refused.
         dequantize: "nf4" or "fp4" to merge onto the 4-bit round trip of the base that QLoRA trained against;
             "int8" onto the 8-bit round trip (LLM.int8 row scales) of a base trained with load_in_8bit. An adapter
-            saved from a ``load_qlora_model`` model carries the record of what training quantized
-            (:mod:`hf_fsdp_qlora.quant_record`): exactly those tensors are round-tripped, with its double quant and
-            block size; without one, every linear layer transformers quantizes and the experts of the families
-            in the experts table.
-        double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize` nf4 / fp4; a record
-            decides instead).
-        quant_blocksize: the 4-bit block size of training (bitsandbytes' default 64; only with nf4 / fp4; a
-            record decides instead).
+            saved by ``load_qlora_model``'s model or by our trainers and callback carries the record of what training
+            quantized (:mod:`hf_fsdp_qlora.quant_record`): exactly those tensors are round-tripped, with its double
+            quant and block size; without one, every linear layer transformers quantizes and the experts of the
+            families in the experts table, with the settings of the pre-quantized base adapter_config.json names
+            or `double_quant` (nf4 / fp4 without either is refused: nothing says which round trip training saw).
+        double_quant: whether training used bnb_4bit_use_double_quant (only with `dequantize` nf4 / fp4); needed
+            where no record and no pre-quantized base says, refused where one says otherwise.
+        quant_blocksize: the 4-bit block size of training (only with nf4 / fp4; default: the record's, else
+            bitsandbytes' 64); refused where the record says otherwise.
         dequantize_experts: with `dequantize` nf4 / fp4 and no record, also round-trip the fused experts of an MoE
             base, expert by expert, as load_qlora_model quantizes them (quantize_experts=True, its default); False
             for a run that kept them in 16 bits.
@@ -324,7 +325,7 @@ def merge_adapters(
     output, device, max_bytes = _check_usage(
         base, adapter, output, force, dtype, device, dequantize, max_shard_size, quant_blocksize, adapter_config
     )
-    check_skip_modules(skip_modules, dequantize)
+    check_quant_options(skip_modules, dequantize, double_quant, quant_blocksize)
     out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     try:
         config = read_base_config(base)

@@ -10,12 +10,15 @@ create_accelerator_and_postprocess   accelerator_setup (settings set aside, acti
                                      consistency.follow_wrapping (after-wrap fix-ups)
 get_train_dataloader, compute_loss   long_context (a sequence-parallel group's ranks share batches and split
                                      each sequence; then loss.compute_loss, the chunked loss)
+_track_num_input_tokens              long_context (a group's shared batches counted once)
 train                                preemption_callback (auto_resume, the exit after a stop)
 _finalize_training                   preemption_callback (no best-model load or rotation after a stop)
 evaluate                             preemption_callback (an evaluation a stop ended has no metrics)
 evaluation_loop                      generation.prepare_for_evaluation (evaluate() before train()),
-                                     long_context (the eval batches shared by a sequence-parallel group)
-prediction_step                      loss.loss_only_prediction
+                                     long_context (the eval batches shared by a sequence-parallel group,
+                                     one rank per group gathered)
+prediction_step                      loss.loss_only_prediction, long_context (a sequence-parallel group's
+                                     whole loss and outputs)
 save_model                           checkpoint_hooks.save_model (the gathered adapter)
 _get_output_dir, _save_checkpoint    checkpoint_hooks (staged, crash-safe checkpoints)
 _save_optimizer_and_scheduler        checkpoint_hooks (the gathered optimizer state)
@@ -113,15 +116,20 @@ class FSDPSaveMixin:
         # evaluate()/predict() before train(): wrap the model as train() would (upstream FSDP2 raises, FSDP1's next
         # train() fails). Collective; does nothing once the model is wrapped.
         from .generation import prepare_for_evaluation
-        from .long_context import eval_dataloader
+        from .long_context import evaluation_loop
 
         prepare_for_evaluation(self)
-        return super().evaluation_loop(eval_dataloader(self, dataloader), *args, **kwargs)
+        return evaluation_loop(self, super().evaluation_loop, dataloader, *args, **kwargs)
 
     def get_train_dataloader(self):
         from .long_context import train_dataloader
 
         return train_dataloader(self, super().get_train_dataloader)
+
+    def _track_num_input_tokens(self, inputs):
+        from .long_context import track_num_input_tokens
+
+        return track_num_input_tokens(self, super()._track_num_input_tokens, inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # The sequence split (under sp_size > 1), then the chunked loss where the trainer keeps transformers' stock one
@@ -131,10 +139,14 @@ class FSDPSaveMixin:
         return compute_loss(self, super().compute_loss, model, inputs, return_outputs, num_items_in_batch)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        from .long_context import prediction_step
         from .loss import loss_only_prediction
 
-        with loss_only_prediction(self, prediction_loss_only):
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        def stock(model, inputs, prediction_loss_only, ignore_keys=None):
+            with loss_only_prediction(self, prediction_loss_only):
+                return super(FSDPSaveMixin, self).prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+        return prediction_step(self, stock, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     # -- saving and resuming
 

@@ -18,6 +18,7 @@ from ..cpu_rehearsal import enable_cpu_fsdp
 from ..distributed import fsdp_requested_by_launch
 from ..errors import FSDPNotEngagedError
 from ..loading.low_ram import verify_partial_rows
+from ..quant_record import keep_live_record
 from .consistency import make_fsdp_consistent
 from .fsdp import (
     assert_fsdp_engaged,
@@ -87,7 +88,8 @@ def _active_fsdp_plugin():
 class FSDPQLoRACallback(TrainerCallback):
     """Make a QLoRA model FSDP-consistent before `prepare()` wraps it, and check FSDP engaged.
 
-    * ``on_init_end`` (end of ``Trainer.__init__``, before the model is wrapped): refuses what cannot
+    * ``on_init_end`` (end of ``Trainer.__init__``, before the model is wrapped): keeps the quantization record
+      of a bitsandbytes base on the model (written beside every adapter saved from it), refuses what cannot
       work, casts frozen floating parameters to the 4-bit storage dtype and the adapters to ``adapter_dtype``
       (float32 master weights by default), sets FSDP's mixed precision (FSDP1 and FSDP2) and ``use_orig_params``
       for FSDP1, and broadcasts the adapters from rank 0 so every rank starts identical; without FSDP it casts
@@ -111,6 +113,9 @@ class FSDPQLoRACallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if model is not None:  # a model loaded before hf_fsdp_qlora was imported may repack at evaluation
             disable_cpu_repack_in_model(model)
+            # Read before FSDP wraps it (its 4-bit weights lose their quant states there): every adapter saved from
+            # this run (final save, checkpoints, FSDP or not) then carries what training quantized, for the merge.
+            keep_live_record(model)
         plugin = _active_fsdp_plugin()
         if plugin is None:
             if _fsdp_requested(args):

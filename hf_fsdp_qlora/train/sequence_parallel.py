@@ -14,7 +14,7 @@ over every rank. What this module owns, each a function below:
 * the setup (:func:`setup_sequence_parallel`): the process groups, the attention function of
   :mod:`hf_fsdp_qlora.train.ulysses` registered and selected;
 * the data (:func:`shard_by_group`): the ranks of a group receive the same batches (the sampler shards over the
-  ``world / sp_size`` groups, not over ranks);
+  ``world / sp_size`` groups, not over ranks; one group's last batch stays partial, as one process's);
 * the split (:func:`split_batch`): labels shifted over the whole sequence first, so no target is lost at a shard
   boundary; global position ids (RoPE); the sequence padded to a multiple of ``sp_size`` with ignored targets;
   each rank keeps its contiguous chunk;
@@ -24,6 +24,10 @@ over every rank. What this module owns, each a function below:
   ``sp_size`` up to the world size. trl's ``SFTTrainer`` normalises its loss like transformers' (by
   ``num_items_in_batch``, else its micro-batch's labelled tokens), so the same scale applies to it; its metrics
   (entropy, token accuracy) are sums over tokens and counts gathered over every rank, so they come out whole.
+  A loss the Trainer computes from the logits (``compute_loss_func``, label smoothing) gets the whole sequence's
+  logits and labels instead; each rank draws its own dropout masks and NEFTune noise
+  (:mod:`hf_fsdp_qlora.train.sp_random`). What leaves the model (outputs, a router aux loss, evaluation's results)
+  is made whole by :mod:`hf_fsdp_qlora.train.sp_outputs`.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedSetupError
 from ..sp_rules import local_attention_kinds, sequence_parallel_problem
-from . import ulysses
+from . import sp_outputs, sp_random, ulysses
 
 __all__ = [
     "adopt_launch_sp_size",
@@ -181,6 +185,15 @@ def _refuse_own_loss(trainer, sp_size: int) -> None:
         )
 
 
+def _refuse_gather_object(args, sp_size: int) -> None:
+    if getattr(args, "eval_use_gather_object", False):
+        raise UnsupportedSetupError(
+            f"{setting_name(sp_size)} with eval_use_gather_object=True: evaluation keeps one rank of each "
+            "sequence-parallel group from gathered tensors, which Python objects gathered per rank do not allow. Set "
+            "eval_use_gather_object=False, or use sp_size=1."
+        )
+
+
 def setup_sequence_parallel(trainer) -> ulysses.UlyssesGroup | None:
     """Check, create the groups and select the Ulysses attention; before accelerate wraps the model. Collective."""
     sp_size = sp_size_of(trainer.args)
@@ -198,6 +211,9 @@ def setup_sequence_parallel(trainer) -> ulysses.UlyssesGroup | None:
     model = unwrap_peft_model(trainer.model) or trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     impl = check_sequence_parallel(base, sp_size, dist.get_world_size())
+    _refuse_gather_object(trainer.args, sp_size)
+    sp_outputs.check_router_aux(base, setting_name(sp_size))
+    sp_outputs.install_output_hook(base)  # whole outputs and router aux loss (train/sp_outputs.py)
     group, sp_rank, dp_index = ulysses.new_groups(sp_size)
     inner = impl if impl != ulysses.ATTENTION_NAME else "sdpa"
     state = ulysses.UlyssesGroup(sp_size=sp_size, group=group, inner=inner, sp_rank=sp_rank, dp_index=dp_index)
@@ -224,9 +240,14 @@ def shard_by_group(loader, sp_size: int):
                 "must see the same batches. Pass a map-style Dataset (with __len__)."
             )
         return loader
-    world = dist.get_world_size()
-    sampler.num_processes = world // sp_size
+    groups = dist.get_world_size() // sp_size
+    sampler.num_processes = groups
     sampler.process_index = dist.get_rank() // sp_size
+    if groups == 1:
+        # accelerate completes a last, partial batch with samples from the start so that every process has as many
+        # batches (even_batches); one group needs none, and one process's last batch is partial: a partial batch's
+        # mean loss counts its own samples only, as with one process.
+        sampler.even_batches = False
     return loader
 
 
@@ -262,10 +283,11 @@ def split_batch(inputs: dict, sp_size: int, sp_rank: int) -> tuple[dict, torch.T
         shift = inputs["shift_labels"]
     else:
         shift = F.pad(inputs["labels"][..., 1:], (0, 1), value=IGNORE_INDEX)
-    arange = torch.arange(length, device=ids.device).expand(batch, length)
-    positions = inputs.get("position_ids")
-    positions = arange if positions is None else positions.expand(batch, length)
-    packed = not torch.equal(positions, arange)
+    given = inputs.get("position_ids")
+    positions = torch.arange(length, device=ids.device) if given is None else given
+    positions = positions.expand(batch, length)
+    # transformers' rule (masking_utils): position ids describe packed sequences only without an attention mask
+    packed = given is not None and inputs.get("attention_mask") is None and bool(ulysses.document_ids(positions).any())
     pad = -length % sp_size  # pad tokens go last: with a causal mask no real token attends to them
     if pad:
         ids = F.pad(ids, (0, pad), value=0)
@@ -289,6 +311,8 @@ def compute_loss(trainer, inner, model, inputs, return_outputs=False, num_items_
     num_items_in_batch summed over every rank (average_tokens_across_devices) counts each sequence sp times, so it is
     divided by sp; num_items_in_batch of this rank alone counts its group's batch, so the loss is multiplied by sp;
     no num_items_in_batch (a mean per micro-batch), the local mean is rescaled to sp x sum / the batch's count.
+    A loss computed by the Trainer from the logits (a compute_loss_func, label smoothing) gets the whole sequence's
+    logits instead (:func:`hf_fsdp_qlora.train.sp_outputs.whole_logits_loss`).
     """
     state = ulysses.active_group()
     if state is None:
@@ -296,17 +320,27 @@ def compute_loss(trainer, inner, model, inputs, return_outputs=False, num_items_
     sp = state.sp_size
     _refuse_own_loss(trainer, sp)
     local, state.global_position_ids, count = split_batch(inputs, sp, state.sp_rank)
-    scale = 1.0
-    if num_items_in_batch is not None and trainer.args.average_tokens_across_devices:
+    state.length = inputs["input_ids"].shape[-1]
+    averaged = num_items_in_batch is not None and trainer.args.average_tokens_across_devices
+    if averaged:
         num_items_in_batch = num_items_in_batch // sp
-    elif num_items_in_batch is not None:
-        scale = float(sp)
+    if sp_outputs.takes_logits(trainer) and inputs.get("labels") is not None:
+        with sp_random.forward_draws(trainer, model, state):
+            return sp_outputs.whole_logits_loss(
+                trainer, inner, model, inputs, local, return_outputs, num_items_in_batch
+            )
+    if num_items_in_batch is not None:
+        scale = 1.0 if averaged else float(sp)
     else:
         local_count = local["shift_labels"].ne(IGNORE_INDEX).sum()
         scale = sp * local_count.clamp(min=1).float() / count.clamp(min=1).float()
+    # The model's router aux loss is recomputed over the whole sequence (train/sp_outputs.py) and divided by what
+    # multiplies the model's loss here, so the group's ranks together add it once, as one process does.
+    state.aux_divisor = float(sp) if num_items_in_batch is not None else scale
     # The global positions stay set after the call: an activation-checkpointed layer recomputes its attention in
     # backward, and needs the same mask; the next batch's split replaces them.
-    result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    with sp_random.forward_draws(trainer, model, state):
+        result = inner(model, local, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
     if return_outputs:
         return result[0] * scale, result[1]
     return result * scale

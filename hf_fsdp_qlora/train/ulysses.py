@@ -26,7 +26,15 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-__all__ = ["ATTENTION_NAME", "UlyssesGroup", "active_group", "register_ulysses_attention", "ulysses_attention"]
+__all__ = [
+    "ATTENTION_NAME",
+    "UlyssesGroup",
+    "active_group",
+    "document_ids",
+    "gather_sequence",
+    "register_ulysses_attention",
+    "ulysses_attention",
+]
 
 ATTENTION_NAME = "hf_fsdp_qlora_ulysses"
 
@@ -41,6 +49,9 @@ class UlyssesGroup:
     sp_rank: int = 0  # which contiguous chunk of each sequence this rank holds
     dp_index: int = 0  # which data-parallel group (of sp_size ranks) this rank belongs to
     global_position_ids: torch.Tensor | None = None  # [batch, whole sequence]: set per forward when packed
+    length: int | None = None  # the batch's whole sequence length (before the split's padding): set per forward
+    gather_outputs: bool = False  # make the model's sequence-shaped outputs whole (logits for a loss or predictions)
+    aux_divisor: float = 1.0  # what the split's loss scale multiplies the model's loss by (router aux loss)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -63,6 +74,32 @@ class _AllToAll(torch.autograd.Function):
         sent_back = torch.empty_like(grad, memory_format=torch.contiguous_format)
         dist.all_to_all_single(sent_back, grad, group=ctx.group)
         return sent_back, None
+
+
+class _AllGather(torch.autograd.Function):
+    """``dist.all_gather`` over the group, stacked on a new dim 0, differentiable. Every rank's loss then uses the
+    whole (the same on every rank of the group), so the backward sums the group's gradients of the whole and keeps
+    this rank's part: over the group, each token's gradient is counted once per rank, as each rank's loss counts it."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group, rank: int) -> torch.Tensor:
+        ctx.group, ctx.rank = group, rank
+        parts = [torch.empty_like(part, memory_format=torch.contiguous_format)
+                 for _ in range(dist.get_world_size(group))]  # fmt: skip
+        dist.all_gather(parts, part.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None, None
+
+
+def gather_sequence(part: torch.Tensor, group: UlyssesGroup, dim: int = 1) -> torch.Tensor:
+    """This rank's chunk of the sequence (along `dim`) made whole over the group, the split's padding dropped."""
+    parts = _AllGather.apply(part, group.group, group.sp_rank)
+    return torch.cat(parts.unbind(0), dim=dim).narrow(dim, 0, group.length).contiguous()  # users .view() logits
 
 
 _ACTIVE: list[UlyssesGroup] = []  # one per process: the group of the model being trained
@@ -92,11 +129,17 @@ def _exchange(x: torch.Tensor, group: UlyssesGroup, seq_to_heads: bool) -> torch
     return received.permute(1, 0, 2, 3, 4).reshape(b, sp * h, s // sp, d)  # [sp (source = head chunk), b, h, s/sp, d]
 
 
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, seq]: which packed sequence each token belongs to. transformers' rule (masking_utils, for position ids
+    without an attention mask): a new sequence starts wherever the position does not step by exactly 1."""
+    steps = torch.ones_like(position_ids)
+    steps[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1]
+    return (steps != 1).cumsum(-1)
+
+
 def _packed_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, 1, seq, seq] bool: causal within each packed sequence (a new one starts where the position drops)."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
-    document = starts.cumsum(-1)
+    """[batch, 1, seq, seq] bool: causal within each packed sequence (:func:`document_ids`)."""
+    document = document_ids(position_ids)
     length = position_ids.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
     return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]

@@ -7,7 +7,16 @@ padded to 16 and split 8 + 8; gradient accumulation 2; 8 SGD steps; our FSDPQLoR
 of 4-token tiles, transformers' stock loss), ``packed`` (padding-free packing: DataCollatorWithFlattening's
 position ids, several sequences per row, with activation offloading's hooks: on CPU every saved tensor stays, so
 they prove the composition, not the transfer), ``gqa`` (a model with one key/value head: replicated for sp_size=2).
-``plain`` also evaluates after training (the eval dataloader sharded by group too). Each rank writes rank<N>.json (logged losses, FSDP engagement) and rank 0
+``plain`` also evaluates after training (the eval dataloader sharded by group too): on the whole set, on 5 samples
+in batches of 2 (a remainder batch), with ``prediction_loss_only=False`` (a ``compute_metrics`` over the predictions),
+and ``predict()`` (predictions and label ids written to predict_<name>_sp<N>.pt by rank 0).
+Options one step away (issue 49), 2 steps each: ``moe_aux`` (tiny Qwen3-MoE, ``output_router_logits=True``,
+``router_aux_loss_coef=1.0``: the router aux loss of the first forward recorded), ``smooth``
+(``label_smoothing_factor=0.1``), ``loss_func`` (a causal-LM ``compute_loss_func``), ``gaps`` (user ``position_ids``
+with a gap, ``[0..7, 12..19]``: transformers starts a new sequence wherever the step is not 1), ``dropout`` (LoRA
+dropout 0.1: the first mask each rank draws recorded), ``neftune`` (``neftune_noise_alpha=5``: the largest noise of
+the first forward recorded).
+Each rank writes rank<N>.json (logged losses, FSDP engagement) and rank 0
 grads_<name>.pt (every LoRA gradient at the first optimizer step, gathered whole).
 
 ``--single``: the same scenarios with sp_size=1 in this one process, no FSDP (the oracle).
@@ -30,11 +39,19 @@ from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlo
 from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 
 SCENARIOS = {
-    "plain": {},  # also evaluates after training
+    "plain": {"include_num_input_tokens_seen": True},  # also evaluates after training
     "ckpt": {"chunked_loss": False, "tiled_mlp": True, "tiled_mlp_tokens": 4},
     "packed": {"activation_offloading": True},  # offloading's saved-tensor hooks around the all-to-alls
     "gqa": {},  # one key/value head for sp_size=2: replicated to the query heads before the exchange
+    # Options one step away from the proven path (issue 49): OPTION_STEPS steps each.
+    "moe_aux": {},  # Qwen3-MoE with output_router_logits=True, router_aux_loss_coef=1.0
+    "smooth": {"label_smoothing_factor": 0.1},
+    "loss_func": {},  # a causal-LM compute_loss_func
+    "gaps": {},  # user position_ids with a gap: [0..7, 12..19]
+    "dropout": {},  # LoRA dropout 0.1: the masks each rank draws for its chunk recorded
+    "neftune": {"neftune_noise_alpha": 5.0},  # the largest noise NEFTune added in the first forward recorded
 }
+OPTION_STEPS = 2  # the option scenarios' steps (the first four: the proven paths, STEPS)
 # Launched only: 4 steps with a checkpoint at step 2, then a fresh trainer resumed from it (steps 3 and 4).
 RESUME = "resume"
 LENGTH, SAMPLES, STEPS = 15, 32, 8
@@ -55,6 +72,52 @@ class PromptData(torch.utils.data.Dataset):
         labels = ids.clone()
         labels[: 1 + i % 5] = -100
         return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+
+
+class GapData(PromptData):
+    """16-token samples whose position ids jump from 7 to 12: two sequences for transformers (a step other than 1)."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        item = {k: torch.cat([v, v[:1]]) for k, v in item.items() if k != "attention_mask"}
+        item["position_ids"] = torch.cat([torch.arange(8), torch.arange(12, 20)])
+        return item
+
+
+def causal_lm_loss(outputs, labels, num_items_in_batch=None):
+    """A user's compute_loss_func: transformers' causal-LM loss (it shifts the labels itself)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(outputs.logits, labels, vocab_size=256, num_items_in_batch=num_items_in_batch)
+
+
+def prediction_metrics(prediction):
+    """compute_metrics for evaluate(prediction_loss_only=False): sums over the predictions' values and shape."""
+    logits, labels = prediction.predictions, prediction.label_ids
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    return {"logit_sum": float(logits.astype("float64").sum()), "rows": int(logits.shape[0]),
+            "label_sum": int(labels[labels != -100].sum())}  # fmt: skip
+
+
+def _evaluate_options(trainer, out, name, sp_size) -> dict:
+    """The plain scenario's evaluations: the whole set; 5 samples in batches of 2 (a remainder batch); the same with
+    the predictions (compute_metrics); predict() on 4 samples."""
+    from torch.utils.data import Subset
+
+    found = {"eval_loss": trainer.evaluate(PromptData())["eval_loss"]}
+    # batches of 2 (training's batches were whole; evaluation's last one is not)
+    trainer.args.dataloader_drop_last, trainer.args.per_device_eval_batch_size = False, 2
+    found["eval5_loss"] = trainer.evaluate(Subset(PromptData(), range(5)))["eval_loss"]
+    trainer.compute_metrics = prediction_metrics
+    found["eval5_metrics"] = trainer.evaluate(Subset(PromptData(), range(5)))
+    trainer.compute_metrics = None
+    predicted = trainer.predict(Subset(PromptData(), range(4)))
+    found["predict_shapes"] = [list(predicted.predictions.shape), list(predicted.label_ids.shape)]
+    found["predict_loss"] = predicted.metrics["test_loss"]
+    if ts.rank() == 0:
+        torch.save({"predictions": torch.from_numpy(predicted.predictions), "label_ids":
+                    torch.from_numpy(predicted.label_ids)}, out / f"predict_{name}_sp{sp_size}.pt")  # fmt: skip
+    return found
 
 
 class VariedData(torch.utils.data.Dataset):
@@ -81,6 +144,10 @@ def run(name, path, out, sp_size):
             seen["engaged"] = fsdp_engagement(model) if dist.is_initialized() else {}
             seen["dtensor_params"] = sum(hasattr(p, "to_local") for p in model.parameters())
             seen["checkpointed"] = sum("CheckpointWrapper" in type(m).__name__ for m in model.modules())
+            if name == "neftune":  # after train() put NEFTune's hook on: this one sees the noisy embeddings
+                embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+                embeddings = embeddings or trainer.accelerator.unwrap_model(model).get_input_embeddings()
+                _record_noise(embeddings, seen)
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             if "grads" in seen:
@@ -99,30 +166,32 @@ def run(name, path, out, sp_size):
         "FSDP_ACTIVATION_CHECKPOINTING" in os.environ
     ):  # launched: the rehearsal config's FSDP checkpointing, per scenario
         os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = str(name == "ckpt").lower()
-    torch.manual_seed(0)  # the same LoRA initialisation in the launch and in the oracle
-    model = load_qlora_model(
-        str(Path(path).parent / "llama_kv1") if name == "gqa" else path,
-        dtype=torch.float32,
-        lora_config=ts.lora_config(init_lora_weights=False),
-        gradient_checkpointing=(name == "ckpt"),
-    )
-    model.config.use_cache = False
+    model = _load(name, path)
+    option = name in ("moe_aux", "smooth", "loss_func", "gaps", "dropout", "neftune")
     args = FSDPQLoRATrainingArguments(
         output_dir=str(out / f"{name}_sp{sp_size}"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        max_steps=STEPS, learning_rate=0.1, optim="sgd", logging_steps=1, report_to=[], save_strategy="no",
-        use_cpu=True, dataloader_drop_last=True, seed=0, average_tokens_across_devices=True, sp_size=sp_size,
-        **settings,
+        max_steps=OPTION_STEPS if option else STEPS, learning_rate=0.1, optim="sgd", logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=True, dataloader_drop_last=True, seed=0, average_tokens_across_devices=True,
+        sp_size=sp_size, **settings,
     )  # fmt: skip
     extra = {"data_collator": DataCollatorWithFlattening()} if name == "packed" else {}
-    data = VariedData() if name == "packed" else PromptData()
+    if name == "loss_func":
+        extra["compute_loss_func"] = causal_lm_loss
+    data = VariedData() if name == "packed" else GapData() if name == "gaps" else PromptData()
     trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=data, callbacks=[FirstGrads()], **extra)
+    aux = _record_aux(model) if name == "moe_aux" else None
+    masks = _record_dropout(model) if name == "dropout" else None
     trainer.train()
-    eval_loss = trainer.evaluate(PromptData())["eval_loss"] if name == "plain" else None
+    found = _evaluate_options(trainer, out, name, sp_size) if name == "plain" else {"eval_loss": None}
     if ts.rank() == 0:
         torch.save(seen.get("grads", {}), out / f"grads_{name}_sp{sp_size}.pt")
     return {
+        **found,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "eval_loss": eval_loss,
+        "first_aux": aux[0] if aux else None,
+        "num_input_tokens_seen": trainer.state.num_input_tokens_seen,
+        "first_dropout_mask": masks[0] if masks else None,
+        "first_noise_max": seen.get("noise", [None])[0],
         "engaged": seen.get("engaged"),
         "dtensor_params": seen.get("dtensor_params"),
         "checkpointed": seen.get("checkpointed"),
@@ -130,6 +199,64 @@ def run(name, path, out, sp_size):
         "distributed_type": str(trainer.accelerator.distributed_type),
         "world": dist.get_world_size() if dist.is_initialized() else 1,
     }
+
+
+def _load(name, path):
+    torch.manual_seed(0)  # the same LoRA initialisation in the launch and in the oracle
+    folder = {"gqa": "llama_kv1", "moe_aux": "qwen3_moe"}.get(name)
+    model = load_qlora_model(
+        str(Path(path).parent / folder) if folder else path,
+        dtype=torch.float32,
+        lora_config=ts.lora_config(init_lora_weights=False, lora_dropout=0.1 if name == "dropout" else 0.0),
+        gradient_checkpointing=(name == "ckpt"),
+    )
+    model.config.use_cache = False
+    if name == "moe_aux":
+        model.config.output_router_logits, model.config.router_aux_loss_coef = True, 1.0
+        model.get_base_model().router_aux_loss_coef = 1.0
+    return model
+
+
+def _record_noise(embeddings, seen) -> None:
+    """Forward hooks recording the largest NEFTune noise of each training forward: the embeddings after NEFTune's hook
+    minus those before it (one hook put first, one last)."""
+    clean = []
+
+    def before(module, args, output):
+        clean.append(output.detach().clone())
+
+    def after(module, args, output):
+        if module.training:
+            seen.setdefault("noise", []).append(float((output - clean.pop()).abs().max()))
+        clean.clear()
+
+    embeddings.register_forward_hook(before, prepend=True)
+    embeddings.register_forward_hook(after)
+
+
+def _record_dropout(model) -> list:
+    """The mask of the first layer's q_proj LoRA dropout in every training forward: [batch, tokens, hidden] 0/1."""
+    found = []
+    dropout = model.get_base_model().model.layers[0].self_attn.q_proj.lora_dropout["default"]
+
+    def hook(module, args, output):
+        if module.training:
+            found.append(((output == 0) & (args[0] != 0)).int().tolist())
+
+    dropout.register_forward_hook(hook)
+    return found
+
+
+def _record_aux(model) -> list:
+    """The router aux loss of every training forward (the model's own output, whatever computed it)."""
+    found = []
+
+    def hook(module, args, output):
+        if module.training and getattr(output, "aux_loss", None) is not None:
+            found.append(float(output.aux_loss))
+
+    model.get_base_model().register_forward_hook(hook)
+    return found
 
 
 def _trainable(model) -> dict:
