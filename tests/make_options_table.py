@@ -147,7 +147,9 @@ def _intro() -> str:
         "matmul also quantizes the activations and ours does not). `refused`: stopped before the first step with an error naming the option (below). "
         "`n/a`: the combination cannot exist. With `average_tokens_across_devices=False` each data-parallel rank "
         "divides by its own labelled tokens: the stock figure is that (each rank's share of the batch averaged "
-        "on its own, then the ranks averaged), computed in the one process."
+        "on its own, then the ranks averaged), computed in the one process. Likewise a router aux loss is each rank's "
+        "own: the stock figure adds `router_aux_loss_coef` x the mean of the ranks' shares' aux losses (stock "
+        "transformers on N ranks multiplies it by N: transformers issue #48690; ours keeps the coefficient)."
     )
 
 

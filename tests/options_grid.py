@@ -60,6 +60,33 @@ def group_means_loss(groups: int):
     return loss
 
 
+def router_aux_loss(model, groups: int):
+    """The stock oracle of a router aux loss on `groups` data-parallel ranks, in one process: the cross-entropy over
+    the whole batch plus ``router_aux_loss_coef`` x the mean of each rank's own aux loss (the model's
+    ``load_balancing_loss_func`` over that rank's share of the rows), what the ranks' averaged gradients give when
+    the coefficient is kept (transformers issue #48690)."""
+    import sys
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    balancing = sys.modules[type(base).__module__].load_balancing_loss_func
+    config = base.config
+    experts, top_k, coef = config.num_experts, config.num_experts_per_tok, config.router_aux_loss_coef
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        total, count = _token_loss(outputs["logits"], labels)
+        rows = labels.shape[0]
+        layers = [layer.reshape(rows, -1, experts) for layer in outputs["router_logits"]]
+        shares = [
+            balancing(tuple(part.reshape(-1, experts) for part in parts), experts, top_k, None)
+            for parts in zip(*(layer.chunk(groups) for layer in layers))
+        ]
+        return total / (num_items_in_batch if num_items_in_batch is not None else count) + coef * (
+            sum(shares) / len(shares)
+        )
+
+    return loss
+
+
 def gapped_positions(features):
     """Batches with user position ids that jump (0..7 then 12..19: two sequences by transformers' rule, a step other
     than 1 starts one) and no attention mask, as a padding-free collator hands them to the model."""
@@ -85,7 +112,8 @@ ROUTER_AUX = {
 _LLAMA = {"arch": "llama", "config": {}, "load": {}, "lora": {}}
 
 # name -> {"args": TrainingArguments settings, "trainer": Trainer keywords, "after": evaluation calls compared,
-# "per_rank_mean": the option averages per data-parallel rank (its stock oracle: group_means_loss), "model": the
+# "per_rank_mean": the option averages per data-parallel rank (its stock oracle: group_means_loss), "per_rank_aux":
+# each rank's router aux loss is its own (the stock oracle: router_aux_loss), "model": the
 # row's own model (default: the tiny Llama)}.
 OPTIONS = {
     "defaults": {},
@@ -101,7 +129,7 @@ OPTIONS = {
         "args": {"remove_unused_columns": False},
     },
     "include_num_input_tokens_seen": {"args": {"include_num_input_tokens_seen": "all"}},
-    "output_router_logits (Qwen3-MoE)": {"model": ROUTER_AUX},
+    "output_router_logits (Qwen3-MoE)": {"model": ROUTER_AUX, "per_rank_aux": True},
     "evaluate, remainder batch": {"after": ("evaluate",)},
     "predict": {"after": ("predict",)},
 }
@@ -123,7 +151,8 @@ SETTINGS = {
 
 
 def option(name: str) -> dict:
-    return {"args": {}, "trainer": {}, "after": (), "per_rank_mean": False, "model": _LLAMA, **OPTIONS[name]}
+    defaults = {"args": {}, "trainer": {}, "after": (), "per_rank_mean": False, "per_rank_aux": False}
+    return {**defaults, "model": _LLAMA, **OPTIONS[name]}
 
 
 def not_applicable(option_name: str, setting: str) -> str | None:
@@ -149,7 +178,8 @@ def stock_run(option_name: str, setting: str) -> tuple[str, str, int]:
     """(option, model variant, data-parallel groups) of the stock run a cell is compared with: the groups matter
     only to an option that averages per rank."""
     column = SETTINGS[setting]
-    return option_name, column["model"], column["dp"] if option(option_name)["per_rank_mean"] else 1
+    row = option(option_name)
+    return option_name, column["model"], column["dp"] if row["per_rank_mean"] or row["per_rank_aux"] else 1
 
 
 def stock_runs() -> list[tuple[str, str, int]]:

@@ -130,6 +130,8 @@ def stock_run(models: Path, out: Path, run: tuple) -> dict:
     key, chosen = grid.stock_key(run), grid.option(option)
     args = TrainingArguments(per_device_train_batch_size=2, **common_args(out / key, option, eval_batch=1))
     extra = {"compute_loss_func": grid.group_means_loss(groups)} if chosen["per_rank_mean"] else {}
+    if chosen["per_rank_aux"]:
+        extra = {"compute_loss_func": grid.router_aux_loss(model, groups)}
     trainer = Trainer(model=model, args=args, train_dataset=TrainData(), **{**chosen["trainer"], **extra})
     trainer.train()
     return record(trainer, model, option, out, key, None)
