@@ -6,7 +6,7 @@ The work is done by :mod:`hf_fsdp_qlora.train.sequence_parallel` (with :mod:`hf_
 
 from __future__ import annotations
 
-from . import sequence_parallel, sp_outputs, ulysses
+from . import router_aux, sequence_parallel, sp_outputs, ulysses
 from .tiled_mlp import install_tiled_mlp
 
 __all__ = [
@@ -69,5 +69,6 @@ def compute_loss(trainer, stock, model, inputs, return_outputs=False, num_items_
         return loss.compute_loss(trainer, stock, model, inputs, return_outputs, num_items_in_batch)
 
     if sequence_parallel.sp_size_of(trainer.args) <= 1:
-        return inner(model, inputs, return_outputs, num_items_in_batch)
+        with router_aux.unscaled_router_aux(trainer, model, num_items_in_batch):
+            return inner(model, inputs, return_outputs, num_items_in_batch)
     return sequence_parallel.compute_loss(trainer, inner, model, inputs, return_outputs, num_items_in_batch)
