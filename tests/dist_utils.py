@@ -159,7 +159,9 @@ def run_single(script: str, *args: str, timeout: int = 300, env: dict | None = N
     return _run([sys.executable, str(SCRIPTS / script), *args], timeout, env)
 
 
-def launch_via_run(config: str | Path, script: str | Path, *args: str, timeout: int = 420, fork: bool | None = None):
+def launch_via_run(
+    config: str | Path, script: str | Path, *args: str, timeout: int = 420, fork: bool | None = None, env=None
+):
     """`accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run SCRIPT ARGS` (SCRIPT: a path, e.g. trl's own
     sft.py, or a name in tests/scripts/). `fork` as in accelerate_launch: by default the ranks are forked and run
     `python -m hf_fsdp_qlora.run SCRIPT ARGS` with that launch's environment (fork_launch.py's ``-m``); keep
@@ -168,12 +170,12 @@ def launch_via_run(config: str | Path, script: str | Path, *args: str, timeout: 
     if FORK_DEFAULT if fork is None else fork:
         cmd = _fork_cmd(str(script), args, timeout, config=config)
         at = len(cmd) - len(args) - 1  # before the script: fork_launch's `-m MODULE SCRIPT ARGS`
-        return _run([*cmd[:at], "-m", "hf_fsdp_qlora.run", *cmd[at:]], timeout, None)
+        return _run([*cmd[:at], "-m", "hf_fsdp_qlora.run", *cmd[at:]], timeout, env)
     cmd = [
         str(BIN / "accelerate"), "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
         "-m", "hf_fsdp_qlora.run", str(SCRIPTS / script), *args,
     ]  # fmt: skip
-    return _run(cmd, timeout, None)
+    return _run(cmd, timeout, env)
 
 
 def torchrun(

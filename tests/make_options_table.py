@@ -17,6 +17,8 @@ import options_grid as grid
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "options.md"
 EPS32 = 1.1920928955078125e-07  # torch.finfo(torch.float32).eps
+# The launcher's setting for 16-bit experts, as stock loads them (the router aux row's model is a mixture of experts)
+SFT_ENV = {"HF_FSDP_QLORA_QUANTIZE_EXPERTS": "0"}
 LOG_KEYS = ("loss", "grad_norm", "learning_rate", "num_input_tokens_seen")
 
 
@@ -34,13 +36,15 @@ def run_sweep(work: Path, fork: bool | None = None) -> dict:
                               timeout=600, fork=fork)
     )  # fmt: skip
     cells = {}
-    for version in sorted({column["version"] for column in grid.SETTINGS.values()}):
-        out = work / f"fsdp{version}"
+    for version, route in sorted({(column["version"], column["route"]) for column in grid.SETTINGS.values()}):
+        out = work / f"fsdp{version}_{route}"
         args = ("--models", str(work / "models"), "--out", str(out), "--fsdp-version", str(version))
-        proc = dist_utils.accelerate_launch(
-            f"cpu_fsdp{version}_rehearsal.yaml", "options_sweep.py", *args, "--inits", str(stock),
-            timeout=900, fork=fork,
-        )  # fmt: skip
+        args += ("--inits", str(stock), "--route", route)
+        config = f"cpu_fsdp{version}_rehearsal.yaml"
+        if route == "sft":  # a script run unchanged: every trainer it builds made ours by the launcher
+            proc = dist_utils.launch_via_run(config, "options_sweep.py", *args, timeout=900, fork=fork, env=SFT_ENV)
+        else:
+            proc = dist_utils.accelerate_launch(config, "options_sweep.py", *args, timeout=900, fork=fork)
         dist_utils.check(proc)
         cells.update({k: {**r, "tensors": str(out / f"{k}.pt")} for k, r in dist_utils.read_results(out)[0].items()})
     stock_records = json.loads((stock / "stock.json").read_text())
@@ -149,7 +153,9 @@ def _intro() -> str:
         "divides by its own labelled tokens: the stock figure is that (each rank's share of the batch averaged "
         "on its own, then the ranks averaged), computed in the one process. Likewise a router aux loss is each rank's "
         "own: the stock figure adds `router_aux_loss_coef` x the mean of the ranks' shares' aux losses (stock "
-        "transformers on N ranks multiplies it by N: transformers issue #48690; ours keeps the coefficient)."
+        "transformers on N ranks multiplies it by N: transformers issue #48690; ours keeps the coefficient). In trl's column the stock run is trl's `SFTTrainer` with the adapters kept in "
+        "float32 as peft makes them (trl casts a quantized model's adapters to bf16; this package trains float32 "
+        "master weights)."
     )
 
 
@@ -171,6 +177,8 @@ def render(found: dict) -> str:
     for status, _ in found.values():
         totals[status] = totals.get(status, 0) + 1
     lines += ["", "Totals: " + ", ".join(f"{n} {s}" for s, n in sorted(totals.items())) + "."]
+    lines += ["", "## Not in this grid yet", ""]
+    lines += [f"- {name}: {where}." for name, where in grid.NOT_IN_GRID.items()]
     refusals = [(o, s, d) for (o, s), (st, d) in found.items() if st == "refused"]
     if refusals:
         lines += ["", "## What a refusal says", ""]

@@ -49,6 +49,50 @@ def eval_data():
     return TrainData(rows=grid.EVAL_ROWS, masked=False, seed=23)
 
 
+def sft_data(data: TrainData):
+    """`data` as trl takes a pre-tokenized dataset: input ids and a completion mask (trl's completion_only_loss masks
+    the same targets TrainData does)."""
+    from datasets import Dataset
+
+    rows = [data[i] for i in range(len(data))]
+    mask = [(r["labels"] != -100).long().tolist() for r in rows]
+    return Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows], "completion_mask": mask})
+
+
+def datasets(route: str) -> tuple:
+    """(train, eval) data of a route: the Trainer's torch datasets, or trl's pre-tokenized ones."""
+    if route == "sft":
+        return sft_data(TrainData()), sft_data(eval_data())
+    return TrainData(), eval_data()
+
+
+def make_trainer(route: str, ours: bool, model, args: dict, option: str, loss: dict | None = None):
+    """The trainer a user builds on `route`: transformers' Trainer (ours: FSDPQLoRATrainer with our arguments), or
+    trl's SFTTrainer with SFTConfig (ours: the same stock class, made ours by ``-m hf_fsdp_qlora.run``)."""
+    train, _ = datasets(route)
+    extra = {**grid.option(option)["trainer"], **(loss or {})}
+    if route == "sft":
+        from tiny_models import build_tokenizer
+        from trl import SFTConfig, SFTTrainer
+
+        config = SFTConfig(**args, completion_only_loss=True, bf16=False)
+        trainer = SFTTrainer(
+            model=model, args=config, train_dataset=train, processing_class=build_tokenizer(), **extra
+        )
+        if not ours:  # trl casts a quantized model's adapters to bf16; the oracle keeps peft's float32, as we do
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.float()
+        return trainer
+    from transformers import Trainer, TrainingArguments
+
+    from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments
+
+    if ours:
+        return FSDPQLoRATrainer(model=model, args=FSDPQLoRATrainingArguments(**args), train_dataset=train, **extra)
+    return Trainer(model=model, args=TrainingArguments(**args), train_dataset=train, **extra)
+
+
 def lora_config(model: str, option: str):
     # lora_B non-zero: the adapter acts from the first step
     row = grid.option(option)["model"]
@@ -56,12 +100,13 @@ def lora_config(model: str, option: str):
 
 
 def common_args(out: Path, option: str, eval_batch: int) -> dict:
-    settings = grid.option(option)["args"]
-    return dict(
-        output_dir=str(out), max_steps=grid.STEPS, learning_rate=grid.LEARNING_RATE, optim="sgd", logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, seed=0,
-        train_sampling_strategy="sequential", per_device_eval_batch_size=eval_batch, disable_tqdm=True, **settings,
-    )  # fmt: skip
+    """The arguments every run shares (SGD at a constant schedule's default, rows in order), then the option's."""
+    shared = {
+        "output_dir": str(out), "max_steps": grid.STEPS, "learning_rate": grid.LEARNING_RATE, "optim": "sgd",
+        "logging_steps": 1, "report_to": [], "save_strategy": "no", "use_cpu": True, "seed": 0,
+        "train_sampling_strategy": "sequential", "per_device_eval_batch_size": eval_batch, "disable_tqdm": True,
+    }  # fmt: skip
+    return {**shared, **grid.option(option)["args"]}
 
 
 def copy_adapter(model, init: dict) -> None:
@@ -73,14 +118,15 @@ def copy_adapter(model, init: dict) -> None:
             params[name].copy_(value)
 
 
-def record(trainer, model, option: str, out: Path, key: str, version: int | None) -> dict:
+def record(trainer, model, option: str, out: Path, key: str, version: int | None, route: str) -> dict:
     """What a run is compared on: per-step logs, the evaluation's metrics and tensors, the adapter (KEY.pt)."""
     tensors, found = {}, {"logs": [h for h in trainer.state.log_history if "loss" in h]}
+    evaluation = datasets(route)[1]
     for call in grid.option(option)["after"]:
         if call == "evaluate":
-            found["eval_loss"] = trainer.evaluate(eval_data())["eval_loss"]
+            found["eval_loss"] = trainer.evaluate(evaluation)["eval_loss"]
         elif call == "predict":
-            pred = trainer.predict(eval_data())
+            pred = trainer.predict(evaluation)
             logits = pred.predictions[0] if isinstance(pred.predictions, tuple) else pred.predictions
             tensors["predictions"], tensors["label_ids"] = torch.as_tensor(logits), torch.as_tensor(pred.label_ids)
             found["test_loss"] = pred.metrics.get("test_loss")
@@ -122,19 +168,23 @@ def initial_adapter(model, option: str, variant: str, out: Path) -> dict:
 
 def stock_run(models: Path, out: Path, run: tuple) -> dict:
     """One stock run (tests/options_grid.py's stock_run): its record, its tensors saved."""
-    from transformers import Trainer, TrainingArguments
-
-    option, variant, groups = run
+    option, variant, groups, route = run
     model = stock_model(models, option, variant)
     copy_adapter(model, initial_adapter(model, option, variant, out))
     key, chosen = grid.stock_key(run), grid.option(option)
-    args = TrainingArguments(per_device_train_batch_size=2, **common_args(out / key, option, eval_batch=1))
-    extra = {"compute_loss_func": grid.group_means_loss(groups)} if chosen["per_rank_mean"] else {}
-    if chosen["per_rank_aux"]:
-        extra = {"compute_loss_func": grid.router_aux_loss(model, groups)}
-    trainer = Trainer(model=model, args=args, train_dataset=TrainData(), **{**chosen["trainer"], **extra})
+    args = {"per_device_train_batch_size": 2, **common_args(out / key, option, eval_batch=1)}
+    trainer = make_trainer(route, False, model, args, option, oracle_loss(chosen, model, groups))
     trainer.train()
-    return record(trainer, model, option, out, key, None)
+    return record(trainer, model, option, out, key, None, route)
+
+
+def oracle_loss(chosen: dict, model, groups: int) -> dict:
+    """The stock run's loss function where an option averages per data-parallel rank (tests/options_grid.py)."""
+    if chosen["per_rank_aux"]:
+        return {"compute_loss_func": grid.router_aux_loss(model, groups)}
+    if chosen["per_rank_mean"]:
+        return {"compute_loss_func": grid.group_means_loss(groups)}
+    return {}
 
 
 def run_stock(models: Path, out: Path) -> dict:
@@ -147,27 +197,45 @@ def run_stock(models: Path, out: Path) -> dict:
     return found
 
 
+def our_model(models: Path, option: str, column: dict):
+    """The model of a cell: ours from load_qlora_model, or (trl's route) built as the stock user builds it."""
+    from hf_fsdp_qlora import load_qlora_model
+
+    if column["route"] == "sft":
+        return stock_model(models, option, column["model"])
+    row = grid.option(option)["model"]
+    return load_qlora_model(
+        models / row["arch"], dtype=torch.float32, lora_config=lora_config(column["model"], option),
+        bits=8 if column["model"] == "int8" else 4, **row["load"], **row["config"],
+    )  # fmt: skip
+
+
 def run_cell(models: Path, out: Path, option: str, setting: str, inits: Path) -> dict:
-    from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
     from hf_fsdp_qlora.train.fsdp import fsdp_engagement
 
     column, key = grid.SETTINGS[setting], grid.cell_key(option, setting)
-    row, model, trainer = grid.option(option)["model"], None, None
+    model, trainer = None, None
     try:
-        model = load_qlora_model(
-            models / row["arch"], dtype=torch.float32, lora_config=lora_config(column["model"], option),
-            bits=8 if column["model"] == "int8" else 4, **row["load"], **row["config"],
-        )  # fmt: skip
+        model = our_model(models, option, column)
         init = grid.init_file(inits, option, column["model"])
         if init.exists():  # none where stock itself refused: then only a refusal before the first step compares
             copy_adapter(model, torch.load(init))
-        args = FSDPQLoRATrainingArguments(
-            per_device_train_batch_size=column["batch"], **common_args(out / key, option, column["eval_batch"]),
+        args = {
+            "per_device_train_batch_size": column["batch"], **common_args(out / key, option, column["eval_batch"]),
             **column["args"],
-        )  # fmt: skip
-        trainer = FSDPQLoRATrainer(model=model, args=args, train_dataset=TrainData(), **grid.option(option)["trainer"])
+        }  # fmt: skip
+        trainer = make_trainer(column["route"], True, model, args, option)
         trainer.train()
-        found = {"outcome": "ran", **record(trainer, trainer.model, option, out, key, column["version"])}
+        if grid.option(option)["resume"]:  # a fresh model and trainer, resumed from the step-1 checkpoint
+            del model, trainer
+            ts.reset_accelerate()
+            model, trainer = our_model(models, option, column), None
+            trainer = make_trainer(column["route"], True, model, args, option)
+            trainer.train(resume_from_checkpoint=str(out / key / "checkpoint-1"))
+        found = {
+            "outcome": "ran",
+            **record(trainer, trainer.model, option, out, key, column["version"], column["route"]),
+        }
         found["distributed_type"] = str(trainer.accelerator.distributed_type)
         found["engaged"] = fsdp_engagement(trainer.model)
     except Exception as exc:  # noqa: BLE001  (a cell's outcome, recorded for the test)
@@ -188,6 +256,9 @@ def main():
     parser.add_argument("--stock", action="store_true")
     parser.add_argument("--fsdp-version", type=int)
     parser.add_argument("--inits", help="the stock run's folder: every cell starts from its init_VARIANT.pt")
+    parser.add_argument(
+        "--route", default="trainer", help="the columns of this route (sft: under -m hf_fsdp_qlora.run)"
+    )
     args = parser.parse_args()
     out, path = Path(args.out), Path(args.models)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,7 +267,8 @@ def main():
         return
     found = {}
     for setting, column in grid.SETTINGS.items():
-        for option in grid.OPTIONS if column["version"] == args.fsdp_version else ():
+        ours = column["version"] == args.fsdp_version and column["route"] == args.route
+        for option in grid.OPTIONS if ours else ():
             if grid.not_applicable(option, setting) is None:
                 found[grid.cell_key(option, setting)] = run_cell(path, out, option, setting, Path(args.inits))
     finish_worker(out, found)
