@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_fsdp_qlora.doctor import diagnose
 from hf_fsdp_qlora.doctor.longest import longest_sequence
@@ -49,6 +50,58 @@ def test_tiled_mlp_drops_the_mlps_saved_intermediates():
     assert plain.checkpointing == tiled.checkpointing == "fsdp"
 
 
+def test_tiled_mlp_plans_a_tile_of_every_row_of_the_batch():
+    """A tile holds batch x tiled_mlp_tokens tokens (tiles are cut along the sequence of [batch, length, hidden]):
+    Llama-3.1-8B at 4 x 2048 plans 3 x 1024 more tokens of tile transients (7 x 14336 bf16 values each, 0.57 GiB)
+    than at 1 x 8192, the same number of tokens. (The plan had min(tokens, tile) for both: the same figure.)"""
+    one = _diagnose(seq_len=8192, tiled_mlp_tokens=1024).plan
+    four = _diagnose(seq_len=2048, batch_size=4, tiled_mlp_tokens=1024).plan
+    assert four.parts["activations"] - one.parts["activations"] == 3 * 1024 * 7 * 2 * 14336
+
+
+def _tokens_per_mlp_call(batch, length, tile):
+    """Tokens each call of a real tiled Llama MLP's gate projection computes (forward and the backward's
+    recomputation), at batch x length with tiles of `tile` tokens."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from hf_fsdp_qlora.train.tiled_mlp import install_tiled_mlp
+
+    holder = torch.nn.Module()
+    holder.mlp = LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=64, num_attention_heads=4))
+    install_tiled_mlp(holder, tile_tokens=tile)
+    calls = []
+    holder.mlp.gate_proj.register_forward_hook(lambda module, args, out: calls.append(out.numel() // 64))
+    holder.mlp(torch.randn(batch, length, 16, requires_grad=True)).sum().backward()
+    return calls
+
+
+@pytest.mark.parametrize("batch, length", [(4, 32), (1, 128), (3, 20), (2, 6)])
+def test_tiled_mlp_plan_tile_is_the_codes_tile(tmp_path, batch, length):
+    """The plan's tile (PlanContext.mlp_tile) against the tiles the tiled MLP really runs, at a tiny shape with
+    tiles of 8 tokens: 4 x 32 runs tiles of 32 tokens, 1 x 128 of 8; 2 x 6 (a row within one tile) runs the MLP
+    whole, and the plan is then the untiled plan."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from hf_fsdp_qlora.doctor.plan_context import plan_context
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+                         vocab_size=128)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    tiny = diagnose(tmp_path / "config.json", accelerate_config="fsdp2_qlora", quantization="4bit",
+                    gpu_memory=GB, seq_len=length, batch_size=batch, tiled_mlp_tokens=8)  # fmt: skip
+    calls = _tokens_per_mlp_call(batch, length, tile=8)
+    ctx = plan_context(tiny.shape, tiny.setup)
+    if len(calls) == 1:  # not tiled: one call over every token, nothing recomputed
+        assert calls == [batch * length] and ctx.mlp_tile == 0
+        untiled = plan_memory(tiny.shape, tiny.setup.replace(tiled_mlp_tokens=0))
+        assert untiled.parts == tiny.plan.parts
+    else:
+        assert max(calls) == ctx.mlp_tile == batch * 8, (calls, ctx.mlp_tile)
+
+
 def test_longest_sequence_is_the_boundary():
     diagnosis = _diagnose(gpu_memory=24 * GB, num_gpus=1, tiled_mlp_tokens=1024)
     n = longest_sequence(diagnosis.shape, diagnosis.setup)
@@ -62,7 +115,7 @@ def _docs_rows():
     """docs/long-context.md's answers: | model | GPUs | sp_size | checkpointing | + tiled MLP | + offloading |."""
     text = (REPO / "docs" / "long-context.md").read_text()
     rows = re.findall(
-        r"^\| (Llama-3\.1-\d+B) \| (\d+)x(\d+) GB \| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$", text, re.M
+        r"^\| (Llama-3\.1-\d+B) \| (\d+)x(\d+) GB \| (\d+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$", text, re.MULTILINE
     )
     assert len(rows) == 4, rows
     return rows
