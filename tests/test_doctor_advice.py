@@ -108,14 +108,25 @@ def test_activation_dominated_run_is_advised_activation_levers():
     assert {"max_length", "per_device_train_batch_size", "FSDPQLoRATrainingArguments.activation_offloading"} <= set(
         settings
     ), finding.problem
-    # No single lever fits here: the advice gives the first levers that fit together, planned as one run.
+    # The shorter sequence is the longest length whose plan fits (doctor --longest's search), not a guess.
+    assert finding.setting == "max_length", finding.problem
+    length = int(finding.value.split(" (")[0])
+    assert verdict(_plan(ACTIVATIONS, {}, {**ACTIVATIONS[2], "seq_len": length}).total, plan.gpu_memory) == "fits"
+    assert verdict(_plan(ACTIVATIONS, {}, {**ACTIVATIONS[2], "seq_len": length + 1}).total, plan.gpu_memory) != "fits"
+
+
+def test_levers_that_fit_only_together_are_planned_as_one_run():
+    """No single lever fits (the weights run on 6 GB): the advice gives the first levers that fit together, planned
+    here as one run."""
+    run = (WEIGHTS[0], WEIGHTS[1], {**WEIGHTS[2], "gpu_memory": 6 * GB})
+    plan, finding, levers = _check_levers(run)
     count, together, fits = _TOGETHER.search(finding.problem).groups()
-    fsdp, changed = {}, dict(ACTIVATIONS[2])
+    fsdp, changed = {}, dict(run[2])
     for setting, value, *_ in levers[: int(count)]:
-        more_fsdp, more = _replanned(ACTIVATIONS, setting, value)
+        more_fsdp, more = _replanned(run, setting, value)
         fsdp.update(more_fsdp)
-        changed.update({k: v for k, v in more.items() if v != ACTIVATIONS[2].get(k)})
-    combined = _plan(ACTIVATIONS, fsdp, changed)
+        changed.update({k: v for k, v in more.items() if v != run[2].get(k)})
+    combined = _plan(run, fsdp, changed)
     assert format_size(combined.total) == together and fits == "fits" == verdict(combined.total, plan.gpu_memory)
 
 

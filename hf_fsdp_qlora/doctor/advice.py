@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..model_shapes import ModelShape
+from .longest import longest_sequence
 from .memory import MemoryPlan, format_size, plan_memory, verdict
 from .plan_context import planned_loss_path
 from .setup import RunSetup
@@ -101,11 +102,20 @@ def micro_batch(s: RunSetup, plan: MemoryPlan, shape: ModelShape) -> Lever | Non
 
 
 def sequence(s: RunSetup, plan: MemoryPlan, shape: ModelShape) -> Lever | None:
+    """The longest length whose plan fits (``doctor --longest``'s search), at most the model's positions; where none
+    of at least MIN_SEQ_LEN fits, half the length (a lever to combine with others)."""
     if s.seq_len <= MIN_SEQ_LEN:
         return None
-    seq = max(MIN_SEQ_LEN, s.seq_len // 2)
-    return Lever("max_length", str(seq), s.replace(seq_len=seq),
-                 "trl's SFTConfig.max_length, or your tokenizer's truncation")  # fmt: skip
+    seq, note = 0, "trl's SFTConfig.max_length, or your tokenizer's truncation"
+    if s.gpu_memory:
+        seq = longest_sequence(shape, s, upper=s.seq_len)
+        if shape.max_positions and shape.max_positions > 0:
+            seq = min(seq, shape.max_positions)
+    if seq >= MIN_SEQ_LEN:
+        note = f"the longest that fits; {note}"
+    else:
+        seq = max(MIN_SEQ_LEN, s.seq_len // 2)
+    return Lever("max_length", str(seq), s.replace(seq_len=seq), note)
 
 
 def experts_4bit(s: RunSetup, plan: MemoryPlan, shape: ModelShape) -> Lever | None:
@@ -145,7 +155,9 @@ def ranked_levers(setup: RunSetup, shape: ModelShape, plan: MemoryPlan) -> list[
         if lever is None:
             continue
         changed = plan_memory(shape, lever.setup)
-        if plan.total - changed.total >= MIN_SHARE * plan.total:
+        # The longest length that fits is the answer to a tight plan however little it saves.
+        fitting_length = lever.setting == "max_length" and verdict(changed.total, setup.gpu_memory) == "fits"
+        if plan.total - changed.total >= MIN_SHARE * plan.total or fitting_length:
             host = _offloaded(changed) - _offloaded(plan)
             planned.append(dataclasses.replace(lever, total=changed.total, host=host))
     return sorted(planned, key=lambda lever: lever.total)
