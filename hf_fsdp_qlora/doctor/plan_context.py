@@ -156,12 +156,14 @@ def _trainable(ctx: PlanContext) -> None:
         trainable += shape.dora_params()
     ctx.trainable = trainable
     # accelerate upcasts trainable parameters to fp32: FSDP2 with mixed precision and no 4-bit weights; FSDP1 with
-    # mixed precision.
-    adapter_dtype = _trained_adapter_dtype(ctx) if s.trainer == "hf_fsdp_qlora" else s.adapter
+    # mixed precision, where our trainer casts them back to the dtype they train in (train.consistency,
+    # keep_trainable_in_training_dtype: adapter_dtype="bfloat16" keeps bf16 masters, measured in test_precision.py).
+    ours = s.trainer == "hf_fsdp_qlora"
+    adapter_dtype = _trained_adapter_dtype(ctx) if ours else s.adapter
     master = adapter_dtype if ctx.lora else s.dtype
     if s.fsdp.version == 2 and ctx.mixed and ctx.quant != "4bit":
         master = "float32"
-    if s.fsdp.version == 1 and ctx.mixed:
+    if s.fsdp.version == 1 and ctx.mixed and not ours:
         master = "float32"
     ctx.master_b = dtype_bytes(master)
 
