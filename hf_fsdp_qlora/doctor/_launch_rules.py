@@ -9,7 +9,7 @@ import math
 
 from ..sp_rules import sequence_parallel_problem
 from ._rules import _SPREADING_MAPS, OURS, Context, _finding
-from .advice import combined, ranked_levers
+from .advice import can_checkpoint, combined, ranked_levers
 from .memory import FIT_FRACTION, MemoryPlan, format_size, verdict
 
 
@@ -113,7 +113,7 @@ def checkpointing_rules(ctx: Context):
             "... and the `activation_checkpointing` training argument can't both be set to True\".",
             "TrainingArguments.activation_checkpointing", "False (keep fsdp_activation_checkpointing: true)",
         )  # fmt: skip
-    if plan is None or plan.gpu_memory is None or plan.checkpointing != "none":
+    if plan is None or plan.gpu_memory is None or plan.checkpointing != "none" or not can_checkpoint(s, ctx.shape):
         return
     if plan.verdict != "fits" and verdict(plan.total_if(checkpointing=True), plan.gpu_memory) == "fits":
         key, value = ("fsdp_config.fsdp_activation_checkpointing", "true") if s.fsdp.version else (
@@ -157,7 +157,7 @@ def memory_rules(ctx: Context):
             "per_device_train_batch_size", f"{s.batch_size} (up to about {largest} fits at {s.seq_len} tokens)",
         )  # fmt: skip
         return
-    if plan.checkpointing == "none" and verdict(plan.total_if(True), mem) == "fits":
+    if plan.checkpointing == "none" and can_checkpoint(s, ctx.shape) and verdict(plan.total_if(True), mem) == "fits":
         return  # activation-checkpointing-off says it
     yield _does_not_fit(ctx)
 

@@ -20,7 +20,7 @@ from .memory import MemoryPlan, format_size, plan_memory, verdict
 from .plan_context import planned_loss_path
 from .setup import RunSetup
 
-__all__ = ["LEVERS", "Lever", "combined", "ranked_levers"]
+__all__ = ["LEVERS", "Lever", "can_checkpoint", "combined", "ranked_levers"]
 
 # A lever saving less than this share of the plan's total is not worth a line of advice.
 MIN_SHARE = 0.01
@@ -50,8 +50,15 @@ class Lever:
                 f"({format_size(self.total)} per GPU: {fits}{host})")  # fmt: skip
 
 
+def can_checkpoint(s: RunSetup, shape: ModelShape | None) -> bool:
+    """Whether the run can turn activation checkpointing on: FSDP's wraps each layer in torch's checkpoint wrapper
+    whatever the family (JetMoE's layers give bit-equal gradients under it); the Trainer's and the model's need the
+    family's ``supports_gradient_checkpointing`` (JetMoE: False, enabling it raises)."""
+    return s.fsdp.version is not None or shape is None or shape.checkpointing
+
+
 def checkpointing(s: RunSetup, plan: MemoryPlan, shape: ModelShape) -> Lever | None:
-    if plan.checkpointing != "none":
+    if plan.checkpointing != "none" or not can_checkpoint(s, shape):
         return None
     if s.fsdp.version is not None:
         fsdp = dataclasses.replace(s.fsdp, activation_checkpointing=True)
