@@ -269,7 +269,8 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
         parser.add_argument(
             "--longest",
             action="store_true",
-            help="also print the longest --seq-len whose plan fits --gpu-memory (with every other setting as given)",
+            help="also print the longest --seq-len whose plan the verdict calls fits (within 90%% of --gpu-memory, every "
+            "other setting as given), capped at the model's max_position_embeddings; the 100%% edge beside it",
         )
 
     def run(self, args: argparse.Namespace) -> int:
@@ -293,15 +294,21 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
 
 
 def _longest_line(diagnosis) -> str:
-    """The doctor's answer to "what is the longest sequence that fits" for the setup as given."""
-    from hf_fsdp_qlora.doctor.longest import longest_sequence
+    """The doctor's answer to "what is the longest sequence that fits" for the setup as given: a length its own
+    verdict calls "fits", capped at the model's positions, with the 100% edge (and the uncapped figure) beside it."""
+    from hf_fsdp_qlora.doctor.longest import longest_answer
 
     setup = diagnosis.setup
     if diagnosis.shape is None or not setup.gpu_memory:
         raise CommandError("--longest needs the model's config (shapes) and --gpu-memory, e.g. --gpu-memory 80GB")
-    tokens = longest_sequence(diagnosis.shape, setup)
+    answer = longest_answer(diagnosis.shape, setup)
+    if answer.capped:
+        why = (f"the model's max_position_embeddings: the memory would allow {answer.fits:,} (verdict fits), "
+               f"{answer.edge:,} at 100% of it; past the positions see seq-len-above-max-positions")  # fmt: skip
+    else:
+        why = f"verdict fits, the plan within 90% of memory; {answer.edge:,} at 100% of it, verdict tight"
     return (
-        f"longest sequence that fits: {tokens:,} tokens per sample (batch {setup.batch_size}, {setup.world_size} "
-        f"GPU(s) of {setup.gpu_memory / 2**30:.0f} GiB, sp_size={setup.sp_size}, tiled MLP "
+        f"longest sequence that fits: {answer.advised:,} tokens per sample ({why}; batch {setup.batch_size}, "
+        f"{setup.world_size} GPU(s) of {setup.gpu_memory / 2**30:.0f} GiB, sp_size={setup.sp_size}, tiled MLP "
         f"{'on' if setup.tiled_mlp_tokens else 'off'})"
     )
