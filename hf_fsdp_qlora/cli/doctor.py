@@ -5,8 +5,8 @@
 
 Reads the accelerate config as ``accelerate launch`` would and only the model's config.json (the model is built
 on the meta device), so a 70B model is checked in seconds on a laptop. Exit status: 0 no error, 1 errors found,
-2 bad usage (not an accelerate config, unknown key, no config.json). ``--json`` prints the document described
-in :mod:`hf_fsdp_qlora.doctor` (schema version 1). The work is :func:`hf_fsdp_qlora.doctor.diagnose`; torch is
+2 bad usage (not an accelerate config, unknown key, no config.json, a Hub id whose config.json cannot be
+fetched). ``--json`` prints the document described in :mod:`hf_fsdp_qlora.doctor` (schema version 1). The work is :func:`hf_fsdp_qlora.doctor.diagnose`; torch is
 imported in `run`, so `--help` is instant.
 """
 
@@ -128,7 +128,8 @@ examples:
   hf-fsdp-qlora doctor --accelerate-config llamaguard3_1b_1x24gb --model ./Llama-Guard-3-1B --full-finetune \\
       --gpu-memory 24GB --json
 
---model takes a model directory or its config.json; no weight is read. Memory sizes: 80GB = 80GiB (GPUs are
+--model takes a model directory, its config.json, or a Hugging Face Hub id (org/name: only its config.json is
+fetched, with your token and cache; HF_HUB_OFFLINE=1 reads the cache only); no weight is read. Memory sizes: 80GB = 80GiB (GPUs are
 sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -138,7 +139,9 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
             metavar="YAML",
             help="accelerate config file, or a shipped config name (hf-fsdp-qlora config --list)",
         )
-        parser.add_argument("--model", required=True, metavar="PATH", help="model directory or its config.json")
+        parser.add_argument(
+            "--model", required=True, metavar="PATH|ORG/NAME", help="model directory, its config.json, or a Hub id"
+        )
         quant = parser.add_mutually_exclusive_group()
         quant.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base + LoRA")
         quant.add_argument(
