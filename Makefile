@@ -39,8 +39,8 @@ quality: setup
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
 
 # The GPU check (docs/gpu-check.md). On a GPU machine: `make gpu-check` (GPU_PY: the machine's python with CUDA torch;
-# STAGES picks stages, run in the plan's order of value; OUT the report folder). `make gpu-check DRY_RUN=1`: every
-# stage at tiny shape on CPU. On the lent device machine (no make there) the one command in docs/gpu-check.md.
+# STAGES picks stages, run in the plan's order of value; OUT the report folder, BUDGET the seconds, 480 by default).
+# `make gpu-check DRY_RUN=1`: every stage at tiny shape on CPU.
 GPU_PY ?= python3
 STAGES ?= tests,correctness,memory,speed,fp32_vs_bf16,moe_speed,longest_seq,capacity,tests_rest
 ifdef DRY_RUN
@@ -48,10 +48,11 @@ gpu-check: setup
 	OMP_NUM_THREADS=1 $(PY) -m benchmarks.gpu --dry-run --stages $(STAGES) $(if $(OUT),--out $(OUT))
 else
 gpu-check:
-	$(GPU_PY) -m benchmarks.gpu --stages $(STAGES) $(if $(OUT),--out $(OUT))
+	$(GPU_PY) -m benchmarks.gpu --stages $(STAGES) $(if $(OUT),--out $(OUT)) $(if $(BUDGET),--budget $(BUDGET))
 endif
 
-# The wheels the bare GPU machine lacks, into .whl/ (ignored; the device tool carries it), and the device command.
+# For a GPU machine without internet: the wheels it lacks (bitsandbytes, trl, datasets, ours) into .whl/ (ignored),
+# fetched here; copy the repository with .whl/ there and run the command this prints (docs/gpu-check.md).
 gpu-wheels: setup
 	$(PY) -m benchmarks.gpu.wheels
 

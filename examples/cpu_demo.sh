@@ -6,17 +6,17 @@
 # checks that the merged model answers as base+adapter does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${DEMO_OUTPUT:-demo_output}
+DEMO_DIR=${DEMO_OUTPUT:-demo_output}
 SEED=${DEMO_SEED:-0}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 DATA=examples/data
 
 python examples/build_tiny_model.py --data $DATA/world.jsonl $DATA/facts.jsonl --pretrain $DATA/world.jsonl \
-    --pretrain-steps 250 --seed "$SEED" --output "$OUT/tiny-llama" --force
+    --pretrain-steps 250 --seed "$SEED" --output "$DEMO_DIR/tiny-llama" --force
 accelerate launch --config_file accelerate_configs/cpu_fsdp2_rehearsal.yaml examples/train_qlora.py \
-    --model "$OUT/tiny-llama" --data $DATA/facts.jsonl --output "$OUT/adapter" --seed "$SEED" \
+    --model "$DEMO_DIR/tiny-llama" --data $DATA/facts.jsonl --output "$DEMO_DIR/adapter" --seed "$SEED" \
     --epochs 12 --lr 5e-3 --logging-steps 4
-merge-adapters --base "$OUT/tiny-llama" --adapter "$OUT/adapter" --output "$OUT/merged" --force --no-progress
-python examples/evaluate_facts.py --base "$OUT/tiny-llama" --adapter "$OUT/adapter" --merged "$OUT/merged" \
+merge-adapters --base "$DEMO_DIR/tiny-llama" --adapter "$DEMO_DIR/adapter" --output "$DEMO_DIR/merged" --force --no-progress
+python examples/evaluate_facts.py --base "$DEMO_DIR/tiny-llama" --adapter "$DEMO_DIR/adapter" --merged "$DEMO_DIR/merged" \
     --data $DATA/facts.jsonl
-echo "demo done: adapter in $OUT/adapter, loss curve in $OUT/adapter/loss_curve.png, merged model in $OUT/merged"
+echo "demo done: adapter in $DEMO_DIR/adapter, loss curve in $DEMO_DIR/adapter/loss_curve.png, merged model in $DEMO_DIR/merged"

@@ -9,21 +9,28 @@ from pathlib import Path
 
 from .causal_lm import causal_lm_fix, causal_lm_problem
 from .errors import SetupInputError
+from .hub_config import fetch_config, looks_like_hub_id
 
 __all__ = ["load_model_config"]
 
 
 def load_model_config(model, trust_remote_code: bool = False):
-    """A transformers config from a model directory, a config.json path or a config object.
+    """A transformers config from a model directory, a config.json path, a Hub id or a config object.
+
+    A Hub id (``org/name``, no local path of that name) is read from its ``config.json`` alone, through
+    ``huggingface_hub`` with the user's token and cache (hub_config.py); no weight is downloaded.
 
     Raises:
-        SetupInputError: the path does not exist, holds no config.json, or is not a causal LM config.
+        SetupInputError: the path does not exist, holds no config.json, or is not a causal LM config; a Hub id
+            whose config.json cannot be had (gated, unknown, offline and not cached), with the fix.
     """
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
         return model
     path = Path(os.path.expanduser(os.fspath(model)))
+    if looks_like_hub_id(model):
+        path = fetch_config(os.fspath(model))
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
@@ -33,7 +40,8 @@ def load_model_config(model, trust_remote_code: bool = False):
             )
     elif not path.is_file():
         raise SetupInputError(
-            f"Model path {os.fspath(model)!r} does not exist. Pass a model directory or a config.json."
+            f"Model path {os.fspath(model)!r} does not exist. Pass a model directory, a config.json, or a Hugging "
+            "Face Hub id such as meta-llama/Llama-3.1-8B (only its config.json is fetched)."
         )
     try:
         data = json.loads(path.read_text(encoding="utf-8"), object_hook=_special_float)

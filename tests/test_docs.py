@@ -193,7 +193,7 @@ def _check_command(words: list[str], where: str):
             assert (REPO / script).is_file(), (where, script)
         elif head == "python" and args[:1] == ["-m"]:
             assert importlib.util.find_spec(args[1]), (where, args[1])
-        elif head not in ("pip", "make", "git", "tee", "printf", "echo", "cd", "export", "set", "exit"):
+        elif head not in ("pip", "make", "git", "tee", "printf", "echo", "cd", "export", "set", "exit", "mkdir"):
             raise AssertionError(f"{where}: no check for the program {head!r}")
     except SystemExit as err:  # argparse rejected the arguments (its message is on stderr)
         raise AssertionError(f"{where}: {' '.join(words)}: the arguments do not parse") from err

@@ -108,14 +108,25 @@ def test_activation_dominated_run_is_advised_activation_levers():
     assert {"max_length", "per_device_train_batch_size", "FSDPQLoRATrainingArguments.activation_offloading"} <= set(
         settings
     ), finding.problem
-    # No single lever fits here: the advice gives the first levers that fit together, planned as one run.
+    # The shorter sequence is the longest length whose plan fits (doctor --longest's search), not a guess.
+    assert finding.setting == "max_length", finding.problem
+    length = int(finding.value.split(" (")[0])
+    assert verdict(_plan(ACTIVATIONS, {}, {**ACTIVATIONS[2], "seq_len": length}).total, plan.gpu_memory) == "fits"
+    assert verdict(_plan(ACTIVATIONS, {}, {**ACTIVATIONS[2], "seq_len": length + 1}).total, plan.gpu_memory) != "fits"
+
+
+def test_levers_that_fit_only_together_are_planned_as_one_run():
+    """No single lever fits (the weights run on 6 GB): the advice gives the first levers that fit together, planned
+    here as one run."""
+    run = (WEIGHTS[0], WEIGHTS[1], {**WEIGHTS[2], "gpu_memory": 6 * GB})
+    plan, finding, levers = _check_levers(run)
     count, together, fits = _TOGETHER.search(finding.problem).groups()
-    fsdp, changed = {}, dict(ACTIVATIONS[2])
+    fsdp, changed = {}, dict(run[2])
     for setting, value, *_ in levers[: int(count)]:
-        more_fsdp, more = _replanned(ACTIVATIONS, setting, value)
+        more_fsdp, more = _replanned(run, setting, value)
         fsdp.update(more_fsdp)
-        changed.update({k: v for k, v in more.items() if v != ACTIVATIONS[2].get(k)})
-    combined = _plan(ACTIVATIONS, fsdp, changed)
+        changed.update({k: v for k, v in more.items() if v != run[2].get(k)})
+    combined = _plan(run, fsdp, changed)
     assert format_size(combined.total) == together and fits == "fits" == verdict(combined.total, plan.gpu_memory)
 
 
@@ -135,3 +146,56 @@ def test_the_advice_applied_fits_or_shrinks(run):
     after = _plan(run, fsdp, changed)
     assert after.total < plan.total
     assert f"saves {format_size(plan.total - after.total)}" in finding.problem
+
+
+def _jetmoe(tmp_path):
+    """A small JetMoE (its transformers class: supports_gradient_checkpointing=False) as a config.json."""
+    import json
+
+    from transformers import JetMoeConfig
+
+    config = JetMoeConfig(hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, kv_channels=128,
+                          intermediate_size=2048, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                          max_position_embeddings=65536)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    return tmp_path / "config.json"
+
+
+def test_no_checkpointing_advice_a_family_cannot_take(tmp_path):
+    """JetMoE without FSDP: the Trainer's activation checkpointing raises for it (checked here), so neither
+    activation-checkpointing-off nor a lever advises it; the run is told it does not fit, with the other levers.
+    Under FSDP, FSDP's checkpointing (torch's checkpoint wrapper on each layer) works for it - the same gradients,
+    checked here - and stays advised."""
+    import copy
+
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    small = JetMoeConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, kv_channels=8,
+                         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, vocab_size=128)  # fmt: skip
+    torch.manual_seed(0)
+    model = JetMoeForCausalLM(small).train()
+    with pytest.raises(ValueError, match="does not support activation checkpointing"):
+        copy.deepcopy(model).gradient_checkpointing_enable()
+    wrapped = copy.deepcopy(model)
+    for i, layer in enumerate(wrapped.model.layers):  # what accelerate's FSDP activation checkpointing applies
+        wrapped.model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    for m in (model, wrapped):
+        m(input_ids=ids, labels=ids).loss.backward()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in wrapped.named_parameters()}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=0)
+
+    config = _jetmoe(tmp_path)
+    plain = diagnose(config, quantization="4bit", seq_len=32768, gpu_memory=16 * GB, num_gpus=1)
+    ids = {f.id: f for f in plain.findings}
+    assert plain.shape.checkpointing is False and plain.plan.checkpointing == "none"
+    assert "activation-checkpointing-off" not in ids, ids
+    advice = ids["memory-does-not-fit"]
+    assert "activation_checkpointing" not in advice.problem and "activation_checkpointing" not in advice.setting
+    fsdp = diagnose(config, accelerate_config=_config("fsdp2_qlora", fsdp_activation_checkpointing=False),
+                    quantization="4bit", seq_len=32768, gpu_memory=16 * GB, num_gpus=1)  # fmt: skip
+    off = [f for f in fsdp.findings if f.id == "activation-checkpointing-off"]
+    assert [f.setting for f in off] == ["fsdp_config.fsdp_activation_checkpointing"], fsdp.findings

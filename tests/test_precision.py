@@ -19,6 +19,7 @@ recorded micro-batches bit for bit too (0.0 under FSDP1 and FSDP2, at 1e-5 and 2
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from tiny_models import build_tiny_model
 sys.path.insert(0, str(SCRIPTS))
 
 pytestmark = pytest.mark.distributed
+REPO = Path(__file__).resolve().parents[1]
 
 # Relative difference of an update from the oracle's: measured 0.0 (bit-equal); this leaves room for a reordered
 # reduction on another machine, and stays far below bf16 adapters' 0.75-0.99.
@@ -41,7 +43,8 @@ _COMMON = {
     "prec_cb_hi": ("llama", "precision_callback_float32_2e-4"),
 }
 SHARED_TRAIN_SCENARIOS = {
-    1: {f"{k}_1": v for k, v in _COMMON.items()},
+    # FSDP1's opt-out: what the masters really are where accelerate upcasts trainable FlatParameters (the doctor's plan)
+    1: {**{f"{k}_1": v for k, v in _COMMON.items()}, "prec_bf16_lo_1": ("llama", "precision_ours_bfloat16_1e-5")},
     # the opt-out, once: pure bf16 adapters lose the small updates (so the comparison above can fail)
     2: {**{f"{k}_2": v for k, v in _COMMON.items()}, "prec_bf16_lo_2": ("llama", "precision_ours_bfloat16_1e-5")},
 }
@@ -159,6 +162,25 @@ def test_bf16_opt_out_keeps_pure_bf16_adapters(launches, oracle):
     assert r["dtypes_before_wrap"] == ["torch.bfloat16"]
     assert report["lora_A"] > 0.5, report  # measured 0.986: the comparison above would catch bf16 adapters
     assert report["lora_A_moved"] < MOVED, report
+
+
+def test_fsdp1_bf16_opt_out_masters_are_what_the_doctor_plans(launches):
+    """FSDP1, bf16=True, adapter_dtype="bfloat16": accelerate upcasts the trainable FlatParameters to float32 and our
+    trainer casts them back, so the masters and the optimizer states are bf16 - the doctor's plan (was: float32
+    masters, twice the adapter, gradient and optimizer bytes). A stock Trainer keeps accelerate's float32."""
+    from hf_fsdp_qlora.doctor import diagnose
+    from hf_fsdp_qlora.doctor.plan_context import plan_context
+
+    _, _, results, _ = launches[1]
+    r = results[0]["prec_bf16_lo_1"]
+    assert r.get("ok"), r.get("traceback")
+    assert r["engagement"]["fsdp1_units"] > 0 and r["mp_param_dtype"] == "torch.bfloat16"
+    assert r["trainable_dtypes"] == r["optimizer_state_dtypes"] == ["torch.bfloat16"], r
+    config = REPO / "tests" / "data" / "llama3_1_8b_config.json"
+    for trainer, master in (("hf_fsdp_qlora", torch.bfloat16), ("transformers", torch.float32)):
+        d = diagnose(config, accelerate_config="fsdp1_qlora", quantization="4bit", quant_storage="bfloat16",
+                     adapter_dtype="bfloat16", mixed_precision="bf16", trainer=trainer)  # fmt: skip
+        assert plan_context(d.shape, d.setup).master_b == master.itemsize, trainer
 
 
 def test_adapter_dtype_argument_is_checked():

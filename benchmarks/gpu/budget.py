@@ -1,11 +1,11 @@
-"""The GPU check's plan: its stages in order of value, each with its share of one device call, and the arithmetic.
+"""The GPU check's plan: its stages in order of value, each with its share of one run, and the arithmetic.
 
-A lend is 15 minutes of device time in all, the machine's start (minutes) included, so the check is one device call
-of at most ``DEVICE_TIMEOUT_S`` wall seconds, the wheel install included. Each stage gets a deadline: the end of its
+The default run takes at most ``DEFAULT_RUN_S`` wall seconds (8 minutes), the wheel install included, so a GPU
+rented or borrowed for a quarter of an hour has room for the set-up around it; ``--budget`` gives it more. Each stage gets a deadline: the end of its
 share counted from when the stages began, so time a stage leaves unused goes to the later ones, and an earlier
 stage keeps its whole share when the set-up ran long (the later ones are cut first). A stage past its deadline is
-killed and recorded as "stopped"; every stage's result is on disk the moment it ends (report.py). What one call
-leaves stopped or unrun, a second call runs with ``--resume-from`` the first's report.
+killed and recorded as "stopped"; every stage's result is on disk the moment it ends (report.py). What one run
+leaves stopped or unrun, a second run does with ``--resume-from`` the first's report.
 
 The estimates are the seconds each part is expected to take at the real shape (Llama 3.1 8B on one H100), from the
 parts of a launch: a process start with its imports and CUDA initialisation (~12 s), loading and quantizing the 8B
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEVICE_TIMEOUT_S = 480  # the device call's timeout_s
-MARGIN_S = 20  # the report written, the log flushed and the process group gone before the device tool's kill
+DEFAULT_RUN_S = 480  # the default run's wall seconds, wheel install included
+MARGIN_S = 20  # the report written, the log flushed and every launch's process group gone before the run's end
 # Set-up before the first stage, at the real shape: the wheel install (install_wheels.py, ~44 MiB unpacked) and the
 # 8B model made on the GPU and written to /dev/shm once (every stage's launches load that one copy).
 SETUP_ESTIMATE_S = {"install": 15, "build": 45}
@@ -81,14 +81,14 @@ def deadlines(stages: list[Stage], start: float, end: float, resumed: bool = Fal
 
 def first_call_estimate(install_s: float | None = None, build_s: float | None = None) -> dict:
     """The first call's arithmetic at the real shape: set-up, the stages with a share, the margin, and the seconds
-    left for the stages without one (capacity, the rest of the tests), against DEVICE_TIMEOUT_S."""
+    left for the stages without one (capacity, the rest of the tests), against DEFAULT_RUN_S."""
     setup = (install_s if install_s is not None else SETUP_ESTIMATE_S["install"]) + (
         build_s if build_s is not None else SETUP_ESTIMATE_S["build"]
     )
     shares = sum(s.share_s for s in PLAN if s.share_s)
     return {"setup_s": setup, "shares_s": shares, "margin_s": MARGIN_S,
-            "left_for_unshared_s": DEVICE_TIMEOUT_S - MARGIN_S - setup - shares,
-            "fits": setup + shares + MARGIN_S <= DEVICE_TIMEOUT_S}  # fmt: skip
+            "left_for_unshared_s": DEFAULT_RUN_S - MARGIN_S - setup - shares,
+            "fits": setup + shares + MARGIN_S <= DEFAULT_RUN_S}  # fmt: skip
 
 
 # Stages with a first-call share that the first call is expected to leave stopped: speed's second round.
@@ -100,6 +100,6 @@ def resumed_call_estimate(install_s: float | None = None, build_s: float | None 
     that run only there (``resume_share_s``), the margin, and what is left for capacity and the rest of the tests."""
     first = first_call_estimate(install_s, build_s)
     shares = sum(s.share_s for s in PLAN if s.name in RESUMED_WITH) + sum(s.resume_share_s or 0 for s in PLAN)
-    left = DEVICE_TIMEOUT_S - MARGIN_S - first["setup_s"] - shares
+    left = DEFAULT_RUN_S - MARGIN_S - first["setup_s"] - shares
     return {"setup_s": first["setup_s"], "shares_s": shares, "margin_s": MARGIN_S, "left_for_unshared_s": left,
             "fits": left >= 0}  # fmt: skip

@@ -1,14 +1,14 @@
 """The GPU check: one command that measures correctness, memory and speed of hf_fsdp_qlora on one GPU.
 
-    python -m benchmarks.gpu                      # on a GPU machine: every stage, report into $OUT (or --out)
-    python -m benchmarks.gpu --resume-from benchmarks/gpu/results/gpu_report.json   # what a first call left
+    python -m benchmarks.gpu --out gpu_report    # on a GPU machine: every stage, report into gpu_report/
+    python -m benchmarks.gpu --resume-from gpu_report/gpu_report.json --out gpu_report_2   # what a first run left
     python -m benchmarks.gpu --dry-run            # every stage at tiny shape on CPU (gloo, no CUDA): the CI form
 
 Stages (docs/gpu-check.md), in order of value (budget.PLAN): the fast CUDA tests, correctness (Llama 3.1 8B shape,
 each shipped GPU config and no FSDP, merge against peft), memory (the doctor's plan against CUDA's peak), speed
 (against the stock recipe), fp32 against bf16 adapters, MoE expert speed and our longest sequence (these three
 in the resumed call), capacity (largest shape, longest sequence) and the rest of the CUDA tests. ``gpu_report.json``
-and ``gpu_report.md`` are rewritten as each stage ends. The run keeps to ``--budget`` seconds (one device call):
+and ``gpu_report.md`` are rewritten as each stage ends. The run keeps to ``--budget`` seconds (8 minutes by default):
 each stage has its deadline (budget.deadlines) and every launch is killed at it.
 """
 
@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import stages, stages_new, stages_speed
-from .budget import DEVICE_TIMEOUT_S, MARGIN_S, NAMES, Stage, deadlines, plan_for
+from .budget import DEFAULT_RUN_S, MARGIN_S, NAMES, Stage, deadlines, plan_for
 from .launch import launch
 from .profiles import PROFILES
 from .report import Report
@@ -248,11 +248,11 @@ def _header(args, argv, profile: dict, budget: float, plan: list[Stage]) -> dict
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="every stage at tiny shape on CPU (no CUDA)")
-    p.add_argument("--out", help="report folder (default: $OUT, else ./gpu_check_out)")
+    p.add_argument("--out", default="gpu_check_out", help="report folder (default: ./gpu_check_out)")
     p.add_argument("--stages", default=",".join(NAMES), help=f"comma-separated, of {', '.join(NAMES)}; they run "
                    "in this order (of value) whatever order they are given in")  # fmt: skip
     p.add_argument("--resume-from", help="a partial gpu_report.json: run only the stages it did not finish")
-    p.add_argument("--budget", type=float, help=f"seconds for the whole run (default on GPU: {DEVICE_TIMEOUT_S} "
+    p.add_argument("--budget", type=float, help=f"seconds for the whole run (default on GPU: {DEFAULT_RUN_S} "
                    f"less {MARGIN_S} and the wheel install's seconds; dry: 900)")  # fmt: skip
     p.add_argument("--work", help="folder for the model and runs (default: /dev/shm/hf_fsdp_qlora_gpu_check when "
                    "it has room, else /tmp/...; dry: a temporary folder)")  # fmt: skip
@@ -271,12 +271,12 @@ def main(argv=None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device is visible: run on a GPU machine, or add --dry-run for the tiny CPU form")
     profile = PROFILES["dry" if args.dry_run else "gpu"]
-    out = Path(args.out or os.environ.get("OUT") or "gpu_check_out").resolve()
+    out = Path(args.out).resolve()
     tmp = tempfile.TemporaryDirectory(prefix="gpu_check_") if args.dry_run and not args.work else None
     work = Path(args.work or (tmp.name if tmp else _work_dir(args.dry_run))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     installed = install_seconds(args.dry_run, work)
-    budget = args.budget or (900.0 if args.dry_run else DEVICE_TIMEOUT_S - MARGIN_S - (installed or 0))
+    budget = args.budget or (900.0 if args.dry_run else DEFAULT_RUN_S - MARGIN_S - (installed or 0))
     end = started + budget
     cuda = torch.cuda.is_available() and not args.dry_run
     ctx = Context(root=ROOT, work=work, model=work / f"model-{profile['shape_name']}", profile=profile,

@@ -1,13 +1,13 @@
-"""Install the carried wheels on the GPU machine (stdlib only; runs before anything of ours is importable).
+"""Install the wheels of ``make gpu-wheels`` on a GPU machine without internet (stdlib only; runs before anything of ours is importable).
 
     python3 benchmarks/gpu/install_wheels.py .whl /tmp/site && export PYTHONPATH=/tmp/site
 
-Unpacks every wheel of the folder into the target (nothing can be downloaded there; the wheels are carried without
+Unpacks every wheel of the folder into the target (nothing can be downloaded there; the wheels come without
 their dependencies), except one whose distribution the machine already has at the same or a newer version (its
 peft, say). A wheel is a zip of its import tree and its ``.dist-info``: unpacking it is what ``pip install --target
 --no-deps --no-compile`` does with these wheels, less pip's start-up and checks, and less two things no check uses:
 a wheel's ``.data/scripts`` (dill's command-line tools) and the bitsandbytes kernels built for other CUDA majors or
-for ROCm (112 of bitsandbytes' 129 MB unpacked). The device call's seconds are the check's: the seconds taken are
+for ROCm (112 of bitsandbytes' 129 MB unpacked). The install counts against the check's budget: the seconds taken are
 left in ``<target>/install_seconds.json`` for its report. A wheel with other ``.data`` parts goes through pip.
 """
 
@@ -33,7 +33,7 @@ def _key(version: str):
 
 
 def needed(folder: str) -> tuple[list[Path], list[str]]:
-    """The wheels to install, and the machine's own distributions kept instead of a carried one."""
+    """The wheels to install, and the machine's own distributions kept instead of a wheel of the folder."""
     wheels, kept = [], []
     for wheel in sorted(Path(folder).glob("*.whl")):
         name, version = wheel.name.split("-")[:2]
@@ -42,7 +42,7 @@ def needed(folder: str) -> tuple[list[Path], list[str]]:
         except metadata.PackageNotFoundError:
             have = None
         if have is not None and _key(have) >= _key(version):
-            kept.append(f"{name} {have} (carried {version})")
+            kept.append(f"{name} {have} (wheel: {version})")
         else:
             wheels.append(wheel)
     return wheels, kept

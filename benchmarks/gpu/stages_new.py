@@ -91,15 +91,16 @@ def moe_summary(ctx, results: dict) -> dict:
 
 
 def doctor_longest(ctx, cap: int) -> int:
-    """The doctor's ``--longest`` for the stage's setup: ours, NF4, LoRA, checkpointing, tiled MLP, chunked loss,
-    batch 1, one GPU of `cap` bytes."""
+    """The doctor's ``--longest`` 100% edge for the stage's setup: ours, NF4, LoRA, checkpointing, tiled MLP, chunked
+    loss, batch 1, one GPU of `cap` bytes (the plan's own claim of where memory runs out; its answer, the verdict's
+    "fits", leaves 10% to the allocator)."""
     from hf_fsdp_qlora.doctor.checks import diagnose
     from hf_fsdp_qlora.doctor.longest import longest_sequence
 
     d = diagnose(str(ctx.model), quantization="4bit", lora_r=ctx.profile["lora_r"], lora_dropout=0.0, batch_size=1,
                  model_checkpointing=True, tiled_mlp_tokens=ctx.profile["longest"]["tile"], num_gpus=1,
                  gpu_memory=cap, mixed_precision="bf16")  # fmt: skip
-    return longest_sequence(d.shape, d.setup)
+    return longest_sequence(d.shape, d.setup, fraction=1.0)
 
 
 def _window(ctx, answer: int) -> tuple[int, int]:

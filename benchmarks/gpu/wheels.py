@@ -1,9 +1,9 @@
-"""``make gpu-wheels``: the wheels the bare GPU machine lacks (Python 3.12, manylinux x86_64), and the command it runs.
+"""``make gpu-wheels``: the wheels a GPU machine without internet needs (Python 3.12, manylinux x86_64).
 
-The device machine (../.library/device there) has torch 2.11, transformers 5.17, accelerate 1.15 and peft, and no
-bitsandbytes, trl or datasets, and cannot download anything; the device tool carries an ignored folder of at most
-64 MiB with each call. This fills that folder (``.whl/``) and checks its size; ``install_wheels.py`` installs it
-there first.
+A GPU machine that has Python, a CUDA build of torch (>= 2.11), transformers, accelerate and peft but cannot reach
+PyPI lacks bitsandbytes, trl and datasets. On a machine with internet this fills ``.whl/`` (git-ignored) with them
+and our own wheel, and checks the folder (one version per distribution, about 44 MiB in all); copy the repository
+with its ``.whl/`` to the GPU machine, where ``install_wheels.py`` installs them before the check runs.
 
     .venv/bin/python -m benchmarks.gpu.wheels            # download into .whl/ (pip, from PyPI), build ours, check
 """
@@ -17,24 +17,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 WHEEL_DIR = ".whl"
-LIMIT = 64 * 2**20  # the device tool's limit on what travels per call (wheels + working tree)
-# What the machine lacks. peft travels too: install_wheels.py installs it only where the machine's is older.
+# About 44 MiB today; a folder much bigger means a wheel of the wrong build (another CUDA, debug symbols) came in.
+LIMIT = 60 * 2**20
+# What the machine lacks. peft comes too: install_wheels.py installs it only where the machine's is older.
 WHEELS = ["bitsandbytes==0.50.2", "trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19",
           "peft==0.21.2"]  # fmt: skip
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]  # fmt: skip
+REPORT = "gpu_report"  # the report folder of the commands below (docs/gpu-check.md)
 _INSTALL = f"python3 benchmarks/gpu/install_wheels.py {WHEEL_DIR} /tmp/site && export PYTHONPATH=/tmp/site || exit; "
-RESULTS = "benchmarks/gpu/results"  # where each call's report is committed (docs/gpu-check.md)
-# The device command: one call (`timeout_s` 480, `carry: [".whl"]`), every stage in order of value, each cut at its
-# deadline (budget.PLAN). Under 2000 characters; make is left out (the bare image may lack it).
-DEVICE_COMMAND = _INSTALL + "set -o pipefail; python3 -m benchmarks.gpu 2>&1 | tee $OUT/log.txt"
-# The optional second call, when device time is left: the stages the first left stopped or unrun, from its report
-# (copied into RESULTS, which travels with the working tree).
-RESUME_COMMAND = (
-    _INSTALL + f"set -o pipefail; python3 -m benchmarks.gpu --resume-from {RESULTS}/gpu_report.json 2>&1 | "
-    "tee $OUT/log2.txt"
+# On the GPU machine without internet: the wheels installed, then every stage in order of value, each cut at its
+# deadline (budget.PLAN), the console kept beside the report. Plain shell: make may be missing there.
+OFFLINE_COMMAND = (
+    _INSTALL
+    + f"mkdir -p {REPORT} && set -o pipefail; python3 -m benchmarks.gpu --out {REPORT} 2>&1 | tee {REPORT}/log.txt"
 )
-DEVICE_COMMANDS = [DEVICE_COMMAND, RESUME_COMMAND]
+# The optional second run: the stages the first left stopped or unrun, from its report, into a second folder.
+RESUME_COMMAND = (
+    _INSTALL + f"mkdir -p {REPORT}_2 && set -o pipefail; python3 -m benchmarks.gpu --resume-from "
+    f"{REPORT}/gpu_report.json --out {REPORT}_2 2>&1 | tee {REPORT}_2/log.txt"
+)
+OFFLINE_COMMANDS = [OFFLINE_COMMAND, RESUME_COMMAND]
 
 
 def download(dest: Path) -> None:
@@ -56,8 +59,9 @@ def check(dest: Path) -> list[str]:
         f"several versions of {n}: {', '.join(v)} (delete all but one)" for n, v in names.items() if len(v) > 1
     ]
     size = sum(w.stat().st_size for w in dest.glob("*.whl"))
-    if size > LIMIT - 4 * 2**20:  # leave room for the working tree
-        problems.append(f"{dest} holds {size / 2**20:.1f} MiB of wheels; the device carries 64 MiB in all")
+    if size > LIMIT:
+        problems.append(f"{dest} holds {size / 2**20:.1f} MiB of wheels, over {LIMIT // 2**20} MiB: look for a "
+                        "wrong build among them (another CUDA, another platform)")  # fmt: skip
     return problems
 
 
@@ -75,8 +79,10 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
     size = sum(w.stat().st_size for w in dest.glob("*.whl"))
     print(f"{dest}: {len(list(dest.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB")
-    print(f"device command (timeout_s 480, carry .whl):\n  {DEVICE_COMMAND}")
-    print(f"optional second call, after copying the report into {RESULTS}/:\n  {RESUME_COMMAND}")
+    print(
+        f"copy the repository with {WHEEL_DIR}/ to the GPU machine and run there, from its root:\n  {OFFLINE_COMMAND}"
+    )
+    print(f"optional second run, for the stages the first left stopped:\n  {RESUME_COMMAND}")
     return 1 if problems else 0
 
 

@@ -5,8 +5,8 @@
 
 Reads the accelerate config as ``accelerate launch`` would and only the model's config.json (the model is built
 on the meta device), so a 70B model is checked in seconds on a laptop. Exit status: 0 no error, 1 errors found,
-2 bad usage (not an accelerate config, unknown key, no config.json). ``--json`` prints the document described
-in :mod:`hf_fsdp_qlora.doctor` (schema version 1). The work is :func:`hf_fsdp_qlora.doctor.diagnose`; torch is
+2 bad usage (not an accelerate config, unknown key, no config.json, a Hub id whose config.json cannot be
+fetched). ``--json`` prints the document described in :mod:`hf_fsdp_qlora.doctor` (schema version 1). The work is :func:`hf_fsdp_qlora.doctor.diagnose`; torch is
 imported in `run`, so `--help` is instant.
 """
 
@@ -128,7 +128,8 @@ examples:
   hf-fsdp-qlora doctor --accelerate-config llamaguard3_1b_1x24gb --model ./Llama-Guard-3-1B --full-finetune \\
       --gpu-memory 24GB --json
 
---model takes a model directory or its config.json; no weight is read. Memory sizes: 80GB = 80GiB (GPUs are
+--model takes a model directory, its config.json, or a Hugging Face Hub id (org/name: only its config.json is
+fetched, with your token and cache; HF_HUB_OFFLINE=1 reads the cache only); no weight is read. Memory sizes: 80GB = 80GiB (GPUs are
 sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -138,7 +139,9 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
             metavar="YAML",
             help="accelerate config file, or a shipped config name (hf-fsdp-qlora config --list)",
         )
-        parser.add_argument("--model", required=True, metavar="PATH", help="model directory or its config.json")
+        parser.add_argument(
+            "--model", required=True, metavar="PATH|ORG/NAME", help="model directory, its config.json, or a Hub id"
+        )
         quant = parser.add_mutually_exclusive_group()
         quant.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base + LoRA")
         quant.add_argument(
@@ -269,7 +272,8 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
         parser.add_argument(
             "--longest",
             action="store_true",
-            help="also print the longest --seq-len whose plan fits --gpu-memory (with every other setting as given)",
+            help="also print the longest --seq-len whose plan the verdict calls fits (within 90%% of --gpu-memory, every "
+            "other setting as given), capped at the model's max_position_embeddings; the 100%% edge beside it",
         )
 
     def run(self, args: argparse.Namespace) -> int:
@@ -293,15 +297,21 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
 
 
 def _longest_line(diagnosis) -> str:
-    """The doctor's answer to "what is the longest sequence that fits" for the setup as given."""
-    from hf_fsdp_qlora.doctor.longest import longest_sequence
+    """The doctor's answer to "what is the longest sequence that fits" for the setup as given: a length its own
+    verdict calls "fits", capped at the model's positions, with the 100% edge (and the uncapped figure) beside it."""
+    from hf_fsdp_qlora.doctor.longest import longest_answer
 
     setup = diagnosis.setup
     if diagnosis.shape is None or not setup.gpu_memory:
         raise CommandError("--longest needs the model's config (shapes) and --gpu-memory, e.g. --gpu-memory 80GB")
-    tokens = longest_sequence(diagnosis.shape, setup)
+    answer = longest_answer(diagnosis.shape, setup)
+    if answer.capped:
+        why = (f"the model's max_position_embeddings: the memory would allow {answer.fits:,} (verdict fits), "
+               f"{answer.edge:,} at 100% of it; past the positions see seq-len-above-max-positions")  # fmt: skip
+    else:
+        why = f"verdict fits, the plan within 90% of memory; {answer.edge:,} at 100% of it, verdict tight"
     return (
-        f"longest sequence that fits: {tokens:,} tokens per sample (batch {setup.batch_size}, {setup.world_size} "
-        f"GPU(s) of {setup.gpu_memory / 2**30:.0f} GiB, sp_size={setup.sp_size}, tiled MLP "
+        f"longest sequence that fits: {answer.advised:,} tokens per sample ({why}; batch {setup.batch_size}, "
+        f"{setup.world_size} GPU(s) of {setup.gpu_memory / 2**30:.0f} GiB, sp_size={setup.sp_size}, tiled MLP "
         f"{'on' if setup.tiled_mlp_tokens else 'off'})"
     )

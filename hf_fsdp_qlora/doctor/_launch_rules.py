@@ -9,7 +9,7 @@ import math
 
 from ..sp_rules import router_aux_problem, sequence_parallel_problem
 from ._rules import _SPREADING_MAPS, OURS, Context, _finding
-from .advice import combined, ranked_levers
+from .advice import can_checkpoint, combined, ranked_levers
 from .memory import FIT_FRACTION, MemoryPlan, format_size, verdict
 
 
@@ -113,7 +113,7 @@ def checkpointing_rules(ctx: Context):
             "... and the `activation_checkpointing` training argument can't both be set to True\".",
             "TrainingArguments.activation_checkpointing", "False (keep fsdp_activation_checkpointing: true)",
         )  # fmt: skip
-    if plan is None or plan.gpu_memory is None or plan.checkpointing != "none":
+    if plan is None or plan.gpu_memory is None or plan.checkpointing != "none" or not can_checkpoint(s, ctx.shape):
         return
     if plan.verdict != "fits" and verdict(plan.total_if(checkpointing=True), plan.gpu_memory) == "fits":
         key, value = ("fsdp_config.fsdp_activation_checkpointing", "true") if s.fsdp.version else (
@@ -157,16 +157,18 @@ def memory_rules(ctx: Context):
             "per_device_train_batch_size", f"{s.batch_size} (up to about {largest} fits at {s.seq_len} tokens)",
         )  # fmt: skip
         return
-    if plan.checkpointing == "none" and verdict(plan.total_if(True), mem) == "fits":
+    if plan.checkpointing == "none" and can_checkpoint(s, ctx.shape) and verdict(plan.total_if(True), mem) == "fits":
         return  # activation-checkpointing-off says it
     yield _does_not_fit(ctx)
 
 
 def _does_not_fit(ctx: Context) -> dict:
     """The plan's largest parts, and the run's levers ranked by the bytes each saves (.advice), the first as the
-    setting to change."""
+    setting to change (a tight plan: the longest length that fits, where one does)."""
     plan, mem, v = ctx.plan, ctx.plan.gpu_memory, ctx.plan.verdict
-    levers = ranked_levers(ctx.setup, ctx.shape, plan)[:4] if ctx.shape is not None else []
+    levers = ranked_levers(ctx.setup, ctx.shape, plan) if ctx.shape is not None else []
+    # The four that save most, and the longest length that fits wherever it ranks (the smallest change that fits).
+    levers = levers[:4] + [lever for lever in levers[4:] if lever.setting == "max_length"]
     problem = (f"Estimated {format_size(plan.total)} per GPU of {format_size(mem)} ({v.replace('_', ' ')}): the "
                f"largest parts are {_largest(plan)}.")  # fmt: skip
     if levers:
@@ -175,7 +177,10 @@ def _does_not_fit(ctx: Context) -> dict:
             count, total = combined(ctx.setup, ctx.shape, levers, mem)
             problem += (f" None fits alone; the first {count} together: {format_size(total)} per GPU "
                         f"({verdict(total, mem).replace('_', ' ')}).")  # fmt: skip
-        setting, value = levers[0].setting, levers[0].advice
+        # A tight plan is nearly there: the length that fits is the change to make (a shorter sequence, nothing else).
+        length = [lever for lever in levers if lever.setting == "max_length" and verdict(lever.total, mem) == "fits"]
+        chosen = length[0] if v == "tight" and length else levers[0]
+        setting, value = chosen.setting, chosen.advice
     else:
         setting, value = "num GPUs / GPU size", "more or larger GPUs"
     return _finding(

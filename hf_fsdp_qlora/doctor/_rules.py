@@ -230,6 +230,27 @@ def _storage_vs_compute_dtype(s: RunSetup):
     )  # fmt: skip
 
 
+def _odd_dtype_cause(kind: str, dtype: str, base: str) -> tuple[str, str, str]:
+    """Why adapters or norms hold another dtype than the base, and the setting that removes the difference.
+
+    peft's ``autocast_adapter_dtype=True`` only ever upcasts 16-bit adapters to float32; 16-bit adapters beside
+    another base come from a cast after ``get_peft_model``: trl's trainers (SFTTrainer, DPOTrainer, ...) cast a
+    quantized model's trainable parameters to bfloat16 in ``__init__`` whatever ``--dtype`` says. Its fix is a flag
+    trl's scripts take unchanged, ``--dtype`` (trl's ModelConfig.dtype: the base in the adapters' dtype).
+    """
+    if kind != "adapters":
+        return ("prepare_model_for_kbit_training upcasts every non-quantized weight (norms, embeddings)",
+                "prepare_model_for_kbit_training", "not called (freeze the base and enable checkpointing yourself)")  # fmt: skip
+    if dtype == "float32":
+        return ("peft's default autocast_adapter_dtype=True upcasts LoRA weights",
+                "get_peft_model(..., autocast_adapter_dtype", "False)")  # fmt: skip
+    return ((f"not peft's doing, which only upcasts to float32: loaded in {dtype}, or cast after get_peft_model, as "
+             "trl's SFTTrainer (and its other trainers) casts a quantized model's adapters to bfloat16 in __init__ "
+             "whatever --dtype says"),
+            "--dtype (trl's ModelConfig.dtype; the base's dtype)",
+            f"{dtype} (the base in the adapters' dtype; trl's sft.py and dpo.py take it unchanged)")  # fmt: skip
+
+
 def _odd_dtype_beside_base(s: RunSetup):
     """Adapters or norms in another dtype than the base: cast by our trainer, refused by FSDP1 on the stock stack."""
     version, ours = s.fsdp.version, s.trainer == OURS
@@ -238,17 +259,15 @@ def _odd_dtype_beside_base(s: RunSetup):
         if dtype is None or dtype == base or (kind == "adapters" and s.full_finetune):
             continue
         rule_id = f"fsdp{version}-fp32-{kind}" if dtype == "float32" else f"fsdp{version}-mixed-{kind}"
-        cause = (
-            "peft's default autocast_adapter_dtype=True upcasts LoRA weights"
-            if kind == "adapters"
-            else "prepare_model_for_kbit_training upcasts every non-quantized weight (norms, embeddings)"
-        )
-        setting, value = (
-            ("get_peft_model(..., autocast_adapter_dtype", "False)")
-            if kind == "adapters"
-            else ("prepare_model_for_kbit_training", "not called (freeze the base and enable checkpointing yourself)")
-        )
-        if ours and kind == "adapters" and dtype == "float32":
+        cause, setting, value = _odd_dtype_cause(kind, dtype, base)
+        if ours and kind == "adapters" and dtype != "float32":
+            yield _finding(
+                rule_id, "info",
+                f"Adapters in {dtype} beside a {base} base ({cause}); hf_fsdp_qlora trains them as float32 master "
+                "weights (adapter_dtype) before wrapping, from their 16-bit-rounded start.",
+                setting, f"{base} as given: nothing to change; bfloat16 for a bf16 base beside them",
+            )  # fmt: skip
+        elif ours and kind == "adapters" and dtype == "float32":
             yield _finding(
                 rule_id, "info",
                 f"Adapters in float32 beside a {base} base: hf_fsdp_qlora keeps them float32 (master weights, stepped in "

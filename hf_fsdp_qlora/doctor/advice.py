@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..model_shapes import ModelShape
+from .longest import longest_sequence
 from .memory import MemoryPlan, format_size, plan_memory, verdict
 from .plan_context import planned_loss_path
 from .setup import RunSetup
 
-__all__ = ["LEVERS", "Lever", "combined", "ranked_levers"]
+__all__ = ["LEVERS", "Lever", "can_checkpoint", "combined", "ranked_levers"]
 
 # A lever saving less than this share of the plan's total is not worth a line of advice.
 MIN_SHARE = 0.01
@@ -49,8 +50,15 @@ class Lever:
                 f"({format_size(self.total)} per GPU: {fits}{host})")  # fmt: skip
 
 
+def can_checkpoint(s: RunSetup, shape: ModelShape | None) -> bool:
+    """Whether the run can turn activation checkpointing on: FSDP's wraps each layer in torch's checkpoint wrapper
+    whatever the family (JetMoE's layers give bit-equal gradients under it); the Trainer's and the model's need the
+    family's ``supports_gradient_checkpointing`` (JetMoE: False, enabling it raises)."""
+    return s.fsdp.version is not None or shape is None or shape.checkpointing
+
+
 def checkpointing(s: RunSetup, plan: MemoryPlan, shape: ModelShape) -> Lever | None:
-    if plan.checkpointing != "none":
+    if plan.checkpointing != "none" or not can_checkpoint(s, shape):
         return None
     if s.fsdp.version is not None:
         fsdp = dataclasses.replace(s.fsdp, activation_checkpointing=True)
@@ -101,11 +109,20 @@ def micro_batch(s: RunSetup, plan: MemoryPlan, shape: ModelShape) -> Lever | Non
 
 
 def sequence(s: RunSetup, plan: MemoryPlan, shape: ModelShape) -> Lever | None:
+    """The longest length whose plan fits (``doctor --longest``'s search), at most the model's positions; where none
+    of at least MIN_SEQ_LEN fits, half the length (a lever to combine with others)."""
     if s.seq_len <= MIN_SEQ_LEN:
         return None
-    seq = max(MIN_SEQ_LEN, s.seq_len // 2)
-    return Lever("max_length", str(seq), s.replace(seq_len=seq),
-                 "trl's SFTConfig.max_length, or your tokenizer's truncation")  # fmt: skip
+    seq, note = 0, "trl's SFTConfig.max_length, or your tokenizer's truncation"
+    if s.gpu_memory:
+        seq = longest_sequence(shape, s, upper=s.seq_len)
+        if shape.max_positions and shape.max_positions > 0:
+            seq = min(seq, shape.max_positions)
+    if seq >= MIN_SEQ_LEN:
+        note = f"the longest that fits; {note}"
+    else:
+        seq = max(MIN_SEQ_LEN, s.seq_len // 2)
+    return Lever("max_length", str(seq), s.replace(seq_len=seq), note)
 
 
 def experts_4bit(s: RunSetup, plan: MemoryPlan, shape: ModelShape) -> Lever | None:
@@ -145,7 +162,9 @@ def ranked_levers(setup: RunSetup, shape: ModelShape, plan: MemoryPlan) -> list[
         if lever is None:
             continue
         changed = plan_memory(shape, lever.setup)
-        if plan.total - changed.total >= MIN_SHARE * plan.total:
+        # The longest length that fits is the answer to a tight plan however little it saves.
+        fitting_length = lever.setting == "max_length" and verdict(changed.total, setup.gpu_memory) == "fits"
+        if plan.total - changed.total >= MIN_SHARE * plan.total or fitting_length:
             host = _offloaded(changed) - _offloaded(plan)
             planned.append(dataclasses.replace(lever, total=changed.total, host=host))
     return sorted(planned, key=lambda lever: lever.total)

@@ -61,6 +61,7 @@ class PlanContext:
     per_layer: float = 0.0  # per-token bytes of the largest layer
     transient: float = 0.0  # the backward's transient buffers
     saved_experts: float = 0.0  # one layer's routed experts, dequantized, kept for backward
+    mlp_tile: int = 0  # tokens one tiled-MLP tile holds (every row of the batch); 0: the MLP runs untiled
     with_ckpt: float = 0.0
     without_ckpt: float = 0.0
 
@@ -155,12 +156,14 @@ def _trainable(ctx: PlanContext) -> None:
         trainable += shape.dora_params()
     ctx.trainable = trainable
     # accelerate upcasts trainable parameters to fp32: FSDP2 with mixed precision and no 4-bit weights; FSDP1 with
-    # mixed precision.
-    adapter_dtype = _trained_adapter_dtype(ctx) if s.trainer == "hf_fsdp_qlora" else s.adapter
+    # mixed precision, where our trainer casts them back to the dtype they train in (train.consistency,
+    # keep_trainable_in_training_dtype: adapter_dtype="bfloat16" keeps bf16 masters, measured in test_precision.py).
+    ours = s.trainer == "hf_fsdp_qlora"
+    adapter_dtype = _trained_adapter_dtype(ctx) if ours else s.adapter
     master = adapter_dtype if ctx.lora else s.dtype
     if s.fsdp.version == 2 and ctx.mixed and ctx.quant != "4bit":
         master = "float32"
-    if s.fsdp.version == 1 and ctx.mixed:
+    if s.fsdp.version == 1 and ctx.mixed and not ours:
         master = "float32"
     ctx.master_b = dtype_bytes(master)
 
@@ -233,13 +236,30 @@ def _long_context(ctx: PlanContext, per_layer: float, all_layers: float, transie
     all-to-alls' send and receive buffers of one layer's query, key and value (key/value repeated to the heads).
     """
     s, shape, act, tokens = ctx.setup, ctx.shape, ctx.act, ctx.tokens
-    if s.tiled_mlp_tokens and not shape.experts:
+    ctx.mlp_tile = mlp_tile_tokens(ctx)
+    if ctx.mlp_tile:
         saved = 4 * act * shape.intermediate_size
         per_layer -= saved
         all_layers -= shape.num_layers * saved
-        tile = min(tokens, s.tiled_mlp_tokens)
-        transient += tile * 7 * act * shape.intermediate_size - tokens * 3 * act * mlp_width(shape)
+        transient += ctx.mlp_tile * 7 * act * shape.intermediate_size - tokens * 3 * act * mlp_width(shape)
     if s.sp_size > 1:
         q = shape.num_heads * shape.head_dim
         transient += 2 * act * tokens * 3 * q
     return per_layer, all_layers, transient
+
+
+def mlp_tile_tokens(ctx: PlanContext) -> int:
+    """The tokens in one tile of the tiled MLP (0: untiled), as hf_fsdp_qlora.train.tiled_mlp cuts them.
+
+    Tiles are cut along the sequence dimension of ``[rows, length, hidden]``, every row of the batch in each tile:
+    a tile holds ``rows x tiled_mlp_tokens`` tokens, not ``tiled_mlp_tokens``. A row no longer than one tile runs
+    the MLP whole (it keeps its intermediates, as untiled). Rows: the batch, twice for DPO (chosen and rejected
+    stacked); length: this GPU's share of each sequence under ``sp_size``.
+    """
+    s, shape = ctx.setup, ctx.shape
+    if not s.tiled_mlp_tokens or shape.experts:
+        return 0
+    length = math.ceil(s.seq_len / max(1, s.sp_size))
+    if length <= s.tiled_mlp_tokens:
+        return 0
+    return s.batch_size * sequences_factor(ctx.path) * s.tiled_mlp_tokens
