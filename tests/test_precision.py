@@ -41,6 +41,10 @@ _COMMON = {
     "prec_ours_hi": ("llama", "precision_ours_float32_2e-4"),
     "prec_cb_lo": ("llama", "precision_callback_float32_1e-5"),
     "prec_cb_hi": ("llama", "precision_callback_float32_2e-4"),
+    # gradient accumulation 2 on each rank (the same micro-batches in STEPS / 2 steps), bf16 on and off (issue 49)
+    "prec_ours_hi_ga2bf16": ("llama", "precision_ours_float32_2e-4_ga2_bf16"),
+    "prec_ours_hi_ga2fp32": ("llama", "precision_ours_float32_2e-4_ga2_fp32"),
+    "prec_ours_hi_fp32": ("llama", "precision_ours_float32_2e-4_fp32"),
 }
 SHARED_TRAIN_SCENARIOS = {
     # FSDP1's opt-out: what the masters really are where accelerate upcasts trainable FlatParameters (the doctor's plan)
@@ -56,8 +60,9 @@ def models(shared_models):
     return shared_models
 
 
-def _stock_peft(model_dir, init, lr, tmp_path):
-    """One process, stock peft (fp32 adapters) and a stock Trainer(bf16=True): the oracle."""
+def _stock_peft(model_dir, init, lr, tmp_path, accumulation=1, bf16=True):
+    """One process, stock peft (fp32 adapters) and a stock Trainer(bf16=bf16): the oracle. `accumulation`: the runs'
+    gradient accumulation on each rank (the oracle accumulates both ranks' micro-batches: 2 x that)."""
     import precision_scenarios as scenarios
     from accelerate.state import AcceleratorState, GradientState
     from peft import get_peft_model
@@ -78,9 +83,10 @@ def _stock_peft(model_dir, init, lr, tmp_path):
         for name, value in init.items():
             params[name].copy_(value)
     args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=scenarios.BATCH, gradient_accumulation_steps=2,
-        max_steps=scenarios.STEPS, learning_rate=lr, lr_scheduler_type="constant", train_sampling_strategy="sequential",
-        bf16=True, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+        output_dir=str(tmp_path), per_device_train_batch_size=scenarios.BATCH,
+        gradient_accumulation_steps=2 * accumulation, max_steps=scenarios.STEPS // accumulation, learning_rate=lr,
+        lr_scheduler_type="constant", train_sampling_strategy="sequential", bf16=bf16, use_cpu=True, report_to=[],
+        save_strategy="no", logging_steps=1,
     )  # fmt: skip
     try:
         Trainer(model=model, args=args, train_dataset=scenarios.OrderedTokens()).train()
@@ -97,13 +103,20 @@ def launches(models, shared_launch):
 
 @pytest.fixture(scope="module")
 def oracle(models, launches, tmp_path_factory):
-    """Stock peft's trained adapters per learning rate, from the adapters the 2-rank runs started from."""
+    """`get(lr, accumulation, bf16)`: stock peft's (initial, trained) adapters, from the adapters the 2-rank runs
+    started from, once per distinct setting."""
     _, out, _, _ = launches[2]
     init = torch.load(out / "prec_ours_lo_2" / "weights.pt")["init"]
     done = {}
-    for lr in ("1e-5", "2e-4"):
-        done[lr] = (init, _stock_peft(models / "llama", init, float(lr), tmp_path_factory.mktemp(f"stock{lr}")))
-    return done
+
+    def get(lr, accumulation=1, bf16=True):
+        key = (lr, accumulation, bf16)
+        if key not in done:
+            folder = tmp_path_factory.mktemp(f"stock{lr}")
+            done[key] = (init, _stock_peft(models / "llama", init, float(lr), folder, accumulation, bf16))
+        return done[key]
+
+    return get
 
 
 def _updates(weights, stock_init, stock_trained, kind):
@@ -127,7 +140,8 @@ def _check(version, key, launches, oracle, expect_equal=True):
         assert r["mp_param_dtype"] == "torch.bfloat16", "compute stays bf16"
     assert results[0][name]["init_checksum"] == results[1][name]["init_checksum"]
     lr = "1e-5" if name.split("_")[2] == "lo" else "2e-4"
-    stock_init, stock_trained = oracle[lr]
+    accumulation = 2 if "_ga2" in key else 1
+    stock_init, stock_trained = oracle(lr, accumulation, bf16="fp32" not in key)
     weights = torch.load(out / name / "weights.pt")
     for n, value in stock_init.items():  # the same start as the oracle's (an exact copy)
         assert torch.equal(weights["init"][n], value), n
@@ -153,6 +167,39 @@ def test_adapter_update_equals_stock_peft(version, key, launches, oracle):
     assert r["trainable_dtypes_before_wrap"] == ["torch.float32"]
     assert r["trainable_dtypes"] == r["optimizer_state_dtypes"] == ["torch.float32"]
     assert r["mp_reduce_dtype"] == "torch.float32"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_gradient_accumulation_update_equals_stock_peft(version, launches, oracle):
+    """Gradient accumulation 2 on each rank in bf16, against stock peft accumulating both ranks' micro-batches in one
+    process (4 per step). FSDP2 gathered every unit once for it (the no-sync post-backward needs them; see
+    train/fsdp.py), FSDP1 reduces each micro-batch (its no-sync accumulation is bf16: 1.9e-3 in the peft recipe)."""
+    r, _ = _check(version, "prec_ours_hi_ga2bf16", launches, oracle)
+    assert r["gradient_accumulation_steps"] == 2 and r["bf16"]
+    assert r["trainable_dtypes"] == r["optimizer_state_dtypes"] == ["torch.float32"]
+
+
+# bf16=False: the adapters are gathered and computed in the bf16 storage dtype (FSDP's param_dtype), where stock
+# peft computes them in float32 (its input cast to lora_A's dtype). Measured under FSDP1 and FSDP2 alike: lora_A
+# 0.070 (accumulation 1) and 0.087 (accumulation 2) relative to stock's update, lora_B 0.021 / 0.032: not a matter
+# of gradient accumulation (issue 49's sweep). Strict: this flips when the bf16=False compute follows stock.
+BF16_OFF = pytest.mark.xfail(strict=True, reason="bf16=False computes the adapters in bf16; stock peft in float32")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("key", ["prec_ours_hi_ga2fp32", "prec_ours_hi_fp32"])
+def test_bf16_off_trains_with_float32_masters(version, key, launches, oracle):
+    r, report = _check(version, key, launches, oracle, expect_equal=False)
+    assert r["gradient_accumulation_steps"] == (2 if "ga2" in key else 1) and not r["bf16"]
+    assert r["trainable_dtypes"] == r["optimizer_state_dtypes"] == ["torch.float32"]
+    assert report["lora_A_moved"] >= MOVED, report
+
+
+@BF16_OFF
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("key", ["prec_ours_hi_ga2fp32", "prec_ours_hi_fp32"])
+def test_bf16_off_update_equals_stock_peft(version, key, launches, oracle):
+    _check(version, key, launches, oracle)
 
 
 def test_bf16_opt_out_keeps_pure_bf16_adapters(launches, oracle):

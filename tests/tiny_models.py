@@ -86,6 +86,10 @@ def build_tiny_model(path: str | Path, arch: str = "llama", dtype=torch.bfloat16
     path = Path(path)
     if (path / "config.json").exists():
         return path
+    if arch == "chatml":  # a tokenizer with ChatML's tokens and template (tests/recipe_fixtures.py)
+        from recipe_fixtures import build_recipe_model
+
+        return build_recipe_model(path, seed=seed)
     if arch in PREQUANTIZED:
         return build_prequantized(path, *PREQUANTIZED[arch], seed=seed)
     torch.manual_seed(seed)

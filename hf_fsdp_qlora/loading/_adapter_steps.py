@@ -39,6 +39,9 @@ def freeze_for_kbit_training(model, gradient_checkpointing: bool | None) -> None
     if gradient_checkpointing:
         # use_reentrant=False: the reentrant variant needs inputs that require grad and breaks with FSDP.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # One hook: transformers 5's gradient_checkpointing_enable registers it already, and a second registration
+        # drops the first one's handle, so disable_input_require_grads (train/accelerator_setup.py) could not remove it.
+        model.disable_input_require_grads()
         model.enable_input_require_grads()
 
 

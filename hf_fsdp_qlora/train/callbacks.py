@@ -24,6 +24,7 @@ from .fsdp import (
     assert_fsdp_engaged,
     fsdp_unit_kinds,
     fsdp_version,
+    gather_every_unit_once,
     guard_sharded_merge,
     skip_frozen_embedding_backward_gather,
 )
@@ -140,4 +141,6 @@ class FSDPQLoRACallback(TrainerCallback):
         verify_partial_rows(model)
         guard_sharded_merge(model)
         skip_frozen_embedding_backward_gather(model)  # FSDP2: one gather of the frozen embedding per step, not two
+        if self._version == 2:  # gradient accumulation must find every unit gathered once (see the function)
+            gather_every_unit_once(model, getattr(_active_fsdp_plugin(), "mixed_precision_policy", None))
         logger.info("hf_fsdp_qlora: %s", engagement_summary(model, self._version, self.engagement))

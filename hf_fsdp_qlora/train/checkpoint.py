@@ -370,7 +370,18 @@ def load_optimizer_state(model, optimizer, state: dict) -> None:
             index.update({by_id[id(p)]: len(index) + i for i, p in enumerate(group["params"])})
         optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
         return
+    if not state["state"]:  # a stateless optimizer (SGD without momentum): torch's loader cannot place nothing
+        _load_group_settings(optimizer, state["param_groups"])
+        return
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=_options(model))
+
+
+def _load_group_settings(optimizer, saved_groups: list) -> None:
+    """The saved param groups' settings (learning rate, weight decay, ...) into `optimizer`'s groups, their
+    parameters kept: all a stateless optimizer's checkpoint holds (torch's set_optimizer_state_dict raises
+    "Expected device to be set" on it, with no tensor to take the device from)."""
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({key: value for key, value in saved.items() if key != "params"})
 
 
 def save_full_model(model, output_dir: str | os.PathLike, *, is_main_process: bool | None = None) -> Path | None:

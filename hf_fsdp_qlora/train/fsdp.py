@@ -11,11 +11,12 @@ from ..errors import FSDPNotEngagedError, UnsupportedSetupError
 from .dora import size_dora_identity_from_layer
 
 __all__ = [
-    "fsdp_version",
+    "assert_fsdp_engaged",
     "configure_plugin",
     "fsdp_engagement",
     "fsdp_unit_kinds",
-    "assert_fsdp_engaged",
+    "fsdp_version",
+    "gather_every_unit_once",
     "guard_sharded_merge",
     "match_amp_forward",
     "skip_frozen_embedding_backward_gather",
@@ -168,6 +169,44 @@ def skip_frozen_embedding_backward_gather(model) -> list[str]:
     if changed:
         logger.info("hf_fsdp_qlora: FSDP2 frozen embedding not re-gathered in backward: %s", ", ".join(changed))
     return changed
+
+
+def _casts_gradients(policy) -> bool:
+    """True for an FSDP2 policy whose gradients are reduced in another dtype than the parameters are gathered in
+    (our float32 adapters: ``param_dtype=bf16, reduce_dtype=fp32``); torch clamps an equal reduce dtype to none."""
+    reduce_dtype = getattr(policy, "reduce_dtype", None)
+    return reduce_dtype is not None and reduce_dtype != getattr(policy, "param_dtype", None)
+
+
+def gather_every_unit_once(model, policy) -> list[str]:
+    """Under FSDP2 with gradients reduced in their own dtype, all-gather (and free) every unit once after wrapping,
+    so gradient accumulation does not crash on a unit that the forward never gathered.
+
+    In a micro-batch without gradient sync (``gradient_accumulation_steps > 1``: accelerate turns it off for all
+    but the last), torch 2.13's post-backward casts every parameter's unsharded gradient to ``reduce_dtype`` and
+    reads the gathered parameter to do so - which exists only once its unit has been all-gathered. A unit that the
+    forward bypasses never is: trl's SFTTrainer projects with ``lm_head.weight.full_tensor()`` without calling the
+    head's unit, and a vision tower skips text-only batches. Every rank then fails at the first backward with
+    "AttributeError: 'FSDPParam' object has no attribute '_unsharded_param'" (torch's post-backward checks for it
+    only when it reduces; pytorch/pytorch#194058 proposed the missing check). The policy with ``reduce_dtype=param_dtype``
+    (bf16 adapters) skips that cast, which is why float32 adapters (train/precision.py) exposed it. One gather per
+    unit, one unit at a time, through torch's public ``unshard``/``reshard``: what stays is torch's record of the
+    gathered parameter (its memory freed), so the cast finds no gradient and returns. Weights are not changed.
+
+    Returns:
+        The names of the units gathered (none when the policy reduces in the gather dtype, or without FSDP2).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not _casts_gradients(policy):
+        return []
+    gathered = []
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
+            gathered.append(name)
+    return gathered
 
 
 def fsdp_engagement(model) -> dict:

@@ -371,6 +371,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         import precision_scenarios
 
         return precision_scenarios.run(name, path, out, version, arch, kind)
+    if kind.startswith("peftrecipe_"):  # peft's FSDP + QLoRA recipe (tests/test_peft_recipe.py)
+        import peft_recipe_scenarios
+
+        return peft_recipe_scenarios.run(name, path, out, version, arch, kind)
     if kind == "expertresume":  # LoRA on 4-bit experts: checkpoint and exact resume (tests/test_moe.py)
         import resume_scenarios
 
