@@ -11,6 +11,11 @@ Measured on this machine: the update of every lora_A / lora_B equals the oracle'
 lora_A's update differed by 0.986 (1e-5) / 0.75 (2e-4) and as few as 1.2% of a tensor's elements moved. Against
 one micro-batch of 4 instead of 2 x 2 the stock run itself differs by 0.060 (the floor any batch split adds).
 
+FSDP's own activation checkpointing (``fsdp_activation_checkpointing: true``) must recompute each layer with the
+forward's dropout masks: with ``lora_dropout=0.1`` the first step's LoRA gradients with it on equal those with it
+off bit for bit (measured 0.0); accelerate 1.15's FSDP2 wrappers (``preserve_rng_state=False``) gave gradients that
+differed by up to 2.65x their norm (median 1.2x over the 28 LoRA tensors) while the loss was the same.
+
 The third route, trl's own ``sft.py`` through ``-m hf_fsdp_qlora.run`` (trl's defaults, ``--dtype bfloat16``, LoRA
 r=16), is tests/test_precision_trl.py's: its update equals trl's SFTTrainer with stock peft's fp32 adapters on the
 recorded micro-batches bit for bit too (0.0 under FSDP1 and FSDP2, at 1e-5 and 2e-4).
@@ -50,7 +55,13 @@ SHARED_TRAIN_SCENARIOS = {
     # FSDP1's opt-out: what the masters really are where accelerate upcasts trainable FlatParameters (the doctor's plan)
     1: {**{f"{k}_1": v for k, v in _COMMON.items()}, "prec_bf16_lo_1": ("llama", "precision_ours_bfloat16_1e-5")},
     # the opt-out, once: pure bf16 adapters lose the small updates (so the comparison above can fail)
-    2: {**{f"{k}_2": v for k, v in _COMMON.items()}, "prec_bf16_lo_2": ("llama", "precision_ours_bfloat16_1e-5")},
+    2: {
+        **{f"{k}_2": v for k, v in _COMMON.items()},
+        "prec_bf16_lo_2": ("llama", "precision_ours_bfloat16_1e-5"),
+        # FSDP's activation checkpointing with LoRA dropout: one step with it on and off (tests/scripts/ac_rng_scenarios)
+        "acrng_on_2": ("llama", "acrng_on"),
+        "acrng_off_2": ("llama", "acrng_off"),
+    },
 }
 
 
@@ -242,3 +253,54 @@ def test_adapter_dtype_argument_is_checked():
         FSDPQLoRATrainingArguments(output_dir="unused", adapter_dtype="int8", use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match="Use adapter_dtype='float32'"):
         adapter_dtype_for(args, torch.float16)
+
+
+def test_fsdp2_checkpointing_recomputes_with_the_forward_dropout_masks(launches):
+    """FSDP2, float32, lora_dropout=0.1, the same adapters, batches and seed: the first step's LoRA gradients (gathered
+    whole) with FSDP's activation checkpointing equal those without it. accelerate 1.15 wraps each layer with
+    ``checkpoint_wrapper(preserve_rng_state=False)``: the backward's recomputation drew new dropout masks and the
+    gradients differed by up to 2.65x their norm (the loss, computed in the forward, did not change)."""
+    _, out, results, _ = launches[2]
+    for rank in (0, 1):
+        on, off = results[rank]["acrng_on_2"], results[rank]["acrng_off_2"]
+        for r in (on, off):
+            assert r.get("ok"), r.get("traceback")
+            assert r["distributed_type"] == "DistributedType.FSDP" and r["engagement"]["fsdp2_modules"] > 0, r
+            assert r["engagement"]["dtensor_params"] > 0 and r["dropout"] == [0.1], r
+        assert on["plugin_checkpointing"] and on["checkpointed"] > 0, on
+        assert not off["plugin_checkpointing"] and off["checkpointed"] == 0, off
+        assert on["losses"] == off["losses"], (on["losses"], off["losses"])
+    with_ckpt, without = torch.load(out / "acrng_on_2" / "grads.pt"), torch.load(out / "acrng_off_2" / "grads.pt")
+    assert sorted(with_ckpt) == sorted(without) and any("lora_A" in n for n in without)
+    for name, grad in without.items():
+        assert grad.abs().max() > 0, name  # init_lora_weights=False: every adapter gets a gradient
+        torch.testing.assert_close(with_ckpt[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert results[0]["acrng_on_2"]["preserve_rng_state"] == ["True"]
+
+
+def test_checkpoint_wrappers_made_to_preserve_the_rng_state():
+    """preserve_checkpoint_rng_state on accelerate's FSDP2 wrapping (one process, no FSDP needed): the wrapper's
+    gradient with dropout equals the unwrapped module's; keywords kept; a custom checkpoint function left alone."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from hf_fsdp_qlora.train.accelerator_setup import preserve_checkpoint_rng_state
+
+    def grad(model):
+        torch.manual_seed(3)
+        x = torch.ones(4, 8, requires_grad=True)
+        model(x).sum().backward()
+        return x.grad
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 8))
+    plain = grad(layer)
+    model = torch.nn.Sequential(checkpoint_wrapper(layer, preserve_rng_state=False))  # as accelerate's fsdp2_apply_ac
+    assert not torch.equal(grad(model), plain), "new masks in the recomputation: the bug this guards against"
+    custom = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(8, 8), checkpoint_fn=lambda f, *a, **k: f(*a)))
+    assert preserve_checkpoint_rng_state(torch.nn.Sequential(model, custom)) == 1
+    fn = model[0].checkpoint_fn
+    assert isinstance(fn, functools.partial) and fn.keywords == {"use_reentrant": False, "preserve_rng_state": True}
+    assert torch.equal(grad(model), plain)
+    assert preserve_checkpoint_rng_state(model) == 0  # already preserved (and FSDP1's wrappers: torch's default)

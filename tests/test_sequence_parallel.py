@@ -283,6 +283,24 @@ def test_sp2_ranks_draw_their_own_dropout_masks(runs):
         assert len(found["dropout"]["losses"]) == 2 and all(torch.isfinite(torch.tensor(found["dropout"]["losses"])))
 
 
+def test_sp2_checkpointing_recomputes_each_rank_own_dropout_masks(runs):
+    """LoRA dropout 0.1 under FSDP's activation checkpointing: each rank's recomputation in backward draws the masks
+    its forward drew from the rank's own stream (train/sp_random.py), so the gradients equal the same run without
+    checkpointing. accelerate 1.15's FSDP2 wrappers (preserve_rng_state=False) recomputed from the shared generator."""
+    out, ranks, _, _ = runs
+    for found in ranks.values():
+        with_ckpt, without = found["dropout_ckpt"], found["dropout"]
+        assert "error" not in with_ckpt, with_ckpt.get("error")
+        _assert_engaged(with_ckpt)
+        assert with_ckpt["checkpointed"] > 0 and without["checkpointed"] == 0
+        assert with_ckpt["losses"] == without["losses"]
+    grads, want = torch.load(out / "grads_dropout_ckpt_sp2.pt"), torch.load(out / "grads_dropout_sp2.pt")
+    assert set(grads) == set(want) and want
+    for key, ref in want.items():
+        assert float(ref.abs().max()) > 0, key
+        torch.testing.assert_close(grads[key], ref, rtol=1e-5, atol=1e-7, msg=key)
+
+
 def test_sp2_neftune_noise_has_one_process_bound(runs):
     """NEFTune bounds its noise by alpha / sqrt(tokens x hidden) of the embeddings it sees: one process sees 15 tokens,
     each rank 8 (before the fix its noise reached 1.37x one process's bound). The largest of the first forward's

@@ -19,6 +19,7 @@ from ..distributed import fsdp_requested_by_launch
 from ..errors import FSDPNotEngagedError
 from ..loading.low_ram import verify_partial_rows
 from ..quant_record import keep_live_record
+from .accelerator_setup import preserve_checkpoint_rng_state
 from .consistency import make_fsdp_consistent
 from .fsdp import (
     assert_fsdp_engaged,
@@ -96,7 +97,8 @@ class FSDPQLoRACallback(TrainerCallback):
       for FSDP1, and broadcasts the adapters from rank 0 so every rank starts identical; without FSDP it casts
       the adapters to ``adapter_dtype`` only;
     * ``on_train_begin`` (after wrapping): raises :class:`~hf_fsdp_qlora.FSDPNotEngagedError` if FSDP
-      was requested but the model is not FSDP-wrapped.
+      was requested but the model is not FSDP-wrapped, and makes FSDP's activation checkpointing recompute with the
+      forward's dropout masks (accelerate's FSDP2 wrappers draw new ones).
 
     Example::
 
@@ -141,6 +143,7 @@ class FSDPQLoRACallback(TrainerCallback):
         verify_partial_rows(model)
         guard_sharded_merge(model)
         skip_frozen_embedding_backward_gather(model)  # FSDP2: one gather of the frozen embedding per step, not two
+        preserve_checkpoint_rng_state(model)  # FSDP2's checkpoint wrappers: recompute with the forward's dropout masks
         if self._version == 2:  # gradient accumulation must find every unit gathered once (see the function)
             gather_every_unit_once(model, getattr(_active_fsdp_plugin(), "mixed_precision_policy", None))
         logger.info("hf_fsdp_qlora: %s", engagement_summary(model, self._version, self.engagement))

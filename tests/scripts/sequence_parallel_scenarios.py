@@ -49,8 +49,12 @@ SCENARIOS = {
     "loss_func": {},  # a causal-LM compute_loss_func
     "gaps": {},  # user position_ids with a gap: [0..7, 12..19]
     "dropout": {},  # LoRA dropout 0.1: the masks each rank draws for its chunk recorded
+    # The same under FSDP's activation checkpointing (launched only): its gradients must equal "dropout"'s, the
+    # recomputation drawing each rank's forward masks again (train/sp_random.py, preserve_checkpoint_rng_state)
+    "dropout_ckpt": {},
     "neftune": {"neftune_noise_alpha": 5.0},  # the largest noise NEFTune added in the first forward recorded
 }
+LAUNCHED_ONLY = ("dropout_ckpt",)  # compared with another launched scenario, not with one process
 OPTION_STEPS = 2  # the option scenarios' steps (the first four: the proven paths, STEPS)
 # Launched only: 4 steps with a checkpoint at step 2, then a fresh trainer resumed from it (steps 3 and 4).
 RESUME = "resume"
@@ -165,9 +169,9 @@ def run(name, path, out, sp_size):
     if (
         "FSDP_ACTIVATION_CHECKPOINTING" in os.environ
     ):  # launched: the rehearsal config's FSDP checkpointing, per scenario
-        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = str(name == "ckpt").lower()
+        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = str(name in ("ckpt", "dropout_ckpt")).lower()
     model = _load(name, path)
-    option = name in ("moe_aux", "smooth", "loss_func", "gaps", "dropout", "neftune")
+    option = name in ("moe_aux", "smooth", "loss_func", "gaps", "dropout", "dropout_ckpt", "neftune")
     args = FSDPQLoRATrainingArguments(
         output_dir=str(out / f"{name}_sp{sp_size}"), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         max_steps=OPTION_STEPS if option else STEPS, learning_rate=0.1, optim="sgd", logging_steps=1, report_to=[],
@@ -207,7 +211,7 @@ def _load(name, path):
     model = load_qlora_model(
         str(Path(path).parent / folder) if folder else path,
         dtype=torch.float32,
-        lora_config=ts.lora_config(init_lora_weights=False, lora_dropout=0.1 if name == "dropout" else 0.0),
+        lora_config=ts.lora_config(init_lora_weights=False, lora_dropout=0.1 if "dropout" in name else 0.0),
         gradient_checkpointing=(name == "ckpt"),
     )
     model.config.use_cache = False
@@ -341,6 +345,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     found = {}
     names = args.scenarios.split(",") + ([] if args.single else [RESUME])
+    names = [n for n in names if not (args.single and n in LAUNCHED_ONLY)]
     for name in names:
         wall, cpu = time.perf_counter(), time.process_time()  # where the launch's time goes (issue 33)
         try:

@@ -371,6 +371,10 @@ def run_trainer_scenario(name, path, out, version, arch, kind):
         import precision_scenarios
 
         return precision_scenarios.run(name, path, out, version, arch, kind)
+    if kind.startswith("acrng_"):  # FSDP's activation checkpointing and dropout masks (tests/test_precision.py)
+        import ac_rng_scenarios
+
+        return ac_rng_scenarios.run(name, path, out, version, arch, kind)
     if kind.startswith("peftrecipe_"):  # peft's FSDP + QLoRA recipe (tests/test_peft_recipe.py)
         import peft_recipe_scenarios
 
