@@ -87,6 +87,23 @@ def test_peft_load_adapter_on_a_load_qlora_model_base(trained):
     torch.testing.assert_close(_logits(model), logits, rtol=0, atol=1e-6)
 
 
+def test_peft_from_pretrained_after_quantize_experts(trained):
+    """The 4-bit base built by hand (transformers' 4-bit load, then our quantize_experts) and peft's own loader.
+    Before: the same silent loss as through load_adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from hf_fsdp_qlora.loading.experts import quantize_experts
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32)  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(trained.base, quantization_config=quant, dtype=torch.float32)
+    assert quantize_experts(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(trained.folder))
+    assert _lora_layers(model) == trained.layers
+    torch.testing.assert_close(_logits(model), trained.logits, rtol=0, atol=1e-6)
+
+
 def _merged_by_hand(base, folder) -> torch.nn.Module:
     """The 16-bit base with W += (alpha / r) B A written into each adapted linear layer (the oracle)."""
     import json
@@ -110,7 +127,7 @@ def _merged_by_hand(base, folder) -> torch.nn.Module:
 def test_stock_peft_from_pretrained_on_the_16bit_base(trained, monkeypatch):
     """Stock peft (our loaders' hook on peft taken off): every tensor of the adapter lands where it was trained.
     Before: the dense-MLP and shared-expert tensors were dropped and LoRA built on the routed experts (logits 0.71
-    off the oracle on DeepSeek-V3)."""
+    off the trained model's on DeepSeek-V3, which ran on 4-bit weights)."""
     import inspect
 
     from peft import PeftModel
