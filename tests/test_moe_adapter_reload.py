@@ -148,15 +148,25 @@ def test_stock_peft_from_pretrained_on_the_16bit_base(trained, monkeypatch):
         torch.testing.assert_close(_logits(model), _logits(_merged_by_hand(base, folder)), rtol=0, atol=1e-5)
 
 
-def test_merge_adapters_takes_the_saved_form(trained, tmp_path):
-    """merge-adapters reads linear layers named in target_parameters: the merged model equals the oracle."""
+def test_merge_adapters_takes_the_saved_form(trained, tmp_path, monkeypatch):
+    """merge-adapters reads the linear layers named in target_parameters (and the experts): the merged model equals
+    peft's own merge of the stock reload on the 16-bit base, tensor by tensor, and the hand-made oracle."""
+    import inspect
+
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
     from transformers import AutoModelForCausalLM
 
     from hf_fsdp_qlora.merge import merge_adapters
 
+    monkeypatch.setattr(BaseTuner, "inject_adapter", inspect.unwrap(BaseTuner.inject_adapter))
     base, folder = trained.base, trained.folder
-    if trained.experts:
-        pytest.skip("the oracle adds linear updates only")
     out = merge_adapters(base, folder, tmp_path / "merged", dtype="float32", progress=False)
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    torch.testing.assert_close(_logits(merged), _logits(_merged_by_hand(base, folder)), rtol=0, atol=1e-5)
+    stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(folder))
+    oracle = stock.merge_and_unload().state_dict()
+    assert merged.state_dict().keys() == oracle.keys()
+    for key, value in merged.state_dict().items():
+        torch.testing.assert_close(value, oracle[key], rtol=0, atol=1e-6, msg=key)
+    if not trained.experts:
+        torch.testing.assert_close(_logits(merged), _logits(_merged_by_hand(base, folder)), rtol=0, atol=1e-5)
