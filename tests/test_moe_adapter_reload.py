@@ -87,9 +87,11 @@ def test_peft_load_adapter_on_a_load_qlora_model_base(trained):
     torch.testing.assert_close(_logits(model), logits, rtol=0, atol=1e-6)
 
 
-def test_peft_from_pretrained_after_quantize_experts(trained):
-    """The 4-bit base built by hand (transformers' 4-bit load, then our quantize_experts) and peft's own loader.
-    Before: the same silent loss as through load_adapter."""
+@pytest.mark.parametrize("loader", ["peft", "transformers"])
+def test_loaders_after_quantize_experts(trained, loader):
+    """The 4-bit base built by hand (transformers' 4-bit load, then our quantize_experts), then peft's
+    ``PeftModel.from_pretrained`` or transformers' ``load_adapter``. Before: the same silent loss as through peft's
+    load_adapter."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -99,8 +101,14 @@ def test_peft_from_pretrained_after_quantize_experts(trained):
                                bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32)  # fmt: skip
     base = AutoModelForCausalLM.from_pretrained(trained.base, quantization_config=quant, dtype=torch.float32)
     assert quantize_experts(base, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(trained.folder))
-    assert _lora_layers(model) == trained.layers
+    if loader == "peft":
+        model = PeftModel.from_pretrained(base, str(trained.folder))
+        assert _lora_layers(model) == trained.layers
+    else:
+        base.load_adapter(str(trained.folder))
+        model = base
+        layers = {n.replace(".base_layer", "") for n, m in base.named_modules() if hasattr(m, "lora_A") and m.lora_A}
+        assert layers == trained.layers
     torch.testing.assert_close(_logits(model), trained.logits, rtol=0, atol=1e-6)
 
 
