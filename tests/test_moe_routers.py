@@ -16,7 +16,7 @@ from family_build import build
 from peft import LoraConfig
 
 from hf_fsdp_qlora import load_qlora_model
-from hf_fsdp_qlora.loading.moe_routers import router_layers
+from hf_fsdp_qlora.moe_routers import router_layers
 
 IDS = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
 ROUTERS = {
@@ -80,3 +80,14 @@ def test_a_shared_expert_gate_is_no_router(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(build("qwen3_next", tmp_path / "qwen3_next"))
     assert router_layers(model) == set()
     assert any(n.endswith("shared_expert_gate") for n, _ in model.named_modules())
+
+
+@pytest.mark.parametrize("family", sorted(ROUTERS))
+def test_the_doctor_counts_no_router_lora(bases, family):
+    """The doctor's all-linear targets are the loader's: every linear layer but the head and the routers."""
+    from hf_fsdp_qlora.model_shapes import model_shape
+
+    shape = model_shape(bases(family) / "config.json")
+    lora = {s.name for s in shape.linears if s.lora}
+    assert lora and not lora & ROUTERS[family]
+    assert ROUTERS[family] <= {s.name for s in shape.linears}  # still counted as linear layers (4-bit)

@@ -1,4 +1,5 @@
-"""The routers of mixture-of-experts blocks: linear layers that score the experts, never LoRA targets of "all-linear".
+"""The routers of mixture-of-experts blocks: linear layers that score the experts, never LoRA targets of "all-linear"
+(``load_qlora_model``, the doctor).
 
 A router's output picks the experts; LoRA on it changes the routing, not a layer's output, and several families'
 routers are ``nn.Linear`` subclasses whose forward returns a tuple (Phi-MoE's ``PhimoeTopKRouter``, Llama 4's
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..expert_layouts import is_experts_module
+from .expert_layouts import is_experts_module
 
 __all__ = ["router_layers"]
 
