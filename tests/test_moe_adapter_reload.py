@@ -74,12 +74,13 @@ def test_load_qlora_model_adapter(trained):
     torch.testing.assert_close(_logits(model), logits, rtol=0, atol=1e-6)
 
 
-def test_peft_load_adapter_on_a_load_qlora_model_base(trained):
-    """Before: the LoRA landed on the routed experts (logits 0.74 off on DeepSeek-V3; with expert LoRA, a size
-    mismatch error)."""
+@pytest.mark.parametrize("first", [["o_proj"], "all-linear"])
+def test_peft_load_adapter_on_a_load_qlora_model_base(trained, first):
+    """Beside a first adapter (on o_proj, or all-linear: on the same layers). Before: the LoRA landed on the routed
+    experts (logits 0.74 off on DeepSeek-V3; with expert LoRA, a size mismatch error)."""
     base, folder, logits, layers = trained.base, trained.folder, trained.logits, trained.layers
     model = load_qlora_model(str(base), dtype=torch.float32, gradient_checkpointing=False,
-                             lora_config=LoraConfig(r=2, target_modules=["o_proj"]))  # fmt: skip
+                             lora_config=LoraConfig(r=2, target_modules=first))  # fmt: skip
     model.load_adapter(str(folder), adapter_name="trained")
     model.set_adapter("trained")
     layers_trained = {n for n in _lora_layers(model) if "trained" in model.get_base_model().get_submodule(n).lora_A}

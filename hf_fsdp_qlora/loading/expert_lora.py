@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import UnsupportedSetupError
 from .experts import QuantizedExperts, expert_layout, has_fused_experts, keep_linear_targets, quantize_experts
-from .stock_reload import linear_weights_as_modules
+from .stock_reload import linear_weights_as_modules_within
 
 __all__ = [
     "attach_expert_lora",
@@ -264,15 +264,13 @@ def quantize_experts_before_peft(env_switch: str | None, quantize: bool = True) 
         if launcher and settings["quantize"]:
             _quantize_experts_of_4bit_model(model, settings["env_switch"])
         config = self.peft_config[adapter_name]
-        saved = linear_weights_as_modules(model, config)  # an adapter saved for stock peft: LoRA on its layers
-        if launcher or _holds_4bit_experts(model):
-            check_target_modules(model, config)
-            check_target_parameters(model, config)
-        with peft_sees_expert_weights(model), keep_linear_targets(config):
-            result = original(self, model, adapter_name, *args, **kwargs)
-        for key, value in (saved or {}).items():
-            setattr(config, key, value)  # saved again as it was read
-        return result
+        # an adapter saved for stock peft (stock_reload.py): LoRA on the linear layers its target_parameters name
+        with linear_weights_as_modules_within(model, self.peft_config):
+            if launcher or _holds_4bit_experts(model):
+                check_target_modules(model, config)
+                check_target_parameters(model, config)
+            with peft_sees_expert_weights(model), keep_linear_targets(config):
+                return original(self, model, adapter_name, *args, **kwargs)
 
     inject_adapter.hf_fsdp_qlora_experts = settings
     BaseTuner.inject_adapter = inject_adapter

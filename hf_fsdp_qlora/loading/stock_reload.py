@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import contextmanager
 
 from torch import nn
 
-__all__ = ["MARK", "linear_weights_as_modules", "save_stock_form", "stock_form"]
+__all__ = ["MARK", "linear_weights_as_modules", "linear_weights_as_modules_within", "save_stock_form", "stock_form"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,13 @@ MARK = "hf_fsdp_qlora_linear_targets"  # on a config whose linear targets peft m
 
 
 def _linear_modules(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and name}
+    """The linear layers of `model` by name, those an adapter already wraps included (peft's LoRA layer in their
+    place, the linear layer its ``base_layer``): a second adapter on the same layers goes there too."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if name and (isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear))
+    }
 
 
 def _converted_away(model: nn.Module, lora_config) -> list[str]:
@@ -90,7 +97,7 @@ def linear_weights_as_modules(model: nn.Module, lora_config) -> dict | None:
     ``target_modules`` (LoRA on the layer: the same update, and the only one a 4-bit layer can take), and the config
     is marked so that peft converts none of its names. Returns the saved form to put back after injection (a later
     save writes it again), or None where no such name is present."""
-    params = list(lora_config.target_parameters or [])
+    params = list(getattr(lora_config, "target_parameters", None) or [])  # LoRA only (peft's other tuners lack it)
     if not params or isinstance(lora_config.target_modules, str):  # a regex: peft's own rules
         return None
     linear = _linear_modules(model)
@@ -109,3 +116,17 @@ def linear_weights_as_modules(model: nn.Module, lora_config) -> dict | None:
     lora_config.target_parameters = rest or None
     setattr(lora_config, MARK, True)
     return saved
+
+
+@contextmanager
+def linear_weights_as_modules_within(model: nn.Module, configs: dict):
+    """Within (peft injecting an adapter into `model`): :func:`linear_weights_as_modules` on every adapter's config
+    in `configs` (peft compares a new adapter's ``target_parameters`` with those of the adapters already there); on
+    exit each config is its saved form again, so that a later save writes it."""
+    saved = {name: linear_weights_as_modules(model, config) for name, config in configs.items()}
+    try:
+        yield
+    finally:
+        for name, form in saved.items():
+            for key, value in (form or {}).items():
+                setattr(configs[name], key, value)
