@@ -179,3 +179,34 @@ def test_merge_adapters_takes_the_saved_form(trained, tmp_path, monkeypatch):
         torch.testing.assert_close(value, oracle[key], rtol=0, atol=1e-6, msg=key)
     if not trained.experts:
         torch.testing.assert_close(_logits(merged), _logits(_merged_by_hand(base, folder)), rtol=0, atol=1e-5)
+
+
+def test_scripts_all_linear_under_the_launcher(trained, monkeypatch, tmp_path):
+    """trl's route (`-m hf_fsdp_qlora.run`, the script's own 4-bit from_pretrained and get_peft_model with
+    `--lora_target_modules all-linear` and trl's default dropout 0.05): LoRA on the same layers as load_qlora_model,
+    saved in the form stock peft reloads. Before: peft moved the dense and shared-expert targets onto the routed
+    experts, where dropout 0.05 fails ("lora.ParamWrapper does not work with lora_dropout != 0")."""
+    import json
+
+    from peft import get_peft_model
+    from peft.tuners.tuners_utils import BaseTuner
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
+
+    from hf_fsdp_qlora.loading.expert_lora import quantize_experts_before_peft
+    from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV
+
+    if trained.experts:
+        pytest.skip("one adapter per family is enough here")
+    monkeypatch.setattr(BaseTuner, "inject_adapter", BaseTuner.inject_adapter)  # the launcher's hooks, restored
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", PreTrainedModel.__dict__["from_pretrained"])
+    quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(trained.base, quantization_config=quant, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules="all-linear"))
+    assert _lora_layers(model) == trained.layers
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    ours = json.loads((trained.folder / "adapter_config.json").read_text())
+    keys = ("target_modules", "target_parameters", "lora_dropout")
+    assert {k: saved[k] for k in keys} == {k: ours[k] for k in keys}
+    assert any(p.endswith("shared_experts.gate_proj.weight") for p in saved["target_parameters"])

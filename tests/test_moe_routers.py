@@ -91,3 +91,29 @@ def test_the_doctor_counts_no_router_lora(bases, family):
     lora = {s.name for s in shape.linears if s.lora}
     assert lora and not lora & ROUTERS[family]
     assert ROUTERS[family] <= {s.name for s in shape.linears}  # still counted as linear layers (4-bit)
+
+
+@pytest.mark.parametrize("family", sorted(ROUTERS))
+def test_scripts_all_linear_under_the_launcher(bases, family, monkeypatch):
+    """trl's route (`-m hf_fsdp_qlora.run`, HF_FSDP_QLORA_QUANTIZE_EXPERTS=0: the refusal's advice there): the
+    script's own 4-bit from_pretrained and get_peft_model with `--lora_target_modules all-linear` and trl's default
+    dropout 0.05. Before: LoRA on the router, and the same AttributeError at the first forward."""
+    from peft import get_peft_model
+    from peft.tuners.tuners_utils import BaseTuner
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
+
+    from hf_fsdp_qlora.loading.expert_lora import quantize_experts_before_peft
+    from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV
+
+    # The launcher's hooks are process-wide: both are restored after the test.
+    monkeypatch.setattr(BaseTuner, "inject_adapter", BaseTuner.inject_adapter)
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", PreTrainedModel.__dict__["from_pretrained"])
+    quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV, quantize=False)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(bases(family), quantization_config=quant, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules="all-linear"))
+    loss = _loss(model)  # before: AttributeError: 'tuple' object has no attribute 'dtype'
+    loss.backward()
+    layers = _lora_layers(model)
+    assert layers and not [n for n in layers if "router" in n]
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad), "a LoRA without grad"
