@@ -63,7 +63,8 @@ def trained(request, tmp_path_factory):
     logits = _logits(model)
     with model.disable_adapter():
         assert (logits - _logits(model)).abs().max() > 1e-2  # the adapter moves the logits
-    return SimpleNamespace(base=base, folder=root / "adapter", logits=logits, layers=layers, experts=experts)
+    return SimpleNamespace(base=base, folder=root / "adapter", logits=logits, layers=layers, experts=experts,
+                           model=model)  # fmt: skip
 
 
 def test_load_qlora_model_adapter(trained):
@@ -72,6 +73,23 @@ def test_load_qlora_model_adapter(trained):
                              is_trainable=False)  # fmt: skip
     assert _lora_layers(model) == layers
     torch.testing.assert_close(_logits(model), logits, rtol=0, atol=1e-6)
+
+
+def test_our_save_path_writes_the_same_form(trained, tmp_path):
+    """hf_fsdp_qlora's own save (the FSDP path's, here on one process) writes the targets peft's save_pretrained
+    wrote, and the same tensors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from hf_fsdp_qlora.train.checkpoint import save_adapter
+
+    save_adapter(trained.model, tmp_path, is_main_process=True)
+    ours, peft = (json.loads((f / "adapter_config.json").read_text()) for f in (tmp_path, trained.folder))
+    keys = ("target_modules", "target_parameters", "lora_dropout", "r", "lora_alpha")
+    assert {k: ours[k] for k in keys} == {k: peft[k] for k in keys}
+    saved, written = (load_file(f / "adapter_model.safetensors") for f in (tmp_path, trained.folder))
+    assert saved.keys() == written.keys() and all(torch.equal(saved[k], written[k]) for k in saved)
 
 
 @pytest.mark.parametrize("first", [["o_proj"], "all-linear"])
