@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from .errors import SetupInputError
 from .loss_paths import LOGIT_TRANSFORMS
 from .model_config import load_model_config
+from .moe_routers import router_layers
 from .sp_rules import local_attention_kinds, router_aux_kind
 
 __all__ = [
@@ -218,7 +219,8 @@ def _targets(config_targets, name: str) -> bool:
 def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
     """The shapes of `model` (a path, config.json, config object or an ``nn.Module``), built on the meta device.
 
-    LoRA targets follow peft's rule for ``"all-linear"`` (every linear layer but the output head); bitsandbytes
+    LoRA targets follow peft's rule for ``"all-linear"`` (every linear layer but the output head), routers aside
+    (``load_qlora_model``'s all-linear never adapts them: :mod:`hf_fsdp_qlora.moe_routers`); bitsandbytes
     quantizes every linear layer but the output head (transformers' ``modules_to_not_convert``).
 
     Raises:
@@ -307,6 +309,7 @@ def _add_linears(shape: ModelShape, module, layer_prefixes: list[str], lora_targ
     import torch
 
     head = module.get_output_embeddings()
+    routers = router_layers(module) if lora_target_modules == "all-linear" else set()  # never all-linear targets
     for name, sub in module.named_modules():
         is_linear = isinstance(sub, torch.nn.Linear) or type(sub).__name__ in ("Linear4bit", "Linear8bitLt")
         if not is_linear or "lora_" in name or ".base_layer" in name[-11:]:
@@ -319,7 +322,7 @@ def _add_linears(shape: ModelShape, module, layer_prefixes: list[str], lora_targ
                 out_features=int(sub.out_features),
                 layer=_layer_index(name, layer_prefixes),
                 quantized=not is_head,
-                lora=not is_head and _targets(lora_target_modules, name),
+                lora=not is_head and name not in routers and _targets(lora_target_modules, name),
             )
         )
         counted.add(id(sub.weight))

@@ -65,8 +65,13 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "inject_adapter on every MoE model type transformers 5 converts)",
         works_around='targets named gate_proj / up_proj / down_proj (leaf or full names, and "all-linear") are '
         "moved onto the routed experts' fused parameters: dense MLPs and shared experts lose their LoRA, and "
-        "dropout fails in ParamWrapper (DeepSeek-V2/V3, GLM-4-MoE, Qwen3-Next, Qwen3-MoE mlp_only_layers)",
-        where=("hf_fsdp_qlora.loading.experts.keep_linear_targets",),
+        "dropout fails in ParamWrapper (DeepSeek-V2/V3, GLM-4-MoE, Qwen3-Next, Qwen3-MoE mlp_only_layers); it runs on "
+        "every config peft loads, so saved adapters name those layers' weights in target_parameters (never remapped)",
+        where=(
+            "hf_fsdp_qlora.loading.experts.keep_linear_targets",
+            "hf_fsdp_qlora.loading.stock_reload.stock_form",
+            "hf_fsdp_qlora.loading.stock_reload.linear_weights_as_modules",
+        ),
         remove_when="peft converts only adapters written for transformers 4 (or lets a config opt out)",
         canary="tests/test_families_defects.py::test_stock_peft_moves_linear_targets_onto_experts",
     ),

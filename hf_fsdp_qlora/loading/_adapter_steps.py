@@ -13,10 +13,12 @@ from .expert_lora import (
     check_target_parameters,
     linear_layer_names,
     lora_config_for_mamba,
+    peft_adapts_4bit_experts,
     peft_sees_expert_weights,
 )
 from .experts import keep_linear_targets, lora_config_for_experts
 from .family_targets import lora_config_for_family
+from .stock_reload import save_stock_form, stock_form
 
 __all__ = ["attach_adapter", "continue_adapter", "freeze_for_kbit_training"]
 
@@ -57,8 +59,11 @@ def attach_adapter(load, lora_config) -> None:
     lora_config = lora_config_for_family(load.model, lora_config)  # not the layers its forward never runs
     lora_config = lora_config_for_mamba(load.model, lora_config)
     check_target_parameters(load.model, lora_config)
+    form = stock_form(load.model, lora_config)  # the names of the base, before peft wraps its layers
+    peft_adapts_4bit_experts()  # peft's later loaders (load_adapter) read what we save
     with peft_sees_expert_weights(load.model), keep_linear_targets(lora_config):
         load.model = _apply_lora(load.model, lora_config)
+    save_stock_form(load.model.peft_config[load.model.active_adapter], form)
 
 
 def _apply_lora(model, lora_config):
@@ -92,6 +97,7 @@ def continue_adapter(load) -> None:
     # An adapter we saved names the linear layers as our loader chose them: peft must not remap them onto the
     # routed experts as if they were written for transformers 4 (keep_linear_targets, as when they were attached).
     ours = SimpleNamespace(hf_fsdp_qlora_linear_targets=(Path(load.adapter) / RECORD_NAME).is_file())
+    peft_adapts_4bit_experts()  # target_parameters naming linear weights (stock_reload.py) go onto the layers
     with peft_sees_expert_weights(load.model), keep_linear_targets(ours):
         # autocast_adapter_dtype=False: the adapters keep the run's one dtype (harmonize_dtypes casts the rest).
         load.model = PeftModel.from_pretrained(

@@ -26,7 +26,15 @@ from contextlib import contextmanager
 from torch import nn
 
 from ..errors import UnsupportedSetupError
-from .experts import QuantizedExperts, expert_layout, has_fused_experts, quantize_experts
+from .experts import (
+    QuantizedExperts,
+    expert_layout,
+    has_fused_experts,
+    keep_linear_targets,
+    lora_config_for_experts,
+    quantize_experts,
+)
+from .stock_reload import MARK, linear_weights_as_modules_within, save_stock_form, stock_form
 
 __all__ = [
     "attach_expert_lora",
@@ -223,6 +231,18 @@ def _holds_4bit_experts(model: nn.Module) -> bool:
     return any(isinstance(m, QuantizedExperts) for m in model.modules())
 
 
+def _all_linear_as_the_loader(model: nn.Module, config) -> dict | None:
+    """A script's ``"all-linear"`` on a mixture of experts (trl's ``--lora_target_modules all-linear``) means what it
+    means in ``load_qlora_model``: the linear layers, no router, none moved onto the experts (set in `config`, in
+    place: peft keeps the config object). Returns the form its saves take (:func:`.stock_reload.stock_form`)."""
+    resolved = lora_config_for_experts(model, config)
+    if resolved is config:
+        return None
+    config.target_modules = resolved.target_modules
+    setattr(config, MARK, True)
+    return stock_form(model, config)
+
+
 def peft_adapts_4bit_experts() -> None:
     """Make every peft loader in this process (``get_peft_model``, ``PeftModel.from_pretrained``,
     ``PeftModel.load_adapter``, transformers' ``load_adapter``) build expert LoRA on 4-bit experts as
@@ -262,11 +282,17 @@ def quantize_experts_before_peft(env_switch: str | None, quantize: bool = True) 
         launcher = settings["env_switch"] is not None
         if launcher and settings["quantize"]:
             _quantize_experts_of_4bit_model(model, settings["env_switch"])
-        if launcher or _holds_4bit_experts(model):
-            check_target_modules(model, self.peft_config[adapter_name])
-            check_target_parameters(model, self.peft_config[adapter_name])
-        with peft_sees_expert_weights(model):
-            return original(self, model, adapter_name, *args, **kwargs)
+        config = self.peft_config[adapter_name]
+        form = _all_linear_as_the_loader(model, config) if launcher else None
+        # an adapter saved for stock peft (stock_reload.py): LoRA on the linear layers its target_parameters name
+        with linear_weights_as_modules_within(model, self.peft_config):
+            if launcher or _holds_4bit_experts(model):
+                check_target_modules(model, config)
+                check_target_parameters(model, config)
+            with peft_sees_expert_weights(model), keep_linear_targets(config):
+                result = original(self, model, adapter_name, *args, **kwargs)
+        save_stock_form(config, form)
+        return result
 
     inject_adapter.hf_fsdp_qlora_experts = settings
     BaseTuner.inject_adapter = inject_adapter

@@ -24,6 +24,7 @@ from torch import nn
 from ..dtypes import PACKED_EXPERTS_ATTR
 from ..errors import UnsupportedSetupError
 from ..expert_layouts import EXPERT_LAYOUTS, ExpertLayout, expert_layout, has_fused_experts, is_experts_module
+from ..moe_routers import router_layers
 
 __all__ = [
     "EXPERT_LAYOUTS",
@@ -347,8 +348,8 @@ def quantize_experts(
 def lora_config_for_experts(model: nn.Module, lora_config):
     """`lora_config` made to fit a mixture-of-experts model (4-bit or 16-bit experts), before ``get_peft_model``.
 
-    "all-linear" means the model's linear layers (attention, dense MLPs, shared experts, routers that are
-    ``nn.Linear``), named here. peft 0.21's transformers-v5 conversion would otherwise turn it, and any target named
+    "all-linear" means the model's linear layers (attention, dense MLPs, shared experts), named here; never the
+    routers (:mod:`hf_fsdp_qlora.moe_routers`). peft 0.21's transformers-v5 conversion would otherwise turn it, and any target named
     ``gate_proj`` / ``up_proj`` / ``down_proj`` (full names too), into parameter targets on the routed experts: the
     dense layers lose their LoRA and the default dropout fails in ``ParamWrapper``. The returned config is marked so
     that :func:`keep_linear_targets` switches that conversion off while peft builds the adapter. LoRA on the experts
@@ -368,13 +369,14 @@ def lora_config_for_experts(model: nn.Module, lora_config):
 
 
 def _linear_targets(model: nn.Module) -> list[str]:
-    """The linear layers but the output head, as peft targets: a leaf name where it names linear layers only, else
-    the full names of the linear layers it names."""
+    """The linear layers but the output head and the routers, as peft targets: a leaf name where it names such
+    layers only, else the full names of the layers it names."""
     out = model.get_output_embeddings()
+    routers = router_layers(model)
     linear, other = {}, set()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and module is not out and "." in name:
+        if isinstance(module, nn.Linear) and module is not out and "." in name and name not in routers:
             linear.setdefault(leaf, []).append(name)
         elif name:
             other.add(leaf)

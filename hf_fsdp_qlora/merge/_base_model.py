@@ -125,6 +125,33 @@ def _meta_model(base: str, config_text: str):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
 
 
+def architecture_meta_models(base: Path):
+    """The classes config.json's ``architectures`` names (a multimodal checkpoint's composite class, e.g.
+    ``MllamaForConditionalGeneration``, where ``AutoModelForCausalLM`` builds the text-only class), each built on
+    the meta device when the caller gets to it; those this transformers lacks or cannot build are left out."""
+    names = json.loads((Path(base) / "config.json").read_text()).get("architectures") or []
+    for name in names:
+        model = _architecture_model(str(Path(base).resolve()), name)
+        if model is not None:
+            yield model
+
+
+@functools.lru_cache(maxsize=4)
+def _architecture_model(base: str, name: str):
+    import transformers
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        return None
+    try:
+        with init_empty_weights():
+            return cls._from_config(AutoConfig.from_pretrained(base))
+    except Exception:  # noqa: BLE001 - a class that cannot be built from the config says nothing here
+        return None
+
+
 def meta_model_or_none(base: Path):
     """:func:`meta_model`, or None where transformers cannot build the base from its config alone (remote code, a
     class this transformers lacks): the merge then knows no more than the base's files say."""

@@ -7,12 +7,14 @@ with room for them. Writing the shards is :mod:`hf_fsdp_qlora.merge.pipeline`'s.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from pathlib import Path
 
 from hf_fsdp_qlora.errors import MergeError, MergeUsageError
 from hf_fsdp_qlora.merge._base_model import (
+    architecture_meta_models,
     conv1d_modules,
     is_input_embedding,
     meta_model_or_none,
@@ -21,7 +23,7 @@ from hf_fsdp_qlora.merge._base_model import (
     tied_map,
 )
 from hf_fsdp_qlora.merge._experts import read_param_targets
-from hf_fsdp_qlora.merge._key_map import checkpoint_places, follow_checkpoint_keys, quantized_places
+from hf_fsdp_qlora.merge._key_map import follow_checkpoint_keys, places_covering, quantized_places
 from hf_fsdp_qlora.merge._lora_math import collect_updates
 from hf_fsdp_qlora.merge._plan import plan
 from hf_fsdp_qlora.merge._quant_settings import quant_settings
@@ -70,8 +72,10 @@ def adapter_updates(base: Path, loaded, entries: dict):
     params = read_param_targets(base, loaded.config, entries) if loaded.config.get("target_parameters") else None
     skeleton = meta_model_or_none(base)  # what only the model's classes say: Conv1D, key conversions
     conv1d = conv1d_modules(skeleton)
-    places = checkpoint_places(skeleton, entries) if skeleton is not None else {}  # renamed or split on load
     updates = collect_updates(loaded.config, loaded.tensors, params, transposed=conv1d)
+    # renamed or split on load, under the class the adapter names (causal-LM, or config.json's architectures)
+    models = itertools.chain([skeleton] if skeleton is not None else [], architecture_meta_models(base))
+    places = places_covering(models, entries, updates)
     return follow_checkpoint_keys(updates, places, entries), conv1d, places
 
 

@@ -18,7 +18,14 @@ import torch
 from hf_fsdp_qlora.errors import MergeError
 from hf_fsdp_qlora.merge._lora_math import LoraFactors, TensorUpdate
 
-__all__ = ["Place", "checkpoint_places", "chunked_quantization", "follow_checkpoint_keys", "quantized_places"]
+__all__ = [
+    "Place",
+    "checkpoint_places",
+    "chunked_quantization",
+    "follow_checkpoint_keys",
+    "places_covering",
+    "quantized_places",
+]
 
 
 @dataclass
@@ -67,6 +74,37 @@ def checkpoint_places(model, entries) -> dict[str, Place]:
         for index, target in enumerate(targets):
             places[stem + target] = Place(disk_key, index, len(targets))
     return places
+
+
+def prefix_places(model, entries) -> dict[str, Place]:
+    """{model weight name: its place} for the file tensors transformers loads into `model` by dropping its
+    ``base_model_prefix``: a text-only class (``MllamaForCausalLM``, ``Llama4ForCausalLM``) reads a composite
+    checkpoint's ``language_model.model.layers...`` as its ``model.layers...``."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix:
+        return {}
+    names = {name for name, _ in model.named_parameters()}
+    places = {}
+    for disk_key in entries:
+        inner = disk_key[len(prefix) + 1 :] if disk_key.startswith(f"{prefix}.") else None
+        if inner is not None and inner in names and inner not in entries:
+            places[inner] = Place(disk_key)
+    return places
+
+
+def places_covering(models, entries, keys) -> dict[str, Place]:
+    """The places (:func:`checkpoint_places`, :func:`prefix_places`) of the first class in `models` (meta models,
+    the causal-LM class first) under which every one of `keys` (the adapter's model weight names) lies in the base's
+    files: an adapter names the modules of the class it was trained on (trl's loader picks Mllama's composite
+    class, ``AutoModelForCausalLM`` its text-only one). None covering: the first class's (the merge then names
+    what the base lacks)."""
+    first = None
+    for model in models:
+        places = {**prefix_places(model, entries), **checkpoint_places(model, entries)}
+        first = places if first is None else first
+        if all(key in entries or key in places for key in keys):
+            return places
+    return first or {}
 
 
 def follow_checkpoint_keys(updates: dict[str, TensorUpdate], places: dict[str, Place], entries):
