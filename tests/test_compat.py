@@ -187,7 +187,10 @@ def find_upstream_internals(source: str, module: str, trainer_methods=frozenset(
 
 
 # Assignments the guard sees that touch our own objects, not upstream's.
-NOT_UPSTREAM = {"hf_fsdp_qlora.doctor.setup._settings_from_launch"}  # fills our FsdpSettings dataclass
+NOT_UPSTREAM = {
+    "hf_fsdp_qlora.doctor.setup._settings_from_launch",  # fills our FsdpSettings dataclass
+    "hf_fsdp_qlora.quant_record._live_settings",  # reads our QuantizedExperts' own block sizes (loading/experts.py)
+}
 
 
 def _covered(where: str) -> bool:

@@ -9,6 +9,15 @@ __all__ = ["WORKAROUNDS"]
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
+        key="fsdp2_checkpointing_rng_state",
+        upstream="accelerate <= 1.15 (fsdp2_apply_ac: checkpoint_wrapper(layer, preserve_rng_state=False))",
+        works_around="with dropout in a layer the backward's recomputation drew other masks than the forward: "
+        "LoRA gradients not those of the computed loss (0 of 28 tensors equal at lora_dropout 0.1)",
+        where=("hf_fsdp_qlora.train.accelerator_setup.preserve_checkpoint_rng_state",),
+        remove_when="accelerate keeps torch's default preserve_rng_state=True",
+        canary="tests/test_precision.py::test_fsdp2_checkpointing_recomputes_with_the_forward_dropout_masks",
+    ),
+    Workaround(
         key="cpu_fsdp_decision",
         upstream="accelerate <= 1.15 (state.py takes its FSDP branch for GPU-like device types only)",
         works_around="an FSDP launch on CPU processes silently trains single-process or as DDP",

@@ -9,6 +9,23 @@ __all__ = ["WORKAROUNDS"]
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
+        key="num_input_tokens_under_sequence_parallelism",
+        upstream="transformers <= 5.24 (Trainer._track_num_input_tokens sums every rank's batch)",
+        works_around="under sp_size a group's ranks share each batch, so num_input_tokens_seen counted it sp_size times",
+        where=(f"{MIXIN}._track_num_input_tokens",),
+        remove_when="transformers counts a batch once per data-parallel group (or we drop sp_size)",
+        canary="tests/test_sequence_parallel.py::test_sp2_evaluation_and_predict_equal_one_process",
+    ),
+    Workaround(
+        key="input_require_grads_hook",
+        upstream="transformers <= 5.24 (PreTrainedModel.enable_input_require_grads keeps its handle privately)",
+        works_around="the hook reentrant checkpointing needs back-propagates every step into the frozen embeddings "
+        "under FSDP's own (non-reentrant) checkpointing: extra 4-bit matmuls per step",
+        where=("hf_fsdp_qlora.train.accelerator_setup._stop_forcing_input_grads",),
+        remove_when="transformers exposes the handle, or disables the hook for non-reentrant checkpointing",
+        canary="tests/test_single_process.py::test_fsdp_checkpointing_stops_forcing_input_grads",
+    ),
+    Workaround(
         key="bf16_training_arguments_on_cpu",
         upstream="transformers <= 5.23 (TrainingArguments.__post_init__; ignores accelerate's use_cpu)",
         works_around="bf16=True (trl's default) without a GPU raises unless use_cpu=True",
