@@ -178,7 +178,6 @@ NOT_IN_GRID = {
     "trl assistant_only_loss": "needs a chat template with generation marks; completion_only_loss is trl's column's loss",
     "expert LoRA on a 4-bit MoE": "stock keeps 16-bit experts, so its oracle must hold our dequantized experts: "
     "tests/test_moe.py compares it with peft on those",
-    "padding-free packing": "tests/test_packing.py and tests/test_sequence_parallel.py (packed)",
 }
 
 
