@@ -47,13 +47,20 @@ def causal_lm_loss(outputs, labels, num_items_in_batch=None):
     return total / (num_items_in_batch if num_items_in_batch is not None else count)
 
 
+def _share_dim(labels, groups: int) -> int:
+    """The axis along which a global batch splits into the ranks' shares: rows, or (one packed row of every rank's
+    sequences, padding-free) the tokens."""
+    return 0 if labels.shape[0] >= groups else 1
+
+
 def group_means_loss(groups: int):
     """The stock oracle of ``average_tokens_across_devices=False`` on `groups` data-parallel ranks, in one process:
     each rank's rows (a contiguous share of the global batch) divided by that rank's own labelled tokens, and the
     ranks' losses averaged (as the gradient all-reduce averages them)."""
 
     def loss(outputs, labels, num_items_in_batch=None):
-        parts = zip(outputs["logits"].chunk(groups), labels.chunk(groups))
+        dim = _share_dim(labels, groups)
+        parts = zip(outputs["logits"].chunk(groups, dim), labels.chunk(groups, dim))
         means = [total / count for total, count in (_token_loss(*part) for part in parts)]
         return sum(means) / len(means)
 
@@ -74,11 +81,10 @@ def router_aux_loss(model, groups: int):
 
     def loss(outputs, labels, num_items_in_batch=None):
         total, count = _token_loss(outputs["logits"], labels)
-        rows = labels.shape[0]
-        layers = [layer.reshape(rows, -1, experts) for layer in outputs["router_logits"]]
+        # Router logits are [tokens, experts], rows after rows: either split is a split of the tokens
         shares = [
-            balancing(tuple(part.reshape(-1, experts) for part in parts), experts, top_k, None)
-            for parts in zip(*(layer.chunk(groups) for layer in layers))
+            balancing(parts, experts, top_k, None)
+            for parts in zip(*(r.chunk(groups) for r in outputs["router_logits"]))
         ]
         return total / (num_items_in_batch if num_items_in_batch is not None else count) + coef * (
             sum(shares) / len(shares)
@@ -142,10 +148,10 @@ OPTIONS = {
 }
 
 # name -> {"version": FSDP version, "args": FSDPQLoRATrainingArguments settings, "batch"/"eval_batch": per-device
-# train/eval batch, "dp": data-parallel groups, "model": the model variant (lora, dora, int8), "route": trainer (our
+# train/eval batch, "dp": data-parallel groups, "packed": padding-free batches (DataCollatorWithFlattening), "model": the model variant (lora, dora, int8), "route": trainer (our
 # FSDPQLoRATrainer against transformers' Trainer) or sft (trl's SFTTrainer both sides)}. Every column's global
 # batch is 2: 2 data-parallel ranks x 1 row, or one sequence-parallel group of 2 ranks x 2 rows.
-_PLAIN = {"args": {}, "batch": 1, "eval_batch": 1, "dp": 2, "model": "lora", "route": "trainer"}
+_PLAIN = {"args": {}, "batch": 1, "eval_batch": 1, "dp": 2, "model": "lora", "route": "trainer", "packed": False}
 SETTINGS = {
     "FSDP1": {**_PLAIN, "version": 1},
     "FSDP2": {**_PLAIN, "version": 2},
@@ -155,6 +161,8 @@ SETTINGS = {
     "FSDP2 + activation_offloading": {**_PLAIN, "version": 2, "args": {"activation_offloading": True}},
     "FSDP2 + DoRA": {**_PLAIN, "version": 2, "model": "dora"},
     "FSDP2 + 8-bit base": {**_PLAIN, "version": 2, "model": "int8"},
+    # transformers' DataCollatorWithFlattening on both sides: each rank packs its 2 rows into one, stock its 4
+    "FSDP2 + padding-free packing": {**_PLAIN, "version": 2, "batch": 2, "packed": True},
     # trl's SFTTrainer built by a script as stock (model loaded by from_pretrained + get_peft_model, SFTConfig,
     # completion-only loss on pre-tokenized rows), made ours by `accelerate launch -m hf_fsdp_qlora.run`
     "trl SFTTrainer (-m hf_fsdp_qlora.run)": {**_PLAIN, "version": 2, "route": "sft"},
@@ -170,7 +178,6 @@ NOT_IN_GRID = {
     "trl assistant_only_loss": "needs a chat template with generation marks; completion_only_loss is trl's column's loss",
     "expert LoRA on a 4-bit MoE": "stock keeps 16-bit experts, so its oracle must hold our dequantized experts: "
     "tests/test_moe.py compares it with peft on those",
-    "padding-free packing": "tests/test_packing.py and tests/test_sequence_parallel.py (packed)",
 }
 
 
@@ -180,8 +187,10 @@ def option(name: str) -> dict:
 
 
 def not_applicable(option_name: str, setting: str) -> str | None:
-    """Why a cell cannot exist (shown in the table), or None. No cell of this grid is meaningless yet; the rule is
-    where one goes (for example an option a setting cannot have, such as FSDP1 with sp_size)."""
+    """Why a cell cannot exist (shown in the table), or None: a row that brings its own data collator under a
+    setting that is a data collator."""
+    if SETTINGS[setting]["packed"] and "data_collator" in option(option_name)["trainer"]:
+        return "the row's own data collator replaces the packing one"
     return None
 
 
@@ -198,23 +207,28 @@ def cell_key(option_name: str, setting: str) -> str:
     return _safe(f"{setting}__{option_name}")
 
 
-def stock_run(option_name: str, setting: str) -> tuple[str, str, int, str]:
-    """(option, model variant, data-parallel groups, route) of the stock run a cell is compared with: the groups
-    matter only to an option that averages per rank."""
+def stock_run(option_name: str, setting: str) -> tuple:
+    """(option, model variant, data-parallel groups, route, global batch, packed) of the stock run a cell is
+    compared with: the groups matter only to an option that averages per rank."""
     column = SETTINGS[setting]
     row = option(option_name)
     groups = column["dp"] if row["per_rank_mean"] or row["per_rank_aux"] else 1
-    return option_name, column["model"], groups, column["route"]
+    return option_name, column["model"], groups, column["route"], global_batch(column), column["packed"]
 
 
-def stock_runs() -> list[tuple[str, str, int, str]]:
+def global_batch(column: dict) -> int:
+    """Rows per optimizer micro-step over all ranks: per-device rows x data-parallel groups."""
+    return column["batch"] * column["dp"]
+
+
+def stock_runs() -> list[tuple]:
     """Every stock run the grid needs, in a stable order."""
     return sorted({stock_run(o, s) for o, s in cells() if not_applicable(o, s) is None})
 
 
-def stock_key(run: tuple[str, str, int, str]) -> str:
-    name, model, groups, route = run
-    return _safe(f"stock__{route}__{model}__dp{groups}__{name}")
+def stock_key(run: tuple) -> str:
+    name, model, groups, route, batch, packed = run
+    return _safe(f"stock__{route}__{model}__dp{groups}__b{batch}{'_packed' if packed else ''}__{name}")
 
 
 def init_file(folder, option_name: str, variant: str):

@@ -66,11 +66,11 @@ def datasets(route: str) -> tuple:
     return TrainData(), eval_data()
 
 
-def make_trainer(route: str, ours: bool, model, args: dict, option: str, loss: dict | None = None):
+def make_trainer(route: str, ours: bool, model, args: dict, option: str, more: dict | None = None):
     """The trainer a user builds on `route`: transformers' Trainer (ours: FSDPQLoRATrainer with our arguments), or
     trl's SFTTrainer with SFTConfig (ours: the same stock class, made ours by ``-m hf_fsdp_qlora.run``)."""
     train, _ = datasets(route)
-    extra = {**grid.option(option)["trainer"], **(loss or {})}
+    extra = {**grid.option(option)["trainer"], **(more or {})}
     if route == "sft":
         from tiny_models import build_tokenizer
         from trl import SFTConfig, SFTTrainer
@@ -168,14 +168,24 @@ def initial_adapter(model, option: str, variant: str, out: Path) -> dict:
 
 def stock_run(models: Path, out: Path, run: tuple) -> dict:
     """One stock run (tests/options_grid.py's stock_run): its record, its tensors saved."""
-    option, variant, groups, route = run
+    option, variant, groups, route, batch, packed = run
     model = stock_model(models, option, variant)
     copy_adapter(model, initial_adapter(model, option, variant, out))
     key, chosen = grid.stock_key(run), grid.option(option)
-    args = {"per_device_train_batch_size": 2, **common_args(out / key, option, eval_batch=1)}
-    trainer = make_trainer(route, False, model, args, option, oracle_loss(chosen, model, groups))
+    args = {"per_device_train_batch_size": batch, **common_args(out / key, option, eval_batch=1)}
+    extra = {**oracle_loss(chosen, model, groups), **packing(packed)}
+    trainer = make_trainer(route, False, model, args, option, extra)
     trainer.train()
     return record(trainer, model, option, out, key, None, route)
+
+
+def packing(packed: bool) -> dict:
+    """Trainer keywords of padding-free packing: transformers' flattening collator (position ids restart per row)."""
+    if not packed:
+        return {}
+    from transformers import DataCollatorWithFlattening
+
+    return {"data_collator": DataCollatorWithFlattening()}
 
 
 def oracle_loss(chosen: dict, model, groups: int) -> dict:
@@ -224,13 +234,13 @@ def run_cell(models: Path, out: Path, option: str, setting: str, inits: Path) ->
             "per_device_train_batch_size": column["batch"], **common_args(out / key, option, column["eval_batch"]),
             **column["args"],
         }  # fmt: skip
-        trainer = make_trainer(column["route"], True, model, args, option)
+        trainer = make_trainer(column["route"], True, model, args, option, packing(column["packed"]))
         trainer.train()
         if grid.option(option)["resume"]:  # a fresh model and trainer, resumed from the step-1 checkpoint
             del model, trainer
             ts.reset_accelerate()
             model, trainer = our_model(models, option, column), None
-            trainer = make_trainer(column["route"], True, model, args, option)
+            trainer = make_trainer(column["route"], True, model, args, option, packing(column["packed"]))
             trainer.train(resume_from_checkpoint=str(out / key / "checkpoint-1"))
         found = {
             "outcome": "ran",
