@@ -362,6 +362,18 @@ def assert_scenario_trained_under_fsdp(found: dict, version: int) -> None:
     assert engaged["flat_params"] > 0 if version == 1 else engaged["fsdp2_modules"] > 0, engaged
 
 
+def whole_grads(model) -> dict:
+    """Every trainable parameter's gradient, whole (FSDP2: ``full_tensor()``, a collective every rank calls), under
+    its name without FSDP1's and the checkpoint wrappers' segments."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.grad is not None:
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            clean = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+            grads[clean] = grad.detach().float().clone()
+    return grads
+
+
 def with_initial_adapters(model, init: dict):
     """`model` (a single-process oracle) with the run's initial trainable weights `init` copied in, in train mode."""
     import torch

@@ -15,6 +15,7 @@ import os
 import precision_scenarios as precision
 import torch
 import train_scenarios as base
+from dist_utils import whole_grads
 
 DROPOUT = 0.1
 
@@ -33,14 +34,8 @@ def _first_grads(seen):
             )
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            if "grads" in seen:
-                return
-            grads = {}
-            for n, p in model.named_parameters():
-                if p.requires_grad and p.grad is not None:  # full_tensor(): collective, every rank calls it
-                    grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                    grads[n.replace("_checkpoint_wrapped_module.", "")] = grad.detach().float().clone()
-            seen["grads"] = grads
+            if "grads" not in seen:
+                seen["grads"] = whole_grads(model)
 
     return FirstGrads()
 

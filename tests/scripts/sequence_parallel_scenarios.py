@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import train_scenarios as ts
+from dist_utils import whole_grads
 
 import hf_fsdp_qlora  # noqa: F401  (CPU rehearsal hook before the arguments build accelerate's state)
 from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, load_qlora_model
@@ -154,16 +155,8 @@ def run(name, path, out, sp_size):
                 _record_noise(embeddings, seen)
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            if "grads" in seen:
-                return
-            grads = {}
-            for n, p in model.named_parameters():
-                if p.requires_grad and p.grad is not None:  # full_tensor(): collective, every rank calls it
-                    grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                    grads[n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")] = (
-                        grad.detach().float().clone()
-                    )
-            seen["grads"] = grads
+            if "grads" not in seen:
+                seen["grads"] = whole_grads(model)
 
     settings = dict(SCENARIOS[name])
     if (
