@@ -374,6 +374,28 @@ def whole_grads(model) -> dict:
     return grads
 
 
+def trained_from_launch_start(build, init: dict, steps: int) -> dict:
+    """A one-process oracle's trainable weights after training: `build()` makes the trainer (trl's, say), whose
+    trainable tensors must be the launch's and start from the launch's `init`, in float32 as stock peft makes them
+    (trl casts a quantized model's adapters to bf16); it must run `steps` steps. accelerate's state is reset after,
+    whatever happens, so the next oracle starts fresh."""
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        trainer = build()
+        params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+        assert sorted(params) == sorted(init), "the oracle's trainable tensors are the launch's"
+        for name, value in init.items():
+            params[name].data = value.to(torch.float32).clone()
+        trainer.train()
+        assert trainer.state.global_step == steps
+        return {n: p.detach().float().clone() for n, p in params.items()}
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def with_initial_adapters(model, init: dict):
     """`model` (a single-process oracle) with the run's initial trainable weights `init` copied in, in train mode."""
     import torch

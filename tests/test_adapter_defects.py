@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig
-from tiny_models import build_tiny_model, tiny_config
+from tiny_models import build_tiny_model, sgd_step, tiny_config
 
 from hf_fsdp_qlora import load_qlora_model
 from hf_fsdp_qlora.errors import UnsupportedSetupError
@@ -49,12 +49,7 @@ def trained_expert_adapter(moe, tmp_path_factory):
     torch.manual_seed(0)
     model = load_qlora_model(str(moe), lora_config=config, dtype=torch.float32, gradient_checkpointing=False)
     assert len(_expert_lora(model)) == 8  # 2 layers x 2 weights x (lora_A, lora_B)
-    model.train()
-    model(input_ids=IDS, labels=IDS).loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= 0.5 * p.grad
+    sgd_step(model, IDS)
     folder = tmp_path_factory.mktemp("expert_adapter")
     model.save_pretrained(folder)
     logits = _logits(model)

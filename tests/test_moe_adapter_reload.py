@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from family_build import build
+from tiny_models import sgd_step
 from peft import LoraConfig
 
 from hf_fsdp_qlora import load_qlora_model
@@ -53,12 +54,7 @@ def trained(request, tmp_path_factory):
     layers = _lora_layers(model)
     assert any(".mlp.gate_proj" in n for n in layers) and any("shared_experts" in n for n in layers)
     assert any(n.endswith("mlp.experts") for n in layers) == experts
-    model.train()
-    model(input_ids=IDS, labels=IDS).loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= 0.5 * p.grad
+    sgd_step(model, IDS)
     model.save_pretrained(root / "adapter")
     logits = _logits(model)
     with model.disable_adapter():

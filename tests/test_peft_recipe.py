@@ -26,7 +26,7 @@ import sys
 
 import pytest
 import torch
-from dist_utils import SCRIPTS, assert_scenario_trained_under_fsdp
+from dist_utils import SCRIPTS, assert_scenario_trained_under_fsdp, trained_from_launch_start
 from tiny_models import build_tiny_model
 
 sys.path.insert(0, str(SCRIPTS))
@@ -93,7 +93,6 @@ def _stock_sft(path, init, micro_batches, out):
     """One process, trl's SFTTrainer built as the recipe builds it, with stock peft's float32 adapters from `init`,
     fed `micro_batches` in order with gradient accumulation 4: its trained trainable weights."""
     import peft_recipe_scenarios as recipe
-    from accelerate.state import AcceleratorState, GradientState
     from datasets import Dataset
     from trl import SFTTrainer
 
@@ -105,21 +104,13 @@ def _stock_sft(path, init, micro_batches, out):
         remove_unused_columns=False, packing=False, padding_free=False,  # the recorded micro-batches are packed
     )  # fmt: skip
     index = Dataset.from_dict({"row": list(range(len(micro_batches)))})
-    try:
-        trainer = SFTTrainer(
+    return trained_from_launch_start(
+        lambda: SFTTrainer(
             model=model, processing_class=tokenizer, args=args, train_dataset=index,
             data_collator=lambda feats: dict(micro_batches[feats[0]["row"]]), peft_config=recipe.recipe_lora(0.0),
-        )  # fmt: skip
-        params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
-        assert sorted(params) == sorted(init), "the oracle's trainable tensors are the launch's"
-        for name, value in init.items():  # stock peft's float32 (trl made them bf16), holding the launch's start
-            params[name].data = value.to(torch.float32).clone()
-        trainer.train()
-        assert trainer.state.global_step == STEPS
-        return {n: p.detach().float().clone() for n, p in params.items()}
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        ),
+        init, STEPS,
+    )  # fmt: skip
 
 
 def _relative_update_difference(init, ours, stock) -> dict:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import CONFIGS, SCRIPTS, _fork_cmd, _run, check, free_port
+from dist_utils import CONFIGS, SCRIPTS, _fork_cmd, _run, check, free_port, trained_from_launch_start
 from tiny_models import build_tiny_model
 
 sys.path.insert(0, str(SCRIPTS))
@@ -116,7 +116,6 @@ def _digest(record: dict) -> str:
 def _stock_sft(model, data, lr, init, micro_batches, out):
     """One process, trl's SFTTrainer with stock peft's float32 adapters, fed `micro_batches` in order (gradient
     accumulation 2: the two ranks' micro-batches of a step): the oracle's trained trainable weights."""
-    from accelerate.state import AcceleratorState, GradientState
     from datasets import Dataset
     from trl import SFTTrainer, get_peft_config, get_quantization_config
     from trl.scripts.sft import make_parser
@@ -132,21 +131,13 @@ def _stock_sft(model, data, lr, init, micro_batches, out):
     rows = [{k: v[i] for k, v in batch.items()} for batch in micro_batches for i in range(len(batch["input_ids"]))]
     index = Dataset.from_dict({"row": list(range(len(rows)))})
     stack = lambda feats: {k: torch.stack([rows[f["row"]][k] for f in feats]) for k in rows[0]}  # noqa: E731
-    try:
-        trainer = SFTTrainer(
+    return trained_from_launch_start(
+        lambda: SFTTrainer(
             model=str(model), args=args, train_dataset=index, data_collator=stack,
             quantization_config=get_quantization_config(model_args), peft_config=get_peft_config(model_args),
-        )  # fmt: skip
-        params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
-        assert sorted(params) == sorted(init), "the oracle's trainable tensors are the launch's"
-        for name, value in init.items():  # peft's float32 (trl made them bf16), holding the launch's start
-            params[name].data = value.to(torch.float32).clone()
-        trainer.train()
-        assert trainer.state.global_step == STEPS
-        return {n: p.detach().float().clone() for n, p in params.items()}
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        ),
+        init, STEPS,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,17 @@ def build_prequantized(path: str | Path, quant_type: str, double_quant: bool, se
     return path
 
 
+def sgd_step(model, ids: torch.Tensor, lr: float = 0.5) -> None:
+    """One plain SGD step of every parameter with a gradient, on the causal-LM loss of `ids` (a trained adapter that
+    differs from its initialisation, for the reload and merge tests)."""
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.grad is not None:
+                param -= lr * param.grad
+
+
 def build_tokenizer(vocab_size: int = 256):
     """A word-level tokenizer over tokens t3..t{vocab-1}, with <pad>=0, <eos>=1, <unk>=2 (trl needs one)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
