@@ -8,14 +8,25 @@ PYTEST_ARGS ?=
 # import-bound start-ups and the single-process tests then overlap on a 2-core machine. PYTEST_WORKERS=0: serial.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test demo style quality gpu-check gpu-wheels test-floors test-slurm
+.PHONY: setup test demo docs style quality gpu-check gpu-wheels test-floors test-slurm
 
+# On a GPU machine `make setup GPU=1` keeps the CUDA torch of $(PYTHON): the venv sees its packages, and everything
+# but torch is pinned as on CPU.
+ifdef GPU
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
+	$(PYTHON) -c "import torch; assert torch.cuda.is_available(), 'make setup GPU=1: this Python (PYTHON=$(PYTHON)) has no CUDA torch; install one from pytorch.org, or pass PYTHON=the python that has it'"
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	grep -v '^torch==' constraints-cpu.txt > $(VENV)/constraints-gpu.txt
+	$(PY) -m pip install --quiet -c $(VENV)/constraints-gpu.txt -e ".[dev]"
+	touch $@
+else
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e ".[dev]"
 	touch $@
+endif
 
 setup: $(VENV)/.installed
 
@@ -31,6 +42,10 @@ test-slurm: setup
 
 demo: setup
 	OMP_NUM_THREADS=1 PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/cpu_demo.sh
+
+# The documentation site into site/ (ignored), as tests/test_docs.py builds it: broken links and anchors fail.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 style: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
