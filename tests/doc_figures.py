@@ -2,15 +2,15 @@
 
 A ```text block preceded by ``<!-- doctor-output -->`` (or ``<!-- doctor-output: model=CONFIG -->``) quotes what
 the page's nearest preceding `hf-fsdp-qlora doctor` command prints, with `--model` replaced by CONFIG when given
-(a published config.json under tests/data). The quote is whole: each of its paragraphs (lines between blank lines)
-is a whole paragraph of the doctor's output, in order. The visible line before the marker says "Planned by the
+(a published config.json under tests/data). The quote is the whole output (compared paragraph by paragraph: runs of
+lines between blank lines, trailing spaces dropped). The visible line before the marker says "Planned by the
 doctor". A GiB figure in a page's prose (tables included) is one that a doctor command shown on the page prints;
 a command's `--model` that is not a file here is read from MODELS (the published config of that model).
 Figures that were measured, not planned, sit in paragraphs that say "measured" and name the machine, the
 versions and the date (tests/test_docs_figures.py).
 
 Refresh after a deliberate change of the memory plan (a new quote: a block holding the line FILL), then review the
-diff:
+diff; a figure the page's prose takes from a command it does not quote is named by the test, to edit by hand:
 `PYTHONPATH=$PWD/tests .venv/bin/python tests/doc_figures.py`.
 """
 
@@ -147,19 +147,17 @@ def planned_figures(page: Path) -> str:
 
 
 def _refresh_quote(args, quoted: str, changed: dict[str, str]) -> str:
-    """The quote's paragraphs replaced by the doctor's paragraphs of the same first line's shape."""
-    if quoted.strip() == "FILL":  # a new quote: the whole output
-        return "\n\n".join(paragraphs(run_doctor(args)[1]))
+    """The doctor's whole output, noting in `changed` each figure that moved in a paragraph of the same shape (the
+    same text, numbers blanked) as one the page quoted (a new quote: a block holding the line FILL)."""
+    printed = paragraphs(run_doctor(args)[1])
     shape = functools.partial(_NUMBER.sub, "#")
-    printed = {shape(p.splitlines()[0]): p for p in paragraphs(run_doctor(args)[1])}
-    out = []
+    by_shape = {shape(p): p for p in printed}
     for old in paragraphs(quoted):
-        new = printed.get(shape(old.splitlines()[0]), old)
-        for old_n, new_n in zip(_NUMBER.findall(old), _NUMBER.findall(new), strict=False):
+        new = by_shape.get(shape(old), old)
+        for old_n, new_n in zip(_NUMBER.findall(old), _NUMBER.findall(new), strict=True):
             if old_n != new_n and "." in old_n:
                 changed[old_n] = new_n
-        out.append(new)
-    return "\n\n".join(out)
+    return "\n\n".join(printed)
 
 
 def refresh(page: Path) -> dict[str, str]:
