@@ -12,7 +12,7 @@ from doc_figures import GIB, PAGES, paragraphs, planned_figures, prose, quotes, 
 QUOTES = [q for page in PAGES for q in quotes(page)]
 PLANNED = re.compile(r"planned by the doctor", re.IGNORECASE)
 # "Measured on <machine>, ... torch <version> ..., <YYYY-MM-DD>" within one paragraph.
-MEASURED_LABEL = re.compile(r"measured on\s[\s\S]{0,300}?torch \d[\s\S]{0,400}?\b20\d\d-\d\d-\d\d", re.IGNORECASE)
+MEASURED_LABEL = re.compile(r"measured\s+on\s[\s\S]{0,300}?torch\s+\d[\s\S]{0,400}?\b20\d\d-\d\d-\d\d", re.IGNORECASE)
 
 
 def test_the_pages_quote_the_doctor():
