@@ -1,0 +1,69 @@
+"""Greedy tokens from vLLM's offline engine for the cases of a job file. Runs in .venv-serving (vLLM's own venv).
+
+    python tests/serving/vllm_generate.py JOB.json OUT.json
+
+JOB.json: {"prompts": [[ids]], "new_tokens": N, "cases": [{"name", "model", "lora": {"path", "max_rank"} | null}]}.
+One engine per case, built in turn in this process (vLLM's import, ~20 s, paid once). A case with a LoRA gives the
+base's tokens too (`name`/base) and the adapter's through a `LoRARequest` (`name`/lora), then the same adapter under
+a second id (`name`/lora_again: a hot swap). OUT.json: {key: tokens, ...}, with each case's engine start time.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+# One process, no engine-core subprocess (which would re-import everything), fp32, eager: the settings under which
+# vLLM's CPU backend is exact enough for greedy tokens to equal transformers'.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the server test's engine starts beside this one
+ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 128, "seed": 0}
+
+
+def generate(llm, prompts, new_tokens, lora=None):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=lora, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outs]
+
+
+def run_case(case, prompts, new_tokens) -> dict:
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    lora = case.get("lora")
+    extra = {"enable_lora": True, "max_lora_rank": lora["max_rank"], "max_loras": 1} if lora else {}
+    start = time.perf_counter()
+    llm = LLM(model=case["model"], **ENGINE, **extra)
+    found = {f"{case['name']}/engine_start_s": round(time.perf_counter() - start, 1)}
+    if not lora:
+        found[case["name"]] = generate(llm, prompts, new_tokens)
+    else:
+        found[f"{case['name']}/base"] = generate(llm, prompts, new_tokens)
+        request = LoRARequest("trained", 1, lora["path"])
+        found[f"{case['name']}/lora"] = generate(llm, prompts, new_tokens, request)
+        # max_loras=1: the second id evicts the first from the engine's slot
+        found[f"{case['name']}/lora_again"] = generate(llm, prompts, new_tokens, LoRARequest("again", 2, lora["path"]))
+    del llm
+    gc.collect()
+    return found
+
+
+def main(job_path: str, out_path: str) -> int:
+    with open(job_path) as fh:
+        job = json.load(fh)
+    found = {}
+    for case in job["cases"]:
+        found.update(run_case(case, job["prompts"], job["new_tokens"]))
+        with open(out_path, "w") as fh:  # written after each case: a later crash keeps what was measured
+            json.dump(found, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
