@@ -40,6 +40,7 @@ PROMPTS = [[5, 17, 42, 99, 7], [200, 3, 64], [11, 12, 13, 14, 15, 16, 17, 18]]
 NEW_TOKENS = 12
 MAX_LORA_RANK = 8  # vLLM accepts max_lora_rank in {1, 8, 16, 32, ...}: the adapters' r=4 needs 8
 MOE_ARCHS = ("qwen3_moe", "mixtral")
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def _merge(base: Path, adapter: Path, out: Path) -> Path:
@@ -109,8 +110,14 @@ def offline(trained, moe, server, tmp_path_factory):
         {"name": "llama_merged", "model": str(trained["merged"])},
         *({"name": f"{arch}_merged", "model": str(merged)} for arch, (_, _, merged) in moe.items()),
     ]  # fmt: skip
+    layouts = [
+        {"adapter": str(adapter), "architecture": ARCHITECTURES[arch], "experts": 8, "out": str(root / f"{arch}.st")}
+        for arch, (_, adapter, _) in moe.items()
+    ]
     job = root / "job.json"
-    job.write_text(json.dumps({"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "cases": cases}))
+    job.write_text(
+        json.dumps({"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "cases": cases, "expert_layouts": layouts})
+    )
     out = root / "tokens.json"
     start = time.perf_counter()
     proc = subprocess.run(
@@ -121,6 +128,7 @@ def offline(trained, moe, server, tmp_path_factory):
         raise AssertionError(f"vLLM exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
     TIMES["vLLM offline, 4 engines in one process"] = time.perf_counter() - start
     found = json.loads(out.read_text())
+    found["expert_layouts"] = {arch: root / f"{arch}.st" for arch in moe}
     for key, seconds in found.items():
         if key.endswith("/engine_start_s"):
             TIMES[f"  engine start, {key.split('/')[0]}"] = seconds
@@ -161,6 +169,31 @@ def test_merge_adapters_output(offline, oracle):
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_merged_moe_with_expert_lora(offline, oracle, arch):
     _assert_tokens(offline[f"{arch}_merged"], oracle[f"{arch}/lora"], f"merged {arch} with expert LoRA")
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_vllm_reads_expert_lora_as_the_merge_applies_it(offline, moe, arch):
+    """Expert LoRA unmerged is served on GPUs only, but vLLM's reading of its layout runs anywhere: each expert's
+    gate / up / down update as vLLM's loader converts peft's fused tensors (vllm_generate.expert_layout) must equal
+    what merge-adapters added to that expert (the merge itself equals peft's, tests/test_merge_moe.py)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base, _, merged = moe[arch]
+    before, after = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32) for p in (base, merged))
+    vllm = load_file(offline["expert_layouts"][arch])
+    assert len(vllm) == 3 * before.config.num_hidden_layers
+    for index, (old, new) in enumerate(zip(before.model.layers, after.model.layers)):
+        gate_up = new.mlp.experts.gate_up_proj.detach() - old.mlp.experts.gate_up_proj.detach()  # [E, 2I, H]
+        down = new.mlp.experts.down_proj.detach() - old.mlp.experts.down_proj.detach()  # [E, H, I]
+        half = gate_up.shape[1] // 2
+        prefix = f"model.layers.{index}.mlp.experts"
+        for proj, ours in (("w1", gate_up[:, :half]), ("w3", gate_up[:, half:]), ("w2", down)):
+            theirs = vllm[f"{prefix}.{proj}"]
+            assert theirs.shape == ours.shape, (proj, theirs.shape, ours.shape)
+            torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-6, msg=f"{arch} layer {index} {proj}")
+        assert down.abs().max() > 1e-3  # the adapter does change the experts
 
 
 def test_openai_server_with_adapter(server, oracle):

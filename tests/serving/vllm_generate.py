@@ -2,7 +2,8 @@
 
     python tests/serving/vllm_generate.py JOB.json OUT.json
 
-JOB.json: {"prompts": [[ids]], "new_tokens": N, "cases": [{"name", "model", "lora": {"path", "max_rank"} | null}]}.
+JOB.json: {"prompts": [[ids]], "new_tokens": N, "cases": [{"name", "model", "lora": {"path", "max_rank"} | null}],
+"expert_layouts": [{"adapter", "architecture", "experts", "out"}]}.
 One engine per case, built in turn in this process (vLLM's import, ~20 s, paid once). A case with a LoRA gives the
 base's tokens too (`name`/base) and the adapter's through a `LoRARequest` (`name`/lora), then the same adapter under
 a second id (`name`/lora_again: a hot swap). OUT.json: {key: tokens, ...}, with each case's engine start time.
@@ -54,9 +55,45 @@ def run_case(case, prompts, new_tokens) -> dict:
     return found
 
 
+def expert_layout(case) -> None:
+    """vLLM's own reading of peft's fused expert LoRA, run on CPU without an engine (its fused-MoE LoRA kernels are
+    GPU-only): the adapter loaded as vLLM loads it, scaling folded into B, then the conversion into per-expert gate
+    (w1), down (w2) and up (w3) factors that `enable_mixed_moe_lora_format` + `is_3d_lora_weight` run on a GPU
+    (`LoRAModelManager._convert_3d_to_2d_moe_lora`, called with stand-ins for the manager and the layer: it reads
+    only the architecture and the expert counts). Writes each layer's per-expert updates B @ A, [experts, out, in]."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.peft_helper import PEFTHelper
+
+    helper = PEFTHelper.from_local_dir(case["adapter"], max_position_embeddings=None)
+    tensors = load_file(os.path.join(case["adapter"], "adapter_model.safetensors"))
+    lora = LoRAModel.from_lora_tensors(1, tensors, helper, device="cpu", dtype=torch.float32)
+    for weights in lora.loras.values():
+        weights.optimize()  # as the manager does before converting
+    manager = SimpleNamespace(is_pooling_model=False)
+    manager.model = SimpleNamespace(config=SimpleNamespace(architectures=[case["architecture"]]))
+    manager._get_lora_layer_weights = lambda model, name: LoRAModelManager._get_lora_layer_weights(
+        manager, model, name
+    )
+    layer = SimpleNamespace(local_num_experts=case["experts"], global_num_experts=case["experts"], ep_rank=0)
+    updates = {}
+    for name in sorted(n for n in lora.loras if n.endswith(".experts")):
+        LoRAModelManager._convert_3d_to_2d_moe_lora(manager, lora, layer, name)
+        weights = lora.loras[name]
+        for slot, proj in enumerate(("w1", "w2", "w3")):
+            updates[f"{name}.{proj}"] = torch.bmm(weights.lora_b[slot], weights.lora_a[slot]).contiguous()
+    save_file(updates, case["out"])
+
+
 def main(job_path: str, out_path: str) -> int:
     with open(job_path) as fh:
         job = json.load(fh)
+    for case in job.get("expert_layouts", []):
+        expert_layout(case)
     found = {}
     for case in job["cases"]:
         found.update(run_case(case, job["prompts"], job["new_tokens"]))
