@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from timings import TIMES
+from timings import FINDINGS, TIMES
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -10,3 +10,5 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("serving check timings (s)")
         for what, seconds in TIMES.items():
             terminalreporter.write_line(f"{what}: {seconds:.1f}")
+    for finding in FINDINGS:
+        terminalreporter.write_line(finding)

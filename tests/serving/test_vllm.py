@@ -15,8 +15,11 @@ The tests run from the main venv; vLLM runs only in subprocesses of .venv-servin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -26,7 +29,7 @@ from dist_utils import REPO, free_port, launch_scenarios
 from openai_server import completion_tokens, listed_models, server_command, start_server, stop, wait_ready
 from oracle import peft_tokens
 from serving_models import build_expert_adapter, build_model
-from timings import TIMES
+from timings import FINDINGS, TIMES
 
 from hf_fsdp_qlora.cli.main import merge_adapters_main
 
@@ -49,6 +52,19 @@ def _merge(base: Path, adapter: Path, out: Path) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def _logged(name: str):
+    """The messages logged under `name` (warnings and up) while inside."""
+    messages, handler = [], logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The Llama trained under FSDP2 (2 ranks, 4-bit base) by our trainer; its adapter and the merge."""
@@ -61,7 +77,13 @@ def trained(tmp_path_factory):
     TIMES["FSDP2 training launch (2 ranks)"] = time.perf_counter() - start
     adapter = out / "serve_llama" / "adapter"
     merged = _merge(base, adapter, models / "llama_merged")
-    return {"base": base, "adapter": adapter, "merged": merged, "results": results}
+    # the same merge from a base folder without tokenizer files (as a bare weights copy is)
+    bare = models / "llama_bare"
+    shutil.copytree(base, bare, ignore=lambda _, names: [n for n in names if n.startswith(("tokenizer", "special"))])
+    with _logged("hf_fsdp_qlora.merge") as warned:
+        no_tokenizer = _merge(bare, adapter, models / "llama_merged_no_tokenizer")
+    return {"base": base, "adapter": adapter, "merged": merged, "results": results, "no_tokenizer": no_tokenizer,
+            "no_tokenizer_warning": warned}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +131,7 @@ def offline(trained, moe, server, tmp_path_factory):
                                                                   "max_rank": MAX_LORA_RANK}},
         {"name": "llama_merged", "model": str(trained["merged"])},
         *({"name": f"{arch}_merged", "model": str(merged)} for arch, (_, _, merged) in moe.items()),
+        {"name": "no_tokenizer", "model": str(trained["no_tokenizer"]), "refused": True},  # last: it fails
     ]  # fmt: skip
     layouts = [
         {"adapter": str(adapter), "architecture": ARCHITECTURES[arch], "experts": 8, "out": str(root / f"{arch}.st")}
@@ -126,7 +149,7 @@ def offline(trained, moe, server, tmp_path_factory):
     )  # fmt: skip
     if proc.returncode != 0:
         raise AssertionError(f"vLLM exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
-    TIMES["vLLM offline, 4 engines in one process"] = time.perf_counter() - start
+    TIMES["vLLM offline process: 4 engines, 1 refused folder, expert-LoRA layout"] = time.perf_counter() - start
     found = json.loads(out.read_text())
     found["expert_layouts"] = {arch: root / f"{arch}.st" for arch in moe}
     for key, seconds in found.items():
@@ -164,6 +187,15 @@ def test_adapter_through_lora_request(offline, oracle):
 
 def test_merge_adapters_output(offline, oracle):
     _assert_tokens(offline["llama_merged"], oracle["llama/lora"], "merge-adapters output")
+
+
+def test_merge_without_tokenizer_is_refused_by_vllm_and_warned(trained, offline):
+    """The merge warns, naming `--tokenizer`, exactly where vLLM refuses the folder."""
+    refused = offline["no_tokenizer/refused"]
+    FINDINGS.append(f"vLLM on a merge without tokenizer files: {str(refused)[:300]}")
+    assert refused is not None and "tokenizer" in refused.lower(), refused
+    assert any("no tokenizer files" in m and "--tokenizer PATH" in m for m in trained["no_tokenizer_warning"])
+    assert not (trained["no_tokenizer"] / "tokenizer.json").exists()
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

@@ -2,7 +2,8 @@
 
     python tests/serving/vllm_generate.py JOB.json OUT.json
 
-JOB.json: {"prompts": [[ids]], "new_tokens": N, "cases": [{"name", "model", "lora": {"path", "max_rank"} | null}],
+JOB.json: {"prompts": [[ids]], "new_tokens": N, "cases": [{"name", "model", "lora": {"path", "max_rank"} | null,
+"refused": bool}],
 "expert_layouts": [{"adapter", "architecture", "experts", "out"}]}.
 One engine per case, built in turn in this process (vLLM's import, ~20 s, paid once). A case with a LoRA gives the
 base's tokens too (`name`/base) and the adapter's through a `LoRARequest` (`name`/lora), then the same adapter under
@@ -40,6 +41,12 @@ def run_case(case, prompts, new_tokens) -> dict:
     lora = case.get("lora")
     extra = {"enable_lora": True, "max_lora_rank": lora["max_rank"], "max_loras": 1} if lora else {}
     start = time.perf_counter()
+    if case.get("refused"):  # a folder vLLM must refuse: its message, for the test to compare with our warning
+        try:
+            LLM(model=case["model"], **ENGINE, **extra)
+        except Exception as err:  # noqa: BLE001 - whatever vLLM raises is the finding
+            return {f"{case['name']}/refused": f"{type(err).__name__}: {err}"}
+        return {f"{case['name']}/refused": None}
     llm = LLM(model=case["model"], **ENGINE, **extra)
     found = {f"{case['name']}/engine_start_s": round(time.perf_counter() - start, 1)}
     if not lora:
