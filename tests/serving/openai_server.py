@@ -32,10 +32,21 @@ def server_command(python: str, base: Path, adapters: dict[str, Path], port: int
     ]  # fmt: skip
 
 
+def _die_with_parent() -> None:
+    """A server outliving a killed pytest would hold its port and cores: the kernel sends it SIGTERM then."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_server(command: list[str], log: Path) -> subprocess.Popen:
     """Start the server in its own session (so that stopping it reaches its children only); returns at once."""
     with open(log, "wb") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        # only one prctl call runs between fork and exec: safe beside the threads torch may have started here
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=ENV, start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509
+        )  # fmt: skip
 
 
 def wait_ready(proc: subprocess.Popen, port: int, timeout: float, log: Path) -> None:
