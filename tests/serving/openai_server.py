@@ -18,8 +18,9 @@ from pathlib import Path
 HOST = "127.0.0.1"
 # In-process engine core (no extra process to import vLLM again); no OpenMP core binding: the offline engine runs at
 # the same time (tests/serving/vllm_generate.py), and vLLM's automatic binding would give both the same cores.
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter, adapters loaded into the running server.
 ENV = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-       "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
+       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}  # fmt: skip
 
 
 def server_command(python: str, base: Path, adapters: dict[str, Path], port: int, max_lora_rank: int) -> list[str]:
@@ -76,19 +77,26 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=20)
 
 
+def _post(port: int, path: str, body: dict, timeout: float) -> bytes:
+    request = urllib.request.Request(
+        f"http://{HOST}:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return resp.read()
+
+
+def load_adapter(port: int, name: str, path: Path, timeout: float = 60) -> None:
+    """Load an adapter into the running server under `name` (POST /v1/load_lora_adapter)."""
+    _post(port, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, timeout)
+
+
 def completion_tokens(port: int, model: str, prompt: list[int], new_tokens: int, timeout: float = 60) -> list[int]:
     """Greedy tokens of one /v1/completions request (prompt given as token ids, as the offline engine gets it)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
         "return_token_ids": True,
     }  # fmt: skip
-    request = urllib.request.Request(
-        f"http://{HOST}:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        answer = json.loads(resp.read())
+    answer = json.loads(_post(port, "/v1/completions", body, timeout))
     return list(answer["choices"][0]["token_ids"])
 
 

@@ -26,7 +26,15 @@ from pathlib import Path
 
 import pytest
 from dist_utils import REPO, free_port, launch_scenarios
-from openai_server import completion_tokens, listed_models, server_command, start_server, stop, wait_ready
+from openai_server import (
+    completion_tokens,
+    listed_models,
+    load_adapter,
+    server_command,
+    start_server,
+    stop,
+    wait_ready,
+)
 from oracle import peft_tokens
 from serving_models import build_expert_adapter, build_model
 from timings import FINDINGS, TIMES
@@ -228,7 +236,7 @@ def test_vllm_reads_expert_lora_as_the_merge_applies_it(offline, moe, arch):
         assert down.abs().max() > 1e-3  # the adapter does change the experts
 
 
-def test_openai_server_with_adapter(server, oracle):
+def test_openai_server_with_adapter(server, trained, oracle):
     proc, port, log = server
     start = time.perf_counter()
     wait_ready(proc, port, timeout=300, log=log)
@@ -237,3 +245,8 @@ def test_openai_server_with_adapter(server, oracle):
     got = [completion_tokens(port, "trained", prompt, NEW_TOKENS) for prompt in PROMPTS]
     _assert_tokens(got, oracle["llama/lora"], "OpenAI server, --lora-modules")
     assert completion_tokens(port, "base", PROMPTS[0], NEW_TOKENS) == oracle["llama/base"][0][0]
+    # the same adapter loaded into the running server under a new name (max_loras=1: it takes the slot)
+    load_adapter(port, "runtime", trained["adapter"])
+    assert "runtime" in listed_models(port)
+    got = [completion_tokens(port, "runtime", prompt, NEW_TOKENS) for prompt in PROMPTS]
+    _assert_tokens(got, oracle["llama/lora"], "OpenAI server, /v1/load_lora_adapter")
