@@ -51,6 +51,13 @@ def test_merge_without_tokenizer_warns_and_tokenizer_option_fixes_it(bare, tmp_p
         assert _merge(base, adapter, tmp_path / "served", "--tokenizer", str(full)) == 0
     assert "no tokenizer files" not in caplog.text
     assert (tmp_path / "served" / "tokenizer.json").read_bytes() == (full / "tokenizer.json").read_bytes()
+    # the folder given replaces the base's tokenizer whole: no file of another tokenizer is left beside it
+    (base / "tokenizer.model").write_bytes(b"another tokenizer")
+    try:
+        assert _merge(base, adapter, tmp_path / "replaced", "--tokenizer", str(full)) == 0
+    finally:
+        (base / "tokenizer.model").unlink()
+    assert not (tmp_path / "replaced" / "tokenizer.model").exists()
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(tmp_path / "served").convert_tokens_to_ids("t7") == 7

@@ -118,8 +118,9 @@ replaced, no CUDA for --device cuda).
             "--tokenizer",
             default=None,
             metavar="PATH",
-            help="folder whose tokenizer files to write beside the merge (default: those of --base, then of the "
-            "adapter folder); engines such as vLLM refuse a model folder without them",
+            help="folder whose tokenizer files to write beside the merge, instead of those of --base and of the "
+            "adapter folder (default: those, the adapter folder's over the base's); engines such as vLLM refuse a "
+            "model folder without tokenizer files",
         )
         parser.add_argument(
             "--no-progress", dest="progress", action="store_false", help="hide the per-shard progress bars"

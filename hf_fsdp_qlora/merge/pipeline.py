@@ -261,12 +261,14 @@ def _copy_side_files(base: Path, adapter_folder: Path, tokenizer: Path | None, t
             and not src.name.startswith(".")
             and not _WEIGHT_FILE.match(src.name)
             and src.name not in _NOT_COPIED
+            and not (tokenizer is not None and _TOKENIZER_FILE.match(src.name))
         ):
             shutil.copy2(src, tmp / src.name)
-    # A tokenizer saved with the adapter (Trainer saves it into checkpoints) is the one training used; one named
-    # with `tokenizer` wins over both. Engines refuse a model folder without one (merge/serving.py).
-    for folder in (adapter_folder, tokenizer):
-        if folder is not None and folder.is_dir():
+    # A tokenizer saved with the adapter (Trainer saves it into checkpoints) is the one training used. A folder named
+    # with `tokenizer` replaces both, whole (never a mix of two tokenizers' files). Engines refuse a model folder
+    # without one (merge/serving.py).
+    for folder in (adapter_folder,) if tokenizer is None else (tokenizer,):
+        if folder.is_dir():
             for src in sorted(folder.iterdir()):
                 if src.is_file() and _TOKENIZER_FILE.match(src.name):
                     shutil.copy2(src, tmp / src.name)
@@ -329,8 +331,9 @@ def merge_adapters(
         adapter_config: the run's adapter_config.json, for an FSDP sharded checkpoint saved without one.
         allow_other_base: merge even though adapter_config.json names a local model of another architecture
             than `base` (by default that is refused, even when the shapes match).
-        tokenizer: a folder whose tokenizer files to write beside the merge (default: the base's, then the
-            adapter folder's). A merge without tokenizer files does not load in vLLM; the merge warns then.
+        tokenizer: a folder whose tokenizer files to write beside the merge, instead of the base's and the adapter
+            folder's (the default: the base's, then the adapter folder's over them). A merge without tokenizer files
+            does not load in vLLM; the merge warns then.
         progress: show a tqdm bar per output shard.
 
     Returns:
