@@ -299,6 +299,13 @@ def test_launch_trains_what_the_doctor_planned(rehearsal):
             assert _name(a["lr_scheduler_type"]) == config["lr_scheduler_type"], (said, a)
             for key in ("learning_rate", "gradient_accumulation_steps", "warmup_steps"):
                 assert a[key] == config[key], (said, key, a[key], config[key])
+        for r in ranks:  # the base as planned (4-bit, 8-bit, or every weight trained) and the LoRA rank
+            facts, bits = r["model"], setup.quantization
+            held = {"8bit" if re.search("8bit|Int8", c) else "4bit" for c in facts["quantized_classes"]}
+            assert held == ({bits} if bits else set()), (said, facts)
+            if kind == "sft_moe":  # the experts too, as the page's plan counts them (a stock load leaves them 16-bit)
+                assert "QuantizedExperts" in facts["quantized_classes"], (said, facts)
+            assert facts["lora_r"] == (None if setup.full_finetune else setup.lora_r), (said, facts)
         rows = {rows for rows, _ in forwards}
         longest = max(tokens for _, tokens in forwards)
         if kind == "dpo":  # chosen and rejected run together: twice the batch's rows, the pair at max_length
@@ -309,7 +316,7 @@ def test_launch_trains_what_the_doctor_planned(rehearsal):
         else:  # the long sample cut to exactly the planned length
             assert rows == {setup.batch_size} and longest == setup.seq_len, (said, rows, longest)
         print(f"{name}: planned batch {setup.batch_size} x {setup.seq_len}, save every {setup.save_steps}; "
-              f"trained rows {sorted(rows)}, longest {longest} tokens, {len(forwards)} forwards")  # fmt: skip
+              f"trained rows {sorted(rows)}, longest {longest} tokens, {len(forwards)} forwards, {ranks[0]['model']}")  # fmt: skip
 
 
 if __name__ == "__main__":

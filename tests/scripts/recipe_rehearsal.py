@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -52,10 +53,20 @@ class Recorder(TrainerCallback):
             "args": {name: _plain(getattr(args, name, None)) for name in ARGS},
             "forwards": self.forwards,
             "steps": state.global_step,
+            "model": _model_facts(model),
             "trainer": self.trainer,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"record_rank{dist.get_rank()}.json").write_text(json.dumps(record))
+
+
+def _model_facts(model) -> dict:
+    """How the base is held (the classes of its quantized linear layers) and the LoRA rank (None: no adapter)."""
+    kinds = sorted(
+        {type(m).__name__ for m in model.modules() if re.search(r"4bit|8bit|Int8|QuantizedExperts", type(m).__name__)}
+    )
+    peft = next((m.peft_config for m in model.modules() if hasattr(m, "peft_config")), None)
+    return {"quantized_classes": kinds, "lora_r": peft["default"].r if peft else None}
 
 
 def _plain(value):
