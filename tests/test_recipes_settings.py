@@ -183,7 +183,8 @@ def planned(args: tuple[str, ...]):
     from hf_fsdp_qlora.doctor import diagnose
 
     ns = build_parser().parse_args(["doctor", *args])
-    _apply_training_config(ns.cli_command, ns)
+    if ns.training_config:
+        _apply_training_config(ns.cli_command, ns)
     return diagnose(ns.model, accelerate_config=ns.accelerate_config, **_settings(ns)).setup
 
 
