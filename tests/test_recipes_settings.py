@@ -55,6 +55,13 @@ def test_doctor_plans_the_file_as_the_same_flags():
     assert "batch 1 x 1024 tokens" in wins[1] and "LoRA on 8-bit" in wins[1], wins[1][:400]
 
 
+def test_doctor_plans_a_trainer_class_with_a_loss_of_its_own():
+    """trl's GRPOTrainer (no loss path of its own in the plan): planned with the whole logits, not a traceback."""
+    status, printed = _doctor("--accelerate-config", "fsdp2_qlora", "--gpu-memory", "24GB", "--model",
+                              str(REPO / "tests" / "data" / "llama3_1_8b_config.json"), "--trainer-class", "GRPOTrainer")  # fmt: skip
+    assert status == 0 and "| loss stock |" in printed.splitlines()[0], printed[:500]
+
+
 def test_doctor_names_a_missing_or_bad_file(tmp_path, capsys):
     base = ("--accelerate-config", "fsdp2_qlora", "--model", str(REPO / "tests" / "data" / "llama3_1_8b_config.json"))
     from hf_fsdp_qlora.cli.main import main
