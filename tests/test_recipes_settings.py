@@ -149,6 +149,24 @@ def test_example_scripts_refuse_what_they_cannot_run(tmp_path, capsys):
         held_out_rows(list(range(10)), 0.0, {"eval_strategy": "steps"})
 
 
+_SETTINGS_BLOCK = re.compile(r"<!--\s*settings-file:\s*(\S+)\s*-->\n```yaml\n(.*?)\n```", re.DOTALL)
+
+
+def test_each_page_shows_its_settings_file_and_both_commands_read_it():
+    for page in RUNS:
+        found = _SETTINGS_BLOCK.findall(page.read_text(encoding="utf-8"))
+        assert len(found) == 1, (page.name, found)
+        path, shown = found[0]
+        lines = (REPO / path).read_text(encoding="utf-8").splitlines()
+        while lines and lines[0].startswith("#"):  # the file's header comment: its two commands
+            lines.pop(0)
+        assert shown == "\n".join(lines), f"{page.name}: the settings block is not {path} as it is"
+        for where, args in _plans(page):
+            assert args[args.index("--training-config") + 1] == str(REPO / path), where
+        for words in map(_without_env, _launches(page)):  # sbatch: its TRAINING_CONFIG, tests/test_slurm_recipe.py
+            assert words[0] == "sbatch" or ["--config", path] == words[words.index("--config") :][:2], words
+
+
 # ---------------------------------------------------------------- the rehearsal of every page's launch
 
 
