@@ -297,6 +297,8 @@ def rehearsal(tiny, tmp_path_factory):
     plan.write_text(json.dumps(runs, indent=1))
     proc = launch_via_run("cpu_fsdp2_rehearsal.yaml", SCRIPTS / "recipe_rehearsal.py", str(plan), timeout=900)
     check(proc)
+    engaged = (proc.stdout + proc.stderr).count("hf_fsdp_qlora: FSDP2 engaged on 2 rank(s)")
+    assert engaged == len(runs), f"FSDP2 engaged in {engaged} of {len(runs)} runs"  # once per trainer, rank 0
     records = {}
     for run in runs:
         found = [json.loads(p.read_text()) for p in sorted(Path(run["out"]).glob("record_rank*.json"))]
@@ -339,6 +341,8 @@ def test_launch_trains_what_the_doctor_planned(rehearsal):
         elif kind == "grpo":  # prompt + completion within the planned length
             assert rows == {setup.batch_size} and longest <= setup.seq_len, (said, rows, longest)
             assert ranks[0]["args"]["max_completion_length"] == config["max_completion_length"]
+            names = [f.rsplit(".", 1)[-1] for f in config["reward_funcs"]]  # the page's reward function scored
+            assert ranks[0]["reward_funcs"] == names and ranks[0]["rewards"], (said, ranks[0])
         else:  # the long sample cut to exactly the planned length
             assert rows == {setup.batch_size} and longest == setup.seq_len, (said, rows, longest)
         print(f"{name}: planned batch {setup.batch_size} x {setup.seq_len}, save every {setup.save_steps}; "

@@ -36,7 +36,7 @@ ARGS = (
 class Recorder(TrainerCallback):
     """The arguments a trainer trains with and the (rows, tokens) of each training forward of its model."""
 
-    def __init__(self, out: Path, trainer: str):
+    def __init__(self, out: Path, trainer):
         self.out, self.trainer, self.forwards, self.hook = out, trainer, [], None
 
     def _record(self, module, args, kwargs):
@@ -54,7 +54,10 @@ class Recorder(TrainerCallback):
             "forwards": self.forwards,
             "steps": state.global_step,
             "model": _model_facts(model),
-            "trainer": self.trainer,
+            "trainer": type(self.trainer).__name__,
+            # GRPO: the reward functions the trainer scored with, and what they gave (logged per function)
+            "reward_funcs": getattr(self.trainer, "reward_func_names", None),
+            "rewards": {k: v for e in state.log_history for k, v in e.items() if k.startswith("rewards/")},
         }
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"record_rank{dist.get_rank()}.json").write_text(json.dumps(record))
@@ -78,7 +81,7 @@ def _install(out: Path):
 
     def __init__(self, *args, **kwargs):
         hooked(self, *args, **kwargs)
-        self.add_callback(Recorder(out, type(self).__name__))
+        self.add_callback(Recorder(out, self))
 
     Trainer.__init__ = __init__
     return hooked
