@@ -217,8 +217,9 @@ _OPTION_VALUE = {"--model": "model", "--model_name_or_path": "model", "--data": 
                  "--output": "out", "--output_dir": "out"}  # fmt: skip
 
 
-def _script_and_args(words, tiny, out) -> tuple[str, list[str]]:
-    """The page's launch as (script, its arguments) at the tiny shape: model, data and output folder replaced."""
+def _script_and_args(words, tiny, out, steps: int = 1) -> tuple[str, list[str]]:
+    """The page's launch as (script, its arguments) at the tiny shape: model, data and output folder replaced, and
+    `steps` optimizer steps."""
     if words[0] == "sbatch":  # the batch script's own launch line, with the page's variables (made tiny)
         env = {"DRY_RUN": "1", "SLURM_JOB_NUM_NODES": "2", "GPUS_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
                "MODEL": tiny["model"], "DATA": tiny["data"], "OUTPUT_DIR": str(out),
@@ -234,7 +235,7 @@ def _script_and_args(words, tiny, out) -> tuple[str, list[str]]:
     for i, word in enumerate(args[:-1]):
         if word in _OPTION_VALUE:
             args[i + 1] = str(out) if _OPTION_VALUE[word] == "out" else tiny[_OPTION_VALUE[word]]
-    return script, [*args, "--max_steps" if trl else "--max-steps", "1"]
+    return script, [*args, "--max_steps" if trl else "--max-steps", str(steps)]
 
 
 @pytest.fixture(scope="module")
@@ -267,13 +268,22 @@ def tiny(tmp_path_factory):
         "sft_moe": {"model": str(moe), "data": str(build_chat_dataset(root / "chat", 12, 2, long_words=LONG_WORDS))},
         "dpo": {"model": llama, "data": str(build_preference_dataset(root / "pref", 12, 2, long_words=LONG_WORDS))},
         "grpo": {"model": llama, "data": str(build_prompt_dataset(root / "prompts"))},
+        # the SLURM recipe runs to its first checkpoint: 200 rows and a held-out one, 50 steps an epoch on 2 ranks
+        "slurm": {
+            "model": llama,
+            "data": str(
+                build_example_jsonl(root / "slurm.jsonl", ("prompt", "completion"), 201, long_words=LONG_WORDS)
+            ),
+        },
     }
 
 
 def _kind(page, words) -> str:
     text = " ".join(words)
+    if words[0] == "sbatch":
+        return "slurm"
     for kind in ("train_qlora", "safety_classifier", "grpo", "dpo"):
-        if kind in text or (words[0] == "sbatch" and kind == "train_qlora"):
+        if kind in text:
             return kind
     return "sft_moe" if "Qwen3" in text else "sft"
 
@@ -287,12 +297,14 @@ def rehearsal(tiny, tmp_path_factory):
         launches, doctors = _launches(page), _plans(page)
         assert launches and len(launches) == len(doctors), (page.name, len(launches), len(doctors))
         for i, (words, (where, args)) in enumerate(zip(launches, doctors)):
-            name, kind = f"{page.stem}-{i}", _kind(page, words)
-            script, argv = _script_and_args(_without_env(words), tiny[kind], root / name)
+            name, kind, setup = f"{page.stem}-{i}", _kind(page, _without_env(words)), planned(args)
+            # The SLURM recipe (preemptible) runs to its first periodic checkpoint; the others one step.
+            steps = setup.save_steps if kind == "slurm" else 1
+            script, argv = _script_and_args(_without_env(words), tiny[kind], root / name, steps)
             runs.append({"name": name, "script": script, "argv": argv, "out": str(root / name / "record"),
                          "port": free_port(), "cwd": str(REPO)})  # fmt: skip
             config = args[args.index("--training-config") + 1]
-            plans[name] = (where, planned(args), read_training_config(config), kind)
+            plans[name] = (where, setup, read_training_config(config), kind)
     plan = root / "plan.json"
     plan.write_text(json.dumps(runs, indent=1))
     proc = launch_via_run("cpu_fsdp2_rehearsal.yaml", SCRIPTS / "recipe_rehearsal.py", str(plan), timeout=900)
@@ -303,7 +315,7 @@ def rehearsal(tiny, tmp_path_factory):
     for run in runs:
         found = [json.loads(p.read_text()) for p in sorted(Path(run["out"]).glob("record_rank*.json"))]
         assert len(found) == 2, (run["name"], proc.stderr[-4000:])
-        records[run["name"]] = (*plans[run["name"]], found, run["argv"])
+        records[run["name"]] = (*plans[run["name"]], found, run["argv"], root / run["name"])
     return records
 
 
@@ -315,7 +327,7 @@ def _name(value) -> str:
 @pytest.mark.distributed
 def test_launch_trains_what_the_doctor_planned(rehearsal):
     assert {name.rsplit("-", 1)[0] for name in rehearsal} == {p.stem for p in RUNS}
-    for name, (where, setup, config, kind, ranks, argv) in rehearsal.items():
+    for name, (where, setup, config, kind, ranks, argv, out) in rehearsal.items():
         said = f"{name} (planned at {where}; launched with {argv})"
         assert setup.save_steps and setup.save_steps > 0, said  # every recipe saves periodic checkpoints
         forwards = [f for r in ranks for f in r["forwards"]]
@@ -345,6 +357,10 @@ def test_launch_trains_what_the_doctor_planned(rehearsal):
             assert ranks[0]["reward_funcs"] == names and ranks[0]["rewards"], (said, ranks[0])
         else:  # the long sample cut to exactly the planned length
             assert rows == {setup.batch_size} and longest == setup.seq_len, (said, rows, longest)
+        if kind == "slurm":  # the periodic checkpoint a preempted job resumes from, at the planned step
+            written = {p.name for p in (out / f"checkpoint-{setup.save_steps}").iterdir()}
+            assert ranks[0]["steps"] == setup.save_steps and "adapter_model.safetensors" in written, (said, written)
+            assert any(n.startswith("optimizer") for n in written), (said, written)
         print(f"{name}: planned batch {setup.batch_size} x {setup.seq_len}, save every {setup.save_steps}; "
               f"trained rows {sorted(rows)}, longest {longest} tokens, {len(forwards)} forwards, {ranks[0]['model']}")  # fmt: skip
 
