@@ -14,7 +14,26 @@ CHATML_TEMPLATE = (
 )
 # Printed (stdout and stderr) by tests/scripts/recipe_scenarios.py between its routes and the trl script it runs last.
 TRL_MARKER = "recipe_scenarios: the routes are done; now trl's script through hf_fsdp_qlora.run"
-WORDS = "the cat dog sat on a mat red blue green one two three four five and is was".split()
+WORDS = [
+    "the",
+    "cat",
+    "dog",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "red",
+    "blue",
+    "green",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "and",
+    "is",
+    "was",
+]
 
 
 def _sentence(rng, n):
