@@ -127,6 +127,9 @@ examples:
   hf-fsdp-qlora doctor --accelerate-config fsdp2_qlora --model ./Llama-3.1-8B --load-in-4bit --gpu-memory 24GB
   hf-fsdp-qlora doctor --accelerate-config llamaguard3_1b_1x24gb --model ./Llama-Guard-3-1B --full-finetune \\
       --gpu-memory 24GB --json
+  # the settings the launch reads (sequence length, batch, checkpoints, LoRA; flags given here win):
+  hf-fsdp-qlora doctor --accelerate-config fsdp2_qlora --num-gpus 1 --gpu-memory 24GB --model ./Llama-3.1-8B \\
+      --training-config examples/recipes/llama-8b-1x24gb.yaml
 
 --model takes a model directory, its config.json, or a Hugging Face Hub id (org/name: only its config.json is
 fetched, with your token and cache; HF_HUB_OFFLINE=1 reads the cache only); no weight is read. Memory sizes: 80GB = 80GiB (GPUs are
