@@ -1,7 +1,7 @@
 """Refresh the doctor output quoted in docs/recipes/ after a deliberate change of the memory plan or of a recipe's
 settings (examples/recipes/*.yaml).
 
-Each quoted block becomes the doctor's whole output for the page's command (tests/test_recipes_docs.py checks
+Each page's settings block (``<!-- settings-file: PATH -->``) becomes that file as it is; each quoted block becomes the doctor's whole output for the page's command (tests/test_recipes_docs.py checks
 that it is), and every figure that changed is replaced in the page's prose too, in one pass: a quoted line's old
 figures map to those of the doctor's line of the same shape (the same text with its numbers blanked). Review the
 diff before committing: `PYTHONPATH=$PWD:$PWD/tests python tests/refresh_recipe_figures.py`.
@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import re
 
-from test_recipes_docs import _EXCERPT, RUNS, _excerpts, doctor_block
+from test_recipes_docs import _EXCERPT, REPO, RUNS, _excerpts, doctor_block
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_SETTINGS = re.compile(r"<!--\s*settings-file:\s*(\S+)\s*-->\n```yaml\n(.*?)\n```", re.DOTALL)
+
+
+def settings_block(path: str) -> str:
+    """A settings file as a page shows it (tests/test_recipes_settings.py): without its header comment."""
+    lines = (REPO / path).read_text(encoding="utf-8").splitlines()
+    while lines and lines[0].startswith("#"):
+        lines.pop(0)
+    return "\n".join(lines)
 
 
 def _shape(line: str) -> str:
@@ -45,6 +54,7 @@ def refresh(page) -> dict[str, str]:
         text = _rejoin(parts)
     bodies = iter(blocks)
     text = _EXCERPT.sub(lambda m: m.group(0).replace(m.group(2), next(bodies)), text)
+    text = _SETTINGS.sub(lambda m: m.group(0).replace(m.group(2), settings_block(m.group(1))), text)
     page.write_text(text, encoding="utf-8")
     return changed
 
