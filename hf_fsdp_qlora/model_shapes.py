@@ -287,7 +287,7 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         checkpointing=bool(getattr(module, "supports_gradient_checkpointing", True)),
         num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         hidden_size=int(text.hidden_size),
-        intermediate_size=int(getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size),
+        intermediate_size=_widest(getattr(text, "intermediate_size", None)) or 4 * int(text.hidden_size),
         num_heads=heads,
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(_config_value(text, "head_dim") or text.hidden_size // heads),
@@ -301,6 +301,11 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         output_router_logits=bool(getattr(text, "output_router_logits", False)),
         router_aux=router_aux_kind(type(module)),
     )
+
+
+def _widest(size) -> int:
+    """A config's size field as one number: Gemma 3n gives a width per layer (the widest plans the peak)."""
+    return int(max(size) if isinstance(size, (list, tuple)) else size or 0)
 
 
 def _add_linears(shape: ModelShape, module, layer_prefixes: list[str], lora_target_modules, counted: set) -> None:
@@ -358,13 +363,15 @@ def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], cou
         if not weight_names:
             continue
         bias_names = layout.biases if layout else ()
-        weights = {n: tuple(int(d) for d in direct[n].shape[1:]) for n in weight_names}
+        first = direct[weight_names[0]]  # stacked [E, ...], or DBRX's 2-D [E * ffn, hidden] (E: the class's count)
+        count = int(first.shape[0] if first.dim() >= 3 else getattr(sub, "num_experts", 0) or first.shape[0])
+        weights = {n: _per_expert(direct[n], count) for n in weight_names}
         shape.experts.append(
             ExpertsShape(
                 name=name,
                 family=type(sub).__name__,
                 layer=_layer_index(name, layer_prefixes),
-                num_experts=int(direct[weight_names[0]].shape[0]),
+                num_experts=count,
                 weights=weights,
                 bias_numel=sum(direct[n].numel() for n in bias_names),
                 quantizable=layout is not None,
@@ -380,6 +387,14 @@ def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], cou
     if not shared and getattr(text, "n_shared_experts", None):  # DeepSeek: n_shared_experts experts of width
         shared = int(text.n_shared_experts) * shape.expert_width
     shape.shared_expert_width = int(shared)
+
+
+def _per_expert(param, count: int) -> tuple[int, ...]:
+    """One expert's weight shape: a stacked [E, ...] weight's trailing dims; DBRX stacks its experts' rows in 2-D
+    weights ([E * ffn, hidden])."""
+    if param.dim() >= 3:
+        return tuple(int(d) for d in param.shape[1:])
+    return (int(param.shape[0]) // count, int(param.shape[1]))
 
 
 def _config_value(config, name: str):

@@ -33,7 +33,7 @@ _SECONDS = {
     "test_moe_load.py": 10,
     "test_moe_stream.py": 60,
     "test_recipes_docs.py": 90,
-    "test_families.py": 50,
+    "test_families.py": 70, "test_flagship_plans.py": 15,
     "test_options.py": 130,
     "test_precision_trl.py": 40, "test_peft_recipe.py": 15,
     "test_sequence_parallel.py": 45, "test_adapter_dtype_benchmark.py": 5,
