@@ -1,0 +1,126 @@
+"""Issue 48: multimodal checkpoints (Gemma 3, Gemma 4, Mllama, Qwen3.5, Qwen3.5-MoE, Llama 4) through
+``load_qlora_model``: the language model in 4 bits with LoRA, the vision towers and projectors in the compute dtype,
+unquantized, frozen and without LoRA (hf_fsdp_qlora/towers.py).
+
+Before: Gemma 3's and Gemma 4's vision towers were quantized to 4 bits and got LoRA under ``all-linear``; Qwen3.5,
+Qwen3.5-MoE, Mllama and Llama 4 checkpoints (saved from their image-text class, as released) were refused as "has no
+causal-LM head" although transformers maps all four in ``AutoModelForCausalLM``.
+
+Tiny checkpoints built locally from the config classes (tests/tiny_multimodal.py), each loaded as users do:
+``AutoModelForCausalLM``'s class (the default), and the image-text class (``model_class=AutoModelForImageTextToText``).
+The oracle for "kept in the compute dtype" is the checkpoint's own tensor cast to bf16, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_multimodal import COMPOSITE, FAMILIES, TEXT_ONLY, build_multimodal
+
+# Llama 4's experts layout is not quantized to 4 bits yet (another part of issue 48): its experts stay 16-bit here.
+EXPERTS_16BIT = {"llama4"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = build_multimodal(tmp_path_factory.mktemp(family), family)
+        return made[family]
+
+    return get
+
+
+def _load(path, family, image_text: bool, **kwargs):
+    from transformers import AutoModelForImageTextToText
+
+    from hf_fsdp_qlora import load_qlora_model
+
+    if image_text:
+        kwargs["model_class"] = AutoModelForImageTextToText
+    return load_qlora_model(path, quantize_experts=family not in EXPERTS_16BIT, **kwargs).get_base_model()
+
+
+def _saved(path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _in(name: str, towers) -> bool:
+    return any(name == t or name.startswith(t + ".") for t in towers)
+
+
+@pytest.mark.parametrize("image_text", [False, True], ids=["causal_lm_class", "image_text_class"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_towers_stay_16bit_frozen_and_without_lora(checkpoints, family, image_text):
+    import bitsandbytes as bnb
+
+    from hf_fsdp_qlora.towers import tower_modules
+
+    path = checkpoints(family)
+    model = _load(path, family, image_text)
+    assert type(model).__name__ == (COMPOSITE if image_text else TEXT_ONLY)[family]
+    towers = tower_modules(model)
+    assert bool(towers) == (type(model).__name__ == COMPOSITE[family]), towers
+    params = dict(model.named_parameters())
+    tower_params = {n: p for n, p in params.items() if _in(n, towers)}
+    assert bool(tower_params) == bool(towers)
+    assert not [n for n, p in tower_params.items() if isinstance(p, bnb.nn.Params4bit)]
+    assert {p.dtype for p in tower_params.values()} <= {torch.bfloat16}
+    assert not [n for n, p in tower_params.items() if p.requires_grad]
+    # every tower tensor is the checkpoint's, cast to the compute dtype (never quantized and dequantized)
+    saved = _saved(path)
+    for name, param in tower_params.items():
+        key = next(k for k in saved if k.endswith(name.split(".", 1)[1]) and saved[k].shape == param.shape)
+        assert torch.equal(param.data, saved[key].to(torch.bfloat16)), name
+    lora = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]
+    assert not [n for n in lora if _in(n, towers)]
+    # the language model: 4-bit linear layers, LoRA on them (attention and MLP)
+    language = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert language and not [n for n in language if _in(n, towers)]
+    assert any("q_proj" in n for n in lora) and any("down_proj" in n or "mlp" in n for n in lora), lora
+    assert all(p.requires_grad for n, p in params.items() if "lora_" in n)
+
+
+def test_lora_on_towers_when_asked(checkpoints):
+    """``lora_on_towers=True``: all-linear adapts the tower's linear layers too, which stay 16-bit."""
+    import bitsandbytes as bnb
+
+    from hf_fsdp_qlora.towers import tower_modules
+
+    model = _load(checkpoints("gemma3"), "gemma3", False, lora_on_towers=True)
+    towers = tower_modules(model)
+    adapted = [n for n, m in model.named_modules() if n.endswith(".lora_A") and _in(n, towers)]
+    assert any("vision_tower" in n and "self_attn.q_proj" in n for n in adapted), adapted
+    assert not [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit) and _in(n, towers)]
+
+
+def test_a_list_of_layer_names_leaves_the_towers_out(checkpoints):
+    """``target_modules=["q_proj", "v_proj"]`` would match SigLIP's attention too: the language model's only."""
+    from peft import LoraConfig
+
+    from hf_fsdp_qlora.towers import tower_modules
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = _load(checkpoints("gemma3"), "gemma3", False, lora_config=config)
+    lora = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]
+    assert len(lora) == 4 and not [n for n in lora if _in(n, tower_modules(model))], lora
+
+
+def test_image_text_class_trains_the_language_model_on_an_image(checkpoints):
+    """Gemma 3's image-text forward with pixel values: the 16-bit tower runs, gradients reach the language model's
+    LoRA only."""
+    from tiny_multimodal import IMAGE_TOKEN
+
+    model = _load(checkpoints("gemma3"), "gemma3", True)
+    ids = torch.tensor([[1, 3] + [IMAGE_TOKEN] * 4 + [4, 10, 11, 12]])
+    out = model(input_ids=ids, pixel_values=torch.rand(1, 3, 32, 32, dtype=torch.bfloat16), labels=ids)
+    out.loss.backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n and "language_model" in n for n in grads), sorted(grads)[:5]

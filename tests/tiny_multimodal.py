@@ -1,0 +1,113 @@
+"""Tiny multimodal checkpoints built locally from their config classes (no hub): Gemma 3, Gemma 4, Mllama, Qwen3.5,
+Qwen3.5-MoE and Llama 4, each saved from its composite class (``...ForConditionalGeneration``, as released).
+
+`build_multimodal(path, family)` writes one; `COMPOSITE[family]` names the composite class and `TEXT_ONLY[family]` the
+class ``AutoModelForCausalLM`` maps the family to (the composite itself for Gemma 3 and 4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["COMPOSITE", "FAMILIES", "TEXT_ONLY", "build_multimodal", "multimodal_config"]
+
+TEXT = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+# special tokens of the image-text families (ids inside the tiny vocabulary)
+IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = 5, 3, 4
+
+
+def _gemma3():
+    from transformers import Gemma3Config
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}  # fmt: skip
+    return Gemma3Config(text_config={**TEXT, "sliding_window": 32}, vision_config=vision, mm_tokens_per_image=4,
+                        image_token_index=IMAGE_TOKEN, boi_token_index=BOI_TOKEN, eoi_token_index=EOI_TOKEN)  # fmt: skip
+
+
+def _gemma4():
+    from transformers import Gemma4Config
+
+    text = {**TEXT, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"],
+            "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16, "patch_size": 8, "position_embedding_size": 64,
+              "pooling_kernel_size": 2}  # fmt: skip
+    return Gemma4Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, boi_token_id=BOI_TOKEN,
+                        eoi_token_id=EOI_TOKEN)  # fmt: skip
+
+
+def _mllama():
+    from transformers import MllamaConfig
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
+              "num_attention_heads": 2, "image_size": 32, "patch_size": 16, "vision_output_dim": 64,
+              "intermediate_layers_indices": [0]}  # fmt: skip
+    return MllamaConfig(text_config={**TEXT, "cross_attention_layers": [1]}, vision_config=vision)
+
+
+def _qwen_vision():
+    return {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 8,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64,
+            "num_position_embeddings": 64}  # fmt: skip
+
+
+def _qwen_text():
+    return {**TEXT, "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}  # fmt: skip
+
+
+def _qwen3_5():
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(text_config=_qwen_text(), vision_config=_qwen_vision(), image_token_id=IMAGE_TOKEN)
+
+
+def _qwen3_5_moe():
+    from transformers import Qwen3_5MoeConfig
+
+    text = {**_qwen_text(), "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+            "num_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
+    return Qwen3_5MoeConfig(text_config=text, vision_config=_qwen_vision(), image_token_id=IMAGE_TOKEN)
+
+
+def _llama4():
+    from transformers import Llama4Config
+
+    text = {**TEXT, "intermediate_size_mlp": 128, "num_local_experts": 2, "moe_layers": [1],
+            "layer_types": ["full_attention"] * 2, "no_rope_layers": [1, 1], "attention_chunk_size": 64}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 16, "vision_output_dim": 64, "projector_input_dim": 64,
+              "projector_output_dim": 64}  # fmt: skip
+    return Llama4Config(text_config=text, vision_config=vision)
+
+
+_CONFIGS = {"gemma3": _gemma3, "gemma4": _gemma4, "mllama": _mllama, "qwen3_5": _qwen3_5,
+            "qwen3_5_moe": _qwen3_5_moe, "llama4": _llama4}  # fmt: skip
+FAMILIES = tuple(_CONFIGS)
+COMPOSITE = {"gemma3": "Gemma3ForConditionalGeneration", "gemma4": "Gemma4ForConditionalGeneration",
+             "mllama": "MllamaForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+             "llama4": "Llama4ForConditionalGeneration"}  # fmt: skip
+TEXT_ONLY = {"gemma3": "Gemma3ForConditionalGeneration", "gemma4": "Gemma4ForConditionalGeneration",
+             "mllama": "MllamaForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+             "llama4": "Llama4ForCausalLM"}  # fmt: skip
+
+
+def multimodal_config(family: str):
+    return _CONFIGS[family]()
+
+
+def build_multimodal(path: str | Path, family: str, dtype=torch.float32, seed: int = 0) -> Path:
+    """A tiny `family` checkpoint saved from its composite class (random weights, `seed`) at `path`."""
+    import transformers
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = getattr(transformers, COMPOSITE[family])(multimodal_config(family)).to(dtype)
+    model.save_pretrained(path)
+    return path
