@@ -26,6 +26,7 @@ __all__ = [
     "auto_class_for",
     "concrete_class",
     "image_text_class",
+    "keep_present_layer_classes",
     "lora_config_for_towers",
     "meta_model",
     "tower_modules",
@@ -50,6 +51,23 @@ def tower_modules(model: nn.Module) -> list[str]:
         for child, module in parent.named_children()
         if f"{prefix}{child}" != language_model and any(True for _ in module.parameters())
     ]
+
+
+def keep_present_layer_classes(model: nn.Module) -> list[str]:
+    """Drop from `model`'s ``_no_split_modules`` (and its sub-models') the classes it does not contain; returns them.
+
+    FSDP's transformer wrap (accelerate's, and peft's under FSDP1) takes those names as the blocks to wrap and raises
+    "Could not find the transformer layer class SiglipTextEmbeddings in the model" for a name the model lacks: Gemma 3
+    inherits SigLIP's list, text embeddings included, but holds only SigLIP's vision tower. The classes it does hold,
+    the towers' blocks among them (``SiglipEncoderLayer``), stay: each tower block is an FSDP unit of its own."""
+    present = {type(m).__name__ for m in model.modules()}
+    dropped = set()
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if names and not isinstance(names, str) and set(names) - present:
+            dropped |= set(names) - present
+            module._no_split_modules = [n for n in names if n in present]  # this instance only, not its class
+    return sorted(dropped)
 
 
 def tower_pattern(towers: list[str]) -> str:
@@ -106,12 +124,14 @@ def meta_model(config, model_class, dtype, trust_remote_code: bool = False):
 
 
 def lora_config_for_towers(model: nn.Module, lora_config, lora_on_towers: bool = False):
-    """`lora_config` limited to the language model: ``"all-linear"`` and a list of layer names leave the towers out
+    """`lora_config` limited to the language model: ``"all-linear"``, a list of layer names (or none: peft's default
+    list for the family) leave the towers out
     (a list's ``q_proj`` would otherwise match SigLIP's too). A regex string is the caller's exact choice and is kept;
     so is everything with `lora_on_towers`."""
     towers = tower_modules(model)
     targets = lora_config.target_modules
-    if not towers or lora_on_towers or targets is None or isinstance(targets, str) and targets != "all-linear":
+    # None: peft's per-family default list (filled in later, inside inject_adapter), left out of the towers too
+    if not towers or lora_on_towers or isinstance(targets, str) and targets != "all-linear":
         return lora_config
     lora_config = copy.deepcopy(lora_config)
     lora_config.exclude_modules = _with_exclusion(lora_config.exclude_modules, tower_pattern(towers))

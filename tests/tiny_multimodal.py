@@ -111,3 +111,42 @@ def build_multimodal(path: str | Path, family: str, dtype=torch.float32, seed: i
     model = getattr(transformers, COMPOSITE[family])(multimodal_config(family)).to(dtype)
     model.save_pretrained(path)
     return path
+
+
+def build_tokenizer(path: str | Path | None = None):
+    """A word-level tokenizer over t6..t511 with <pad>=0, <eos>=1, <unk>=2 and the image-text families' specials
+    <boi>=3, <eoi>=4, <image>=5 (saved at `path` when given)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = {"<boi>": BOI_TOKEN, "<eoi>": EOI_TOKEN, "<image>": IMAGE_TOKEN}
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **specials, **{f"t{i}": i for i in range(6, TEXT["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<eos>", unk_token="<unk>",
+        extra_special_tokens={"boi_token": "<boi>", "eoi_token": "<eoi>", "image_token": "<image>"},
+    )  # fmt: skip
+    if path is not None:
+        tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def _gemma3_processor(tokenizer):
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    image = Gemma3ImageProcessor(size={"height": 32, "width": 32}, do_pan_and_scan=False)
+    return Gemma3Processor(image_processor=image, tokenizer=tokenizer, image_seq_length=4), "<boi>"
+
+
+PROCESSORS = {"gemma3": _gemma3_processor}
+
+
+def build_processor(model_path: str | Path, family: str) -> Path:
+    """`family`'s processor over the tiny tokenizer, saved beside the model (as released checkpoints ship it) with
+    ``image_prefix.txt``: the text that stands for one image in a row (the processor expands it to its tokens)."""
+    processor, prefix = PROCESSORS[family](build_tokenizer())
+    path = Path(model_path)
+    processor.save_pretrained(path)
+    (path / "image_prefix.txt").write_text(prefix + "\n")
+    return path

@@ -13,7 +13,7 @@ from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
-from ..towers import auto_class_for, concrete_class
+from ..towers import auto_class_for, concrete_class, keep_present_layer_classes
 from ._adapter_steps import attach_adapter, continue_adapter, freeze_for_kbit_training
 from ._checkpoint import (
     check_causal_lm,
@@ -189,6 +189,7 @@ def load_qlora_model(
     _plan_expert_stream(load)
     _build_base(load, low_cpu_ram)
     _view_packed_storage(load)
+    keep_present_layer_classes(load.model)  # FSDP's transformer wrap refuses a listed class the model lacks
     _quantize_experts(load)
     disable_cpu_repack_in_model(load.model)
     freeze_for_kbit_training(load.model, gradient_checkpointing)
