@@ -19,18 +19,22 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import CONFIGS, _fork_cmd, _run, check, free_port
-from tiny_multimodal import COMPOSITE, PROCESSORS, build_multimodal, build_processor, build_tokenizer
+from tiny_multimodal import COMPOSITE, FAMILIES, PROCESSORS, build_multimodal, build_processor, build_tokenizer
 
 pytestmark = pytest.mark.distributed
 
 # (family, route): the text route for every family, the image route where a tiny processor is built here
-JOBS = [("gemma3", "text"), ("gemma3", "image")]
+# (family, route). "text": trl's sft.py, which loads the processor saved beside the model; the processors of Gemma 4,
+# Qwen3.5 and Llama 4 need torchvision (not installed here), so their text rows go through trl's SFTTrainer with the
+# tokenizer ("tokenizer"). "image": SFTTrainer with the processor on image-text rows (Gemma 3; Mllama's tiny tiling
+# setup here does not yet match its vision config: not run).
+JOBS = [*((f, "text" if f in PROCESSORS else "tokenizer") for f in FAMILIES), ("gemma3", "image")]
 
 
 def _text_data(folder: Path, rows: int = 16) -> Path:
     rng = random.Random(5)
     folder.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"text": " ".join(f"t{rng.randrange(6, 500)}" for _ in range(rng.randint(4, 12)))})
+    lines = [json.dumps({"text": " ".join(f"t{rng.randrange(8, 500)}" for _ in range(rng.randint(4, 12)))})
              for _ in range(rows)]  # fmt: skip
     (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
     return folder
@@ -51,10 +55,19 @@ def records(tmp_path_factory):
     return {job: torch.load(out / f"{job[0]}_{job[1]}" / "record_rank0.pt", weights_only=False) for job in JOBS}
 
 
+# trl 1.16's SFTTrainer always adds its fused LM head, which reads the backbone's `last_hidden_state`; the backbone
+# of Llama4ForConditionalGeneration is `language_model`, a whole Llama4ForCausalLM, whose output has none.
+UPSTREAM = {("llama4", "tokenizer"): "'Llama4CausalLMOutputWithPast' object has no attribute 'last_hidden_state'"}
+
+
 @pytest.mark.parametrize("job", JOBS, ids=[f"{f}-{r}" for f, r in JOBS])
 def test_trains_with_16bit_frozen_towers_sharded_in_their_own_units(records, job):
     family, route = job
     rec = records[job]
+    if job in UPSTREAM:
+        assert UPSTREAM[job] in rec.get("error", ""), rec.get("error")  # still broken upstream: see UPSTREAM
+        pytest.xfail(f"trl 1.16 SFTTrainer on {COMPOSITE[family]}: {UPSTREAM[job]}")
+    assert "error" not in rec, rec.get("error")
     assert rec["distributed_type"] == "DistributedType.FSDP" and rec["version"] == 2
     assert rec["engagement"]["fsdp2_modules"] > 0 and rec["engagement"]["dtensor_params"] > 0, rec["engagement"]
     assert rec["class"] == COMPOSITE[family] and rec["towers"], rec
@@ -66,5 +79,9 @@ def test_trains_with_16bit_frozen_towers_sharded_in_their_own_units(records, job
     assert rec["steps"] == 2
     if route == "image":
         assert "pixel_values" in rec["batch_keys"], rec["batch_keys"]
+    # Mllama's layer 1 is a cross-attention layer: text rows skip it (no image states), so its LoRA has no gradient
+    idle = ".language_model.layers.1." if (family, route) == ("mllama", "text") else None
     moved = {n: not torch.equal(rec["init"][n], rec["final"][n]) for n in rec["init"] if "lora_B" in n}
+    assert idle is None or not any(m for n, m in moved.items() if idle in n)
+    moved = {n: m for n, m in moved.items() if idle is None or idle not in n}
     assert moved and all(moved.values()), [n for n, m in moved.items() if not m]

@@ -47,7 +47,8 @@ def _mllama():
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
               "num_attention_heads": 2, "image_size": 32, "patch_size": 16, "vision_output_dim": 64,
               "intermediate_layers_indices": [0]}  # fmt: skip
-    return MllamaConfig(text_config={**TEXT, "cross_attention_layers": [1]}, vision_config=vision)
+    return MllamaConfig(text_config={**TEXT, "cross_attention_layers": [1]}, vision_config=vision,
+                        image_token_index=MLLAMA_IMAGE_TOKEN)  # fmt: skip
 
 
 def _qwen_vision():
@@ -113,19 +114,24 @@ def build_multimodal(path: str | Path, family: str, dtype=torch.float32, seed: i
     return path
 
 
-def build_tokenizer(path: str | Path | None = None):
-    """A word-level tokenizer over t6..t511 with <pad>=0, <eos>=1, <unk>=2 and the image-text families' specials
-    <boi>=3, <eoi>=4, <image>=5 (saved at `path` when given)."""
+# the special tokens of every family's processor (ids 3..), then words t{id}
+SPECIALS = ["<boi>", "<eoi>", "<image>", "<|image|>", "<|python_tag|>"]
+MLLAMA_IMAGE_TOKEN = 3 + SPECIALS.index("<|image|>")
+
+
+def build_tokenizer(path: str | Path | None = None, **extra):
+    """A word-level tokenizer over t8..t511 with <pad>=0, <eos>=1, <unk>=2 and the image-text families' specials
+    (<boi>=3, <eoi>=4, <image>=5, <|image|>=6, ...; `extra`: more named special tokens), saved at `path` if given."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    specials = {"<boi>": BOI_TOKEN, "<eoi>": EOI_TOKEN, "<image>": IMAGE_TOKEN}
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **specials, **{f"t{i}": i for i in range(6, TEXT["vocab_size"])}}
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{name: 3 + i for i, name in enumerate(SPECIALS)}}
+    vocab.update({f"t{i}": i for i in range(len(vocab), TEXT["vocab_size"])})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<eos>", unk_token="<unk>",
-        extra_special_tokens={"boi_token": "<boi>", "eoi_token": "<eoi>", "image_token": "<image>"},
+        extra_special_tokens={"boi_token": "<boi>", "eoi_token": "<eoi>", "image_token": "<image>", **extra},
     )  # fmt: skip
     if path is not None:
         tokenizer.save_pretrained(path)
@@ -139,13 +145,23 @@ def _gemma3_processor(tokenizer):
     return Gemma3Processor(image_processor=image, tokenizer=tokenizer, image_seq_length=4), "<boi>"
 
 
-PROCESSORS = {"gemma3": _gemma3_processor}
+def _mllama_processor(tokenizer):
+    from transformers import MllamaImageProcessor, MllamaProcessor
+
+    image = MllamaImageProcessor(size={"height": 32, "width": 32}, max_image_tiles=1)
+    return MllamaProcessor(image_processor=image, tokenizer=tokenizer), "<|image|>"
+
+
+# The others' processors (Gemma 4, Qwen3.5, Llama 4) need torchvision (their video or image processors), which the
+# CPU test environment does not install.
+PROCESSORS = {"gemma3": _gemma3_processor, "mllama": _mllama_processor}
 
 
 def build_processor(model_path: str | Path, family: str) -> Path:
     """`family`'s processor over the tiny tokenizer, saved beside the model (as released checkpoints ship it) with
     ``image_prefix.txt``: the text that stands for one image in a row (the processor expands it to its tokens)."""
-    processor, prefix = PROCESSORS[family](build_tokenizer())
+    tokenizer = build_tokenizer(image_token="<|image|>") if family == "mllama" else build_tokenizer()
+    processor, prefix = PROCESSORS[family](tokenizer)
     path = Path(model_path)
     processor.save_pretrained(path)
     (path / "image_prefix.txt").write_text(prefix + "\n")
