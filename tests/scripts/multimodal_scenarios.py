@@ -184,7 +184,7 @@ def main() -> None:
             try:
                 ROUTES[route](models / family, text, run_out)
             except Exception as err:  # noqa: BLE001 - recorded for the test (an upstream break, named there)
-                rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+                rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
                 run_out.mkdir(parents=True, exist_ok=True)
                 torch.save({"error": f"{type(err).__name__}: {err}"}, run_out / f"record_rank{rank}.pt")
                 if dist.is_initialized():
