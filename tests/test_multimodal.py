@@ -124,3 +124,33 @@ def test_image_text_class_trains_the_language_model_on_an_image(checkpoints):
     out.loss.backward()
     grads = {n for n, p in model.named_parameters() if p.grad is not None}
     assert grads and all("lora_" in n and "language_model" in n for n in grads), sorted(grads)[:5]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
+def test_doctor_plans_the_towers_16bit(checkpoints, family):
+    """The doctor's plan (from config.json alone, on the meta device) counts the towers 16-bit: their linear layers
+    neither quantized nor LoRA targets, their parameters in the plan's totals; the language model's layers only in
+    the per-layer counts. Oracle: the loaded model."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForImageTextToText
+
+    from hf_fsdp_qlora.doctor import FsdpSettings, RunSetup, model_shape, plan_memory
+
+    path = checkpoints(family)
+    # Qwen3.5's default class is text-only: its plan sees the image-text class when the config has no causal-LM class
+    shape = model_shape(path)
+    model = _load(path, family, image_text=True) if family == "qwen3_5" else _load(path, family, False)
+    if family == "qwen3_5":
+        assert shape.towers == []  # AutoModelForCausalLM's class: Qwen3_5ForCausalLM, no towers
+        shape = model_shape(AutoModelForImageTextToText.from_config(model.config))
+    towers = shape.towers
+    assert towers and towers == [t for t in towers if model.get_submodule(t) is not None]
+    real = sum(p.numel() for n, p in model.named_parameters() if _in(n, towers))
+    assert shape.tower_params == real
+    in_towers = [lin for lin in shape.linears if _in(lin.name, towers)]
+    assert in_towers and not [lin for lin in in_towers if lin.quantized or lin.lora or lin.layer is not None]
+    quantized = {lin.name for lin in shape.linears if lin.quantized and lin.name != "lm_head"}
+    loaded = {n.removesuffix(".base_layer") for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert quantized == loaded
+    plan = plan_memory(shape, RunSetup(model=str(path), quantization="4bit", fsdp=FsdpSettings(version=2)))
+    assert plan.parameters["towers"] == real and plan.parameters["towers_bytes"] == 2 * real
