@@ -154,3 +154,40 @@ def test_doctor_plans_the_towers_16bit(checkpoints, family):
     assert quantized == loaded
     plan = plan_memory(shape, RunSetup(model=str(path), quantization="4bit", fsdp=FsdpSettings(version=2)))
     assert plan.parameters["towers"] == real and plan.parameters["towers_bytes"] == 2 * real
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5", "mllama"])
+def test_merged_checkpoint_reloads_in_its_class_with_towers_byte_identical(checkpoints, family, tmp_path):
+    """An adapter trained with ``load_qlora_model`` on the image-text class (4-bit language model, 16-bit towers),
+    merged by ``merge-adapters`` onto the 16-bit checkpoint: the original class loads the result, every tower tensor
+    is byte-identical to the checkpoint's, and the language model equals peft's own merge on the float base."""
+    import transformers
+    from peft import PeftModel
+    from tiny_models import sgd_step
+
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.merge import merge_adapters
+
+    path = checkpoints(family)
+    from transformers import AutoModelForImageTextToText
+
+    model = load_qlora_model(path, model_class=AutoModelForImageTextToText, dtype=torch.float32)
+    sgd_step(model, torch.tensor([[1, 10, 11, 12, 13, 14, 15]]))
+    model.save_pretrained(tmp_path / "adapter")
+    out = merge_adapters(path, tmp_path / "adapter", tmp_path / "merged", progress=False)
+
+    cls = getattr(transformers, COMPOSITE[family])
+    oracle = PeftModel.from_pretrained(cls.from_pretrained(path, dtype=torch.float32), str(tmp_path / "adapter"))
+    oracle = oracle.merge_and_unload().state_dict()
+    merged = cls.from_pretrained(out, dtype=torch.float32)
+    assert type(merged).__name__ == COMPOSITE[family]
+    merged = merged.state_dict()
+    assert merged.keys() == oracle.keys()
+    for key, value in oracle.items():
+        torch.testing.assert_close(merged[key], value, rtol=0, atol=1e-6, msg=key)
+    before, after = _saved(path), _saved(out)
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("language_model" in k for k in changed), sorted(changed)
+    towers = [k for k in before if any(t in k for t in ("vision", "visual", "multi_modal_projector"))]
+    assert towers and all(torch.equal(before[k], after[k]) for k in towers)
