@@ -4,7 +4,7 @@ launch:
     accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run multimodal_scenarios.py OUT PORTS JOBS MODELS TEXT
 
 JOBS: comma-separated ``FAMILY:ROUTE``. ROUTE ``tokenizer``: as ``text`` through trl's ``SFTTrainer`` with the
-tokenizer (for families whose processor needs torchvision). ROUTE ``text``: trl's own ``sft.py`` (from the installed trl, unchanged) with
+tokenizer (for families whose processor needs torchvision). ``ROUTE-fsdp1``: that run under FSDP1. ROUTE ``text``: trl's own ``sft.py`` (from the installed trl, unchanged) with
 ``--use_peft --load_in_4bit --lora_target_modules all-linear`` on MODELS/FAMILY and the JSONL text data in TEXT.
 ROUTE ``image``: trl's ``SFTTrainer`` given the model path, a 4-bit ``BitsAndBytesConfig``, LoRA all-linear and the
 model's processor (saved beside it), on tiny random images made here with PIL. Each run meets on its own port
@@ -35,6 +35,7 @@ def _tower_facts(model) -> dict:
     """The towers of the (wrapped) model: their 4-bit layers, dtypes, trainable tensors, LoRA and FSDP units."""
     import bitsandbytes as bnb
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from hf_fsdp_qlora.towers import tower_modules
 
@@ -45,6 +46,8 @@ def _tower_facts(model) -> dict:
 
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
+    units = {n: type(m.module if isinstance(m, FSDP) else m).__name__ for n, m in modules.items()
+             if isinstance(m, (FSDP, FSDPModule))}  # fmt: skip
     return {
         "towers": towers,
         "tower_4bit": [n for n, m in modules.items() if inside(n) and isinstance(m, bnb.nn.Linear4bit)],
@@ -52,10 +55,8 @@ def _tower_facts(model) -> dict:
         "tower_params": sum(p.numel() for n, p in params.items() if inside(n)),
         "tower_trainable": [n for n, p in params.items() if inside(n) and p.requires_grad],
         "tower_lora": [n for n in modules if inside(n) and n.endswith("lora_A")],
-        "tower_units": sorted(
-            {type(m).__name__ for n, m in modules.items() if inside(n) and isinstance(m, FSDPModule)}
-        ),
-        "units": sorted({type(m).__name__ for m in modules.values() if isinstance(m, FSDPModule)}),
+        "tower_units": sorted({kind for n, kind in units.items() if inside(n)}),
+        "units": sorted(set(units.values())),
         "language_4bit": sum(isinstance(m, bnb.nn.Linear4bit) for n, m in modules.items() if not inside(n)),
         "class": type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__,
     }
@@ -176,10 +177,13 @@ def main() -> None:
     models, text = Path(sys.argv[4]), Path(sys.argv[5])
     for job, port in zip(jobs, ports, strict=True):
         family, route = job.split(":")
+        # "ROUTE-fsdp1": this run under FSDP1 (accelerate's plugin reads FSDP_VERSION when the trainer builds it)
+        route, _, fsdp1 = route.partition("-fsdp")
+        os.environ["FSDP_VERSION"] = fsdp1 or "2"
         torch.manual_seed(0)
         # each run meets on a port of its own (a rank still leaving the old group must not meet the new one)
         os.environ["MASTER_PORT"] = port
-        run_out = out / f"{family}_{route}"
+        run_out = out / job.replace(":", "_")
         with recording(run_out):
             try:
                 ROUTES[route](models / family, text, run_out)
