@@ -191,3 +191,57 @@ def test_merged_checkpoint_reloads_in_its_class_with_towers_byte_identical(check
     assert changed and all("language_model" in k for k in changed), sorted(changed)
     towers = [k for k in before if any(t in k for t in ("vision", "visual", "multi_modal_projector"))]
     assert towers and all(torch.equal(before[k], after[k]) for k in towers)
+
+
+def test_qwen3_5_moe_image_text_class_has_4bit_experts(checkpoints):
+    """The experts stream follows AutoModelForCausalLM's module names; the image-text class nests them under
+    ``language_model``, so its experts are quantized after the load instead: 4-bit either way."""
+    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+
+    for image_text in (False, True):
+        model = _load(checkpoints("qwen3_5_moe"), "qwen3_5_moe", image_text)
+        experts = [n for n, m in model.named_modules() if isinstance(m, QuantizedExperts)]
+        assert experts and all("language_model" in n for n in experts) == image_text, experts
+
+
+def test_script_loads_keep_the_towers_16bit(checkpoints):
+    """``-m hf_fsdp_qlora.run``'s from_pretrained hook (hf_fsdp_qlora/loading/_script_towers.py): a 4-bit load of an
+    image-text class adds its towers to transformers' own skip list (which a given list would replace); a caller's
+    own list keeps its entries; a load without quantization or without towers is passed through unchanged."""
+    import transformers
+    from transformers import BitsAndBytesConfig
+
+    from hf_fsdp_qlora.loading._script_towers import _with_towers_kept
+
+    path = checkpoints("gemma3")
+    cls = transformers.Gemma3ForConditionalGeneration
+    kwargs = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True), "dtype": "bfloat16"}
+    kept = _with_towers_kept(cls, path, kwargs)["quantization_config"].llm_int8_skip_modules
+    assert "lm_head" in kept and {"model.vision_tower", "model.multi_modal_projector"} <= set(kept), kept
+    assert kwargs["quantization_config"].llm_int8_skip_modules is None  # the caller's config is not changed
+    given = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["lm_head", "fc"])}
+    kept = _with_towers_kept(cls, path, given)["quantization_config"].llm_int8_skip_modules
+    assert kept == ["lm_head", "fc", "model.vision_tower", "model.multi_modal_projector"]
+    plain = {"dtype": "bfloat16"}
+    assert _with_towers_kept(cls, path, plain) is plain
+
+
+def test_lora_targets_left_to_peft_leave_the_towers_out(checkpoints):
+    """``target_modules=None`` (peft's per-family default list, as trl's sft.py passes without
+    ``--lora_target_modules``) and ``lora_on_towers``: the towers out, unless asked."""
+    import transformers
+    from peft import LoraConfig
+
+    from hf_fsdp_qlora.towers import lora_config_for_towers
+
+    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(checkpoints("gemma3"))
+    config = LoraConfig(target_modules=None)
+    limited = lora_config_for_towers(model, config)
+    assert limited is not config and limited.exclude_modules
+    import re
+
+    assert re.fullmatch(limited.exclude_modules, "model.vision_tower.encoder.layers.0.self_attn.q_proj")
+    assert not re.fullmatch(limited.exclude_modules, "model.language_model.layers.0.self_attn.q_proj")
+    assert lora_config_for_towers(model, config, lora_on_towers=True) is config
+    regex = LoraConfig(target_modules=r".*vision_tower.*q_proj")
+    assert lora_config_for_towers(model, regex) is regex  # a regex is the caller's exact choice
