@@ -26,12 +26,11 @@ pytestmark = pytest.mark.distributed
 # (family, route): the text route for every family, the image route where a tiny processor is built here
 # (family, route). "text": trl's sft.py, which loads the processor saved beside the model; the processors of Gemma 4,
 # Qwen3.5 and Llama 4 need torchvision (not installed here), so their text rows go through trl's SFTTrainer with the
-# tokenizer ("tokenizer"). "image": SFTTrainer with the processor on image-text rows (Gemma 3; Mllama's tiny tiling
-# setup here does not yet match its vision config: not run).
+# tokenizer ("tokenizer"). "image": SFTTrainer with the processor on image-text rows (Gemma 3, Mllama).
 # "text-fsdp1": Gemma 3's text run again under FSDP1.
 JOBS = [
     *((f, "text" if f in PROCESSORS else "tokenizer") for f in FAMILIES),
-    ("gemma3", "image"),
+    *((f, "image") for f in PROCESSORS),
     ("gemma3", "text-fsdp1"),
 ]
 

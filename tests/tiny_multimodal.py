@@ -110,6 +110,10 @@ def build_multimodal(path: str | Path, family: str, dtype=torch.float32, seed: i
     path = Path(path)
     torch.manual_seed(seed)
     model = getattr(transformers, COMPOSITE[family])(multimodal_config(family)).to(dtype)
+    with torch.no_grad():  # Mllama's cross-attention gates start at 0 (tanh(0): no image signal, no gradient there)
+        for name, param in model.named_parameters():
+            if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
+                param.fill_(0.5)
     model.save_pretrained(path)
     return path
 
@@ -148,7 +152,7 @@ def _gemma3_processor(tokenizer):
 def _mllama_processor(tokenizer):
     from transformers import MllamaImageProcessor, MllamaProcessor
 
-    image = MllamaImageProcessor(size={"height": 32, "width": 32}, max_image_tiles=1)
+    image = MllamaImageProcessor(size={"height": 32, "width": 32})  # 4 tiles, as the vision config
     return MllamaProcessor(image_processor=image, tokenizer=tokenizer), "<|image|>"
 
 
