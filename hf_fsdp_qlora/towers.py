@@ -46,10 +46,12 @@ def tower_modules(model: nn.Module) -> list[str]:
     parent_name = language_model.rpartition(".")[0]
     parent = model.get_submodule(parent_name) if parent_name else model
     prefix = f"{parent_name}." if parent_name else ""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None  # beside the language model in some classes: not a tower
     return [
         f"{prefix}{child}"
         for child, module in parent.named_children()
-        if f"{prefix}{child}" != language_model and any(True for _ in module.parameters())
+        if f"{prefix}{child}" != language_model and module is not head and any(True for _ in module.parameters())
     ]
 
 
