@@ -68,6 +68,8 @@ def test_towers_stay_16bit_frozen_and_without_lora(checkpoints, family, image_te
     assert type(model).__name__ == (COMPOSITE if image_text else TEXT_ONLY)[family]
     towers = tower_modules(model)
     assert bool(towers) == (type(model).__name__ == COMPOSITE[family]), towers
+    if family == "gemma4" and towers:  # vision and audio
+        assert {"model.vision_tower", "model.audio_tower", "model.embed_audio"} <= set(towers), towers
     params = dict(model.named_parameters())
     tower_params = {n: p for n, p in params.items() if _in(n, towers)}
     assert bool(tower_params) == bool(towers)

@@ -87,6 +87,8 @@ def test_trains_with_16bit_frozen_towers_sharded_in_their_own_units(records, job
     assert rec["tower_dtypes"] == ["torch.bfloat16"] and rec["tower_params"] > 0
     # the towers' blocks are FSDP units of their own (FSDP2: "FSDP" + class; FSDP1: the wrapped class)
     assert any(kind.endswith(TOWER_BLOCK[family]) for kind in rec["tower_units"]), rec["tower_units"]
+    if family == "gemma4":  # its audio tower's layers too
+        assert any(kind.endswith("Gemma4AudioLayer") for kind in rec["tower_units"]), rec["tower_units"]
     print(f"{family} {route}: units {rec['units']}, tower units {rec['tower_units']}, towers {rec['towers']}")
     assert rec["language_4bit"] > 0
     assert rec["steps"] == 2

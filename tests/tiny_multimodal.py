@@ -37,8 +37,12 @@ def _gemma4():
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
               "num_key_value_heads": 2, "head_dim": 16, "patch_size": 8, "position_embedding_size": 64,
               "pooling_kernel_size": 2}  # fmt: skip
-    return Gemma4Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, boi_token_id=BOI_TOKEN,
-                        eoi_token_id=EOI_TOKEN)  # fmt: skip
+    audio = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "subsampling_conv_channels": [8, 4],
+             "output_proj_dims": 32, "attention_chunk_size": 4, "attention_context_left": 5}  # fmt: skip
+    # a vision and an audio tower, as the released Gemma 4 (E2B/E4B)
+    return Gemma4Config(text_config=text, vision_config=vision, audio_config=audio, image_token_id=IMAGE_TOKEN,
+                        boi_token_id=BOI_TOKEN, eoi_token_id=EOI_TOKEN, audio_token_id=7, boa_token_id=BOI_TOKEN,
+                        eoa_token_index=EOI_TOKEN)  # fmt: skip
 
 
 def _mllama():
