@@ -299,7 +299,8 @@ def _skips(load: _Load) -> dict:
     skip = (*load.skip_modules, *(m for m in own if m not in load.skip_modules))
     if not skip:
         return {}
-    return {"llm_int8_skip_modules": modules_kept_16bit(load.config, skip, load.dtype, model=meta)}
+    kept = modules_kept_16bit(load.config, skip, load.dtype, load.trust_remote_code, model=meta)
+    return {"llm_int8_skip_modules": kept}
 
 
 def _place_experts(load: _Load) -> None:
