@@ -293,7 +293,8 @@ def _decide_quantization(load: _Load) -> None:
 
 def _skips(load: _Load) -> dict:
     """``llm_int8_skip_modules`` (used by 4-bit and 8-bit loading alike) for the caller's `skip_modules` and the
-    family's own (layers its forward reads as a weight: family_targets.py), or nothing."""
+    family's own (layers its forward reads as a weight: family_targets.py; a multimodal model's towers and projectors:
+    hf_fsdp_qlora.towers), or nothing."""
     meta, towers = towers_of(load.config, load.model_class, load.dtype, load.trust_remote_code)
     own = (*family_skip_modules(load.config), *towers)  # towers: 16-bit, hf_fsdp_qlora.towers
     skip = (*load.skip_modules, *(m for m in own if m not in load.skip_modules))
