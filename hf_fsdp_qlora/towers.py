@@ -34,6 +34,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+# a sub-config whose name says it configures a non-text encoder
+MEDIA = re.compile(r"vision|visual|image|audio|speech")
 
 
 def tower_modules(model: nn.Module) -> list[str]:
@@ -41,7 +43,7 @@ def tower_modules(model: nn.Module) -> list[str]:
     ``language_model``. Empty for a model without one."""
     names = [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "language_model"]
     if not names:
-        return []
+        return _nested_towers(model)
     language_model = min(names, key=lambda n: n.count("."))
     parent_name = language_model.rpartition(".")[0]
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -53,6 +55,59 @@ def tower_modules(model: nn.Module) -> list[str]:
         for child, module in parent.named_children()
         if f"{prefix}{child}" != language_model and module is not head and any(True for _ in module.parameters())
     ]
+
+
+def _nested_towers(model: nn.Module) -> list[str]:
+    """Towers of a class without a ``language_model`` module (Phi-4-multimodal, GIT): every sub-model built from one of
+    the root's vision/audio sub-configs (``vision_config``, ``audio_config``), widened to its highest ancestor that holds
+    neither the input embeddings nor the decoder layers (Phi-4's ``embed_tokens_extend``: the image and audio
+    encoders with their projections, which text never reaches)."""
+    from transformers import PreTrainedModel
+
+    media = _media_config_types(getattr(model, "config", None))
+    found = [
+        name
+        for name, module in model.named_modules()
+        if name and isinstance(module, PreTrainedModel) and type(getattr(module, "config", None)) in media
+    ]
+    if not found:
+        return []
+    text_modules = _text_path_modules(model)
+    towers = {_widest_text_free(model, name, text_modules) for name in found}
+    return sorted(t for t in towers if not any(t.startswith(f"{other}.") for other in towers))
+
+
+def _media_config_types(config) -> set[type]:
+    """The classes of `config`'s vision/audio sub-configs (``vision_config``, ``audio_config``, ...). Other
+    sub-configs (BLT's byte encoder and decoder, an encoder-decoder's halves) are text: never towers."""
+    if config is None:
+        return set()
+    return {
+        type(value)
+        for key, value in vars(config).items()
+        if key.endswith("_config") and MEDIA.search(key) and hasattr(value, "to_dict")
+    }
+
+
+def _text_path_modules(model: nn.Module) -> set[int]:
+    """ids of the modules text flows through: the input embeddings and the base model's decoder layers."""
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    layers = getattr(getattr(model, "base_model", model), "layers", None)
+    return {id(m) for m in (embeddings, layers) if m is not None}
+
+
+def _widest_text_free(model: nn.Module, name: str, text_modules: set[int]) -> str:
+    """`name`, or its highest ancestor below the root none of whose submodules is on the text path."""
+    best = name
+    parts = name.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        ancestor = ".".join(parts[:depth])
+        module = model.get_submodule(ancestor)
+        if module is getattr(model, "base_model", None) or any(id(m) in text_modules for m in module.modules()):
+            break
+        best = ancestor
+    return best
 
 
 def keep_present_layer_classes(model: nn.Module) -> list[str]:

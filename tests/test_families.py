@@ -21,7 +21,6 @@ PENDING_FIX: dict[str, str] = {}
 
 # Failures of families the size rules build since issue 48 (they were "not built" before), as strict xfails with
 # the error: each is in the loader or merge code, not in the sweep, and passes (XPASS: remove it here) once fixed.
-_TOWER = "text-only training leaves the LoRA of its vision/audio tower without gradient: all-linear reaches the towers"
 _INDEXER = (
     "all-linear puts LoRA on the sparse-attention indexer (wq_b, wk, weights_proj), whose output only "
     "selects tokens (top-k): those adapters never get a gradient"
@@ -31,8 +30,6 @@ _INPLACE = (
     "in place: 'a leaf Variable that requires grad is being used in an in-place operation'"
 )
 OTHER_FAILURES: dict[str, str] = {
-    "gemma3": _TOWER, "fuyu": _TOWER, "got_ocr2": _TOWER, "moss_transcribe_diarize": _TOWER,
-    "phi4_multimodal": _TOWER,
     "deepseek_v32": _INDEXER, "glm_moe_dsa": _INDEXER,
     "blt": _INPLACE, "git": _INPLACE,
     "gemma3n_text": "its AltUp correction_coefs is an nn.Linear quantized to 4 bits whose .weight the training "

@@ -247,3 +247,24 @@ def test_lora_targets_left_to_peft_leave_the_towers_out(checkpoints):
     assert lora_config_for_towers(model, config, lora_on_towers=True) is config
     regex = LoraConfig(target_modules=r".*vision_tower.*q_proj")
     assert lora_config_for_towers(model, regex) is regex  # a regex is the caller's exact choice
+
+
+@pytest.mark.parametrize(
+    "family, towers",
+    [
+        ("phi4_multimodal", ["model.embed_tokens_extend"]),  # image and audio encoders with their projections
+        ("git", ["git.image_encoder"]),
+        ("blt", []),  # its byte encoder/decoder sub-models have their own configs, but are text
+    ],
+)
+def test_towers_of_classes_without_a_language_model(family, towers):
+    """Classes without a ``language_model`` module: the sub-models built from a vision/audio sub-config are the
+    towers, widened to the highest ancestor text never reaches (Phi-4-multimodal's ``embed_tokens_extend``)."""
+    from family_build import tiny_config
+
+    from hf_fsdp_qlora.towers import auto_class_for, tower_modules
+
+    config = tiny_config(family)
+    with torch.device("meta"):
+        model = auto_class_for(config).from_config(config)
+    assert tower_modules(model) == towers
