@@ -37,6 +37,7 @@ _SECONDS = {
     "test_options.py": 130,
     "test_precision_trl.py": 40, "test_peft_recipe.py": 15,
     "test_sequence_parallel.py": 45, "test_adapter_dtype_benchmark.py": 5,
+    "test_gguf.py": 50,
 }  # fmt: skip
 
 
