@@ -28,7 +28,8 @@ def fetch_sdist() -> tuple[Path | None, str]:
     :all:` would build those from source too, minutes more)."""
     if SDIST.is_file():
         return SDIST, ""
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "llama-cpp-python"]
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--timeout", "60", "--retries", "2", "--no-deps"]
+    cmd += ["--no-binary", "llama-cpp-python"]
     cmd += [f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(CACHE)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)

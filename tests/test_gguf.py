@@ -219,6 +219,6 @@ def test_families_llama_cpp_computes_differently_are_named():
 def test_converter_failures_are_explained():
     bpe = "...\nNotImplementedError: BPE pre-tokenizer was not recognized - update get_vocab_base_pre()\n"
     err = _gguf_checks.converter_error("convert_hf_to_gguf.py", 1, bpe, Path("m"))
-    assert isinstance(err, MergeUsageError) and "pre-tokenizer" in str(err) and "newer llama.cpp" in str(err)
+    assert isinstance(err, MergeUsageError) and "BPE tokenizer" in str(err) and "newer llama.cpp" in str(err)
     err = _gguf_checks.converter_error("convert_hf_to_gguf.py", 1, "Traceback\nKeyError: 'x'\n", Path("m"))
     assert type(err) is MergeError and "exit status 1" in str(err) and "KeyError: 'x'" in str(err)

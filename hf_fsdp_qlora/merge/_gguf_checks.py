@@ -99,9 +99,9 @@ _KNOWN_FAILURES = (
     (
         "BPE pre-tokenizer was not recognized",
         (
-            "this tokenizer's pre-tokenizer is not in this llama.cpp's list (convert_hf_to_gguf.py knows tokenizers "
-            "by a hash): use a newer llama.cpp checkout, which may know it, or a base with a sentencepiece "
-            "tokenizer.model"
+            "llama.cpp knows a BPE tokenizer by a hash of how it splits a test text, and this tokenizer's is not "
+            "in this llama.cpp's list (a tokenizer of a family it has not seen, or one built for this model). A newer "
+            "llama.cpp checkout may know it: pass it as `llama_cpp`"
         ),
     ),
     ("cannot find tokenizer merges", "llama.cpp reads only sentencepiece and BPE tokenizers (this one has no merges)"),
