@@ -77,7 +77,9 @@ def unpack_llama_cpp(sdist: str | Path, dest: str | Path) -> Path:
                     f"{sdist} holds no vendor/llama.cpp/{_SCRIPTS[0]}: it is not a llama-cpp-python sdist. "
                     f"Get one with {SDIST_HINT}"
                 )
-            tar.extractall(dest, members=members, filter="data")
+            # The "data" filter (no links out, no devices) where this Python has it (3.10.12+, 3.11.4+).
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(dest, members=members, **safe)
     except (tarfile.TarError, EOFError) as err:
         raise MergeUsageError(
             f"cannot read {sdist} as a .tar.gz ({err}): download it again with {SDIST_HINT}"

@@ -18,6 +18,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not ins
 
 from gguf_fixtures import ALL_PROJECTIONS, build_sp_model, fetch_sdist, trained_adapter
 
+from hf_fsdp_qlora.errors import MergeUsageError
 from hf_fsdp_qlora.merge.gguf import export_gguf, unpack_llama_cpp
 from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
@@ -28,6 +29,7 @@ NEW_TOKENS = 16
 MODELS = {
     "llama": ("llama", {}, {"target_modules": ALL_PROJECTIONS}),
     "mixtral": ("mixtral", {}, {"target_modules": ["q_proj", "v_proj"], "target_parameters": EXPERTS}),
+    "mixtral_attention": ("mixtral", {}, {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
 }
 FIGURES = {}
 
@@ -111,13 +113,23 @@ def test_merged_gguf_generates_as_transformers(converter, built, tmp_path, name)
     assert hf[0] != hf_greedy(base)[0], "the adapter did not change the tokens: the check would not see a lost merge"
 
 
-def test_base_and_adapter_gguf_generate_as_peft(converter, built, tmp_path):
-    base, adapter, _ = built["llama"]
+@pytest.mark.parametrize("name", ["llama", "mixtral_attention"])
+def test_base_and_adapter_gguf_generate_as_peft(converter, built, tmp_path, name):
+    base, adapter, _ = built[name]
     base_gguf = export_gguf(base, tmp_path / "base.gguf", llama_cpp=converter).path
     lora_gguf = export_gguf(base, tmp_path / "lora.gguf", llama_cpp=converter, adapter=adapter).path
     hf_base, cpp_base = hf_greedy(base), cpp_greedy(base_gguf)
-    _record("llama base", hf_base, cpp_base)
+    _record(f"{name} base", hf_base, cpp_base)
     hf_lora, cpp_lora = hf_greedy(base, adapter), cpp_greedy(base_gguf, lora_gguf)
-    _record("llama base + LoRA GGUF", hf_lora, cpp_lora)
+    _record(f"{name} base + LoRA GGUF", hf_lora, cpp_lora)
     assert cpp_base[0] == hf_base[0] and cpp_lora[0] == hf_lora[0]
     assert hf_lora[0] != hf_base[0]
+
+
+def test_a_tokenizer_llama_cpp_does_not_know_is_explained(converter, tmp_path):
+    """Seen for real: Qwen-family converters read only BPE tokenizers llama.cpp knows by hash (a sentencepiece one
+    is not read), and the converter's refusal reaches the user as its cause."""
+    model = build_sp_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    with pytest.raises(MergeUsageError, match="BPE tokenizer by a hash") as err:
+        export_gguf(model, tmp_path / "q.gguf", llama_cpp=converter)
+    assert "BPE pre-tokenizer was not recognized" in str(err.value) and not (tmp_path / "q.gguf").exists()
