@@ -22,7 +22,7 @@ from tiny_models import build_tiny_model
 
 from hf_fsdp_qlora.cli.gguf import LLAMA_CPP_ENV
 from hf_fsdp_qlora.cli.main import main
-from hf_fsdp_qlora.errors import MergeError, MergeUsageError
+from hf_fsdp_qlora.errors import MergeError
 from hf_fsdp_qlora.merge import _gguf_checks
 from hf_fsdp_qlora.merge.gguf import export_gguf, unpack_llama_cpp
 from hf_fsdp_qlora.merge.pipeline import merge_adapters
@@ -209,16 +209,21 @@ def test_what_llama_cpp_cannot_convert_is_refused_by_name(models, tmp_path, caps
     assert (tmp_path / "x.gguf").read_text() == "old"
 
 
-def test_families_llama_cpp_computes_differently_are_named():
-    note = _gguf_checks.family_notes({"model_type": "qwen3_moe", "norm_topk_prob": False})
-    assert len(note) == 1 and "norm_topk_prob" in note[0] and "differ" in note[0]
+def test_families_llama_cpp_computes_differently_are_named(llama_cpp, tmp_path, capsys):
+    """Qwen3-MoE without norm_topk_prob is named before converting; here the converter then refuses the tokenizer
+    (Qwen converters read only BPE tokenizers llama.cpp knows by hash), and its refusal reaches the user as the cause."""
+    model = build_sp_model(tmp_path / "qwen3_moe", "qwen3_moe", norm_topk_prob=False)
+    capsys.readouterr()
+    argv = ["export-gguf", str(model), "--output", str(tmp_path / "q.gguf"), "--llama-cpp", str(llama_cpp)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "export-gguf: warning: Qwen3-MoE with norm_topk_prob=false" in err and "differ" in err, err
+    assert "BPE tokenizer by a hash" in err and "BPE pre-tokenizer was not recognized" in err, err
+    assert not (tmp_path / "q.gguf").exists() and not list(tmp_path.glob(".q.gguf*"))
     assert _gguf_checks.family_notes({"model_type": "qwen3_moe", "norm_topk_prob": True}) == []
     assert _gguf_checks.family_notes({"model_type": "mixtral"}) == []
 
 
 def test_converter_failures_are_explained():
-    bpe = "...\nNotImplementedError: BPE pre-tokenizer was not recognized - update get_vocab_base_pre()\n"
-    err = _gguf_checks.converter_error("convert_hf_to_gguf.py", 1, bpe, Path("m"))
-    assert isinstance(err, MergeUsageError) and "BPE tokenizer" in str(err) and "newer llama.cpp" in str(err)
     err = _gguf_checks.converter_error("convert_hf_to_gguf.py", 1, "Traceback\nKeyError: 'x'\n", Path("m"))
     assert type(err) is MergeError and "exit status 1" in str(err) and "KeyError: 'x'" in str(err)

@@ -84,8 +84,7 @@ tokenizer llama.cpp cannot convert).
             adapter_config=args.adapter_config,
             outtype=args.outtype,
             force=args.force,
+            on_note=lambda note: print(f"{self.prog}: warning: {note}", file=sys.stderr),
         )
-        for note in result.notes:
-            print(f"{self.prog}: warning: {note}", file=sys.stderr)
         print(f"GGUF {result.kind} written to {result.path}")
         return 0

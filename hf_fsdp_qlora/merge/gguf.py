@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,6 +105,7 @@ def export_gguf(
     adapter_config: str | Path | None = None,
     outtype: str = "f32",
     force: bool = False,
+    on_note: Callable[[str], None] | None = None,
 ) -> GgufExport:
     """Write a GGUF of `model` (a merged model folder), or with `adapter`, a GGUF LoRA adapter for `model` as its base.
 
@@ -115,6 +117,8 @@ def export_gguf(
         adapter_config: adapter_config.json for an FSDP sharded checkpoint saved without one.
         outtype: the converter's --outtype (f32 keeps the merged values exactly).
         force: replace an existing `output` file.
+        on_note: called with each note (a family llama.cpp computes differently) before converting, so that it is
+            seen even where the conversion then fails; the notes are also in the result.
 
     Raises:
         MergeUsageError: a bad path or option, a missing converter or package, or what llama.cpp cannot convert.
@@ -127,6 +131,8 @@ def export_gguf(
         )
     config = checks.read_model_config(model)
     notes = checks.family_notes(config)
+    for note in notes if on_note is not None else ():
+        on_note(note)
     _check_packages(model if adapter is None else None)
     with tempfile.TemporaryDirectory(prefix="gguf-") as tmp:
         # What llama.cpp cannot convert is refused before the converter is unpacked or run.

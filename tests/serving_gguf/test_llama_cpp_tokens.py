@@ -18,7 +18,6 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not ins
 
 from gguf_fixtures import ALL_PROJECTIONS, build_sp_model, fetch_sdist, trained_adapter
 
-from hf_fsdp_qlora.errors import MergeUsageError
 from hf_fsdp_qlora.merge.gguf import export_gguf, unpack_llama_cpp
 from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
@@ -124,12 +123,3 @@ def test_base_and_adapter_gguf_generate_as_peft(converter, built, tmp_path, name
     _record(f"{name} base + LoRA GGUF", hf_lora, cpp_lora)
     assert cpp_base[0] == hf_base[0] and cpp_lora[0] == hf_lora[0]
     assert hf_lora[0] != hf_base[0]
-
-
-def test_a_tokenizer_llama_cpp_does_not_know_is_explained(converter, tmp_path):
-    """Seen for real: Qwen-family converters read only BPE tokenizers llama.cpp knows by hash (a sentencepiece one
-    is not read), and the converter's refusal reaches the user as its cause."""
-    model = build_sp_model(tmp_path / "qwen3_moe", "qwen3_moe")
-    with pytest.raises(MergeUsageError, match="BPE tokenizer by a hash") as err:
-        export_gguf(model, tmp_path / "q.gguf", llama_cpp=converter)
-    assert "BPE pre-tokenizer was not recognized" in str(err.value) and not (tmp_path / "q.gguf").exists()
