@@ -17,7 +17,7 @@ __all__ = ["check_adapter", "check_model_folder", "converter_error", "family_not
 MERGE_FIRST = (
     "Merge first (`merge-adapters --base BASE --adapter ADAPTER --output MERGED`) and export the merged model"
 )
-# Adapter entries convert_lora_to_gguf.py cannot carry: it writes only lora_A/lora_B pairs of 2-D weights.
+# Adapter entries convert_lora_to_gguf.py cannot hold; it writes only lora_A/lora_B pairs of 2-D weights.
 _EMBEDDING = re.compile(r"\.(embed_tokens|lm_head|wte|word_embeddings)\.")
 
 
