@@ -62,13 +62,14 @@ def hf_greedy(model_dir, adapter=None):
 
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()
-    ids = torch.tensor([PROMPT])
+    ids, tokens = torch.tensor([PROMPT]), []
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, -1].numpy()
-        out = model.generate(
-            ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0
-        )
-    return out[0, len(PROMPT) :].tolist(), logits
+        # Greedy by hand, as for llama.cpp: generate() adds logits processors (min_new_tokens masks EOS).
+        for _ in range(NEW_TOKENS):
+            tokens.append(int(model(input_ids=ids).logits[0, -1].argmax()))
+            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
+    return tokens, logits
 
 
 def cpp_greedy(gguf, lora=None):
