@@ -8,7 +8,17 @@ PYTEST_ARGS ?=
 # import-bound start-ups and the single-process tests then overlap on a 2-core machine. PYTEST_WORKERS=0: serial.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test demo docs style quality gpu-check gpu-wheels test-floors test-slurm serving-env test-serving
+.PHONY: setup test demo docs style quality gpu-check gpu-wheels test-floors test-slurm serving-env test-serving test-gguf
+
+# llama.cpp's converters, for the GGUF tests (tests/test_gguf.py): the llama-cpp-python sdist carries them. Fetched
+# once into .llama-cpp/ (ignored); offline, the download fails here without failing setup and those tests skip.
+# --no-binary for this one package only: `:all:` would build its build dependencies (cmake) from source too.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_DIR := .llama-cpp
+LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz
+$(LLAMA_CPP_SDIST): | $(VENV)/.installed
+	-$(PY) -m pip download --quiet --timeout 60 --retries 2 --no-deps --no-binary llama-cpp-python \
+		llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(LLAMA_CPP_DIR)
 
 # On a GPU machine `make setup GPU=1` keeps the CUDA torch of $(PYTHON): the venv sees its packages, and everything
 # but torch is pinned as on CPU.
@@ -28,7 +38,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	touch $@
 endif
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(LLAMA_CPP_SDIST)
 
 # The main suite, then the floors job (which also runs the GPU check's dry run, at the versions a GPU machine has).
 test: setup
@@ -111,3 +121,22 @@ serving-env: $(SERVING)/.installed
 test-serving: setup serving-env
 	OMP_NUM_THREADS=1 HF_FSDP_QLORA_SERVING_PY=$(abspath $(SERVING))/bin/python $(PY) -m pytest -p no:cacheprovider \
 		-n 0 tests/serving $(PYTEST_ARGS)
+
+# Opt-in: llama.cpp itself runs the GGUFs export-gguf writes and gives the same greedy tokens as transformers/peft
+# (tests/serving_gguf/). llama-cpp-python has no wheel: built once from the sdist (~35 min on 2 cores, niced, one
+# compile job at a time so it doesn't starve others; LLAMA_CPP_JOBS=N for more) into a --target overlay put first
+# on PYTHONPATH, kept in .llama-cpp/ between runs.
+LLAMA_CPP_JOBS ?= 1
+LLAMA_CPP_SITE := $(LLAMA_CPP_DIR)/site-$(LLAMA_CPP_VERSION)
+$(LLAMA_CPP_SITE)/.installed: | $(VENV)/.installed $(LLAMA_CPP_SDIST)
+	ls $(LLAMA_CPP_DIR)/wheels/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		nice -n 19 env CMAKE_BUILD_PARALLEL_LEVEL=$(LLAMA_CPP_JOBS) $(PY) -m pip wheel --quiet --no-deps \
+		$(LLAMA_CPP_SDIST) -w $(LLAMA_CPP_DIR)/wheels
+	rm -rf $(LLAMA_CPP_SITE)
+	$(PY) -m pip install --quiet --no-deps --no-compile --target $(LLAMA_CPP_SITE) \
+		$(LLAMA_CPP_DIR)/wheels/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl diskcache==5.6.3
+	touch $@
+
+test-gguf: setup $(LLAMA_CPP_SITE)/.installed
+	OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(LLAMA_CPP_SITE)) $(PY) -m pytest -p no:cacheprovider -n 0 -s \
+		tests/serving_gguf

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, finish_distributed, load_qlora_model
 from hf_fsdp_qlora.data import CompletionOnlyCollator, padding_waste, tokenize_completion_only
-from hf_fsdp_qlora.training_config import held_out_rows, parse_with_config
+from hf_fsdp_qlora.train.training_config import held_out_rows, parse_with_config
 
 TEMPLATE = (
     "Task: Check if there is unsafe content in 'User' messages in conversations according to our safety "

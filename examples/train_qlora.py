@@ -26,7 +26,7 @@ from pathlib import Path
 # Import before TrainingArguments: on a CPU-only machine this lets accelerate run real FSDP.
 from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, finish_distributed, load_qlora_model
 from hf_fsdp_qlora.data import CompletionOnlyCollator, tokenize_completion_only
-from hf_fsdp_qlora.training_config import held_out_rows, parse_with_config
+from hf_fsdp_qlora.train.training_config import held_out_rows, parse_with_config
 
 
 class LossCurve:

@@ -40,6 +40,7 @@ _EXPORTS = {
     "UnsupportedSetupError": "errors",
     "MergeError": "errors",
     "merge_adapters": "merge.pipeline",
+    "export_gguf": "merge.gguf",
     "config_path": "configs",
     "list_configs": "configs",
     "check_setup": "doctor.checks",

@@ -38,6 +38,7 @@ _SECONDS = {
     "test_precision_trl.py": 40, "test_peft_recipe.py": 15,
     "test_sequence_parallel.py": 45, "test_adapter_dtype_benchmark.py": 5,
     "test_multimodal_train.py": 70, "test_multimodal.py": 25,
+    "test_gguf.py": 50,
 }  # fmt: skip
 
 

@@ -34,7 +34,7 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_every_command_is_registered_and_listed():
-    assert [c.name for c in COMMANDS] == ["config", "merge", "convert", "doctor", "explain"]
+    assert [c.name for c in COMMANDS] == ["config", "merge", "convert", "export-gguf", "doctor", "explain"]
     assert set(_subparsers()) == {c.name for c in COMMANDS}
     overview = _help(main, ["--help"])
     for command in COMMANDS:

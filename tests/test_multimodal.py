@@ -207,13 +207,13 @@ def test_qwen3_5_moe_image_text_class_has_4bit_experts(checkpoints):
 
 
 def test_script_loads_keep_the_towers_16bit(checkpoints):
-    """``-m hf_fsdp_qlora.run``'s from_pretrained hook (hf_fsdp_qlora/loading/_script_towers.py): a 4-bit load of an
+    """``-m hf_fsdp_qlora.run``'s from_pretrained hook (hf_fsdp_qlora/loading/script_towers.py): a 4-bit load of an
     image-text class adds its towers to transformers' own skip list (which a given list would replace); a caller's
     own list keeps its entries; a load without quantization or without towers is passed through unchanged."""
     import transformers
     from transformers import BitsAndBytesConfig
 
-    from hf_fsdp_qlora.loading._script_towers import _with_towers_kept
+    from hf_fsdp_qlora.loading.script_towers import _with_towers_kept
 
     path = checkpoints("gemma3")
     cls = transformers.Gemma3ForConditionalGeneration

@@ -29,7 +29,7 @@ from readme_blocks import blocks, program, shell_commands
 from refresh_recipe_figures import settings_block
 from test_recipes_docs import RUNS, _excerpts
 
-from hf_fsdp_qlora.training_config import read_training_config
+from hf_fsdp_qlora.train.training_config import read_training_config
 
 RECIPES = REPO / "examples" / "recipes"
 LONG_WORDS = 5000  # tokens past every recipe's max_length (each word is at least one token)
@@ -143,7 +143,7 @@ def test_example_scripts_refuse_what_they_cannot_run(tmp_path, capsys):
     flag_wins = train_qlora.parse_args(["--config", str(RECIPES / "llama-8b-1x24gb.yaml"), "--model", "m", "--data",
                                         "d", "--output", "o", "--max-length", "512"])  # fmt: skip
     assert flag_wins.max_length == 512 and flag_wins.lr == 2e-4
-    from hf_fsdp_qlora.training_config import held_out_rows
+    from hf_fsdp_qlora.train.training_config import held_out_rows
 
     assert held_out_rows(list(range(100)), 0.02, {"eval_strategy": "steps"}) == (list(range(98)), [98, 99])
     with pytest.raises(ValueError, match="eval_fraction"):

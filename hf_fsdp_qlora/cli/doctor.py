@@ -314,7 +314,7 @@ _QUANTIZATION = ("load_in_4bit", "load_in_8bit", "full_finetune")
 def _apply_training_config(command: Command, args: argparse.Namespace) -> None:
     """Plan with the settings the launch reads from the same file: each option the file sets replaces the option's
     default; one given on the command line (another value than its default) wins, as flags beside trl's --config do."""
-    from hf_fsdp_qlora.training_config import doctor_values, read_training_config
+    from hf_fsdp_qlora.train.training_config import doctor_values, read_training_config
 
     try:
         values = doctor_values(read_training_config(args.training_config))

@@ -14,6 +14,7 @@ from hf_fsdp_qlora.cli.config import ConfigCommand
 from hf_fsdp_qlora.cli.convert import ConvertCommand
 from hf_fsdp_qlora.cli.doctor import DoctorCommand
 from hf_fsdp_qlora.cli.explain import ExplainCommand
+from hf_fsdp_qlora.cli.gguf import ExportGgufCommand
 from hf_fsdp_qlora.cli.merge import MergeCommand
 
 __all__ = ["COMMANDS", "build_parser", "main", "merge_adapters_main"]
@@ -23,6 +24,7 @@ COMMANDS: tuple[Command, ...] = (
     ConfigCommand(),
     MergeCommand(),
     ConvertCommand(),
+    ExportGgufCommand(),
     DoctorCommand(),
     ExplainCommand(),
 )

@@ -3,7 +3,8 @@ checkpoint, ``.distcp``), base checkpoint reading, the merge plan, LoRA math, an
 It reads files only, never a live sharded model, and imports nothing of :mod:`hf_fsdp_qlora.train` or
 :mod:`hf_fsdp_qlora.loading`.
 
-``merge_adapters`` is exported from :mod:`hf_fsdp_qlora`; ``hf_fsdp_qlora.merge.merge_adapters`` works too.
+``merge_adapters`` is exported from :mod:`hf_fsdp_qlora`; ``hf_fsdp_qlora.merge.merge_adapters`` works too. After the
+merge, :mod:`.gguf` (``export_gguf``, also exported) writes a GGUF for llama.cpp through llama.cpp's own converter.
 """
 
 

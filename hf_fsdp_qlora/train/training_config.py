@@ -145,7 +145,7 @@ def parse_with_config(parser, argv, options: dict[str, str], fixed: dict):
     flags still win) and its ``TrainingArguments`` keys are kept, as they are, in ``args.training``."""
     from dataclasses import fields
 
-    from hf_fsdp_qlora.train.training_args import FSDPQLoRATrainingArguments
+    from .training_args import FSDPQLoRATrainingArguments
 
     known, _ = parser.parse_known_args(argv)
     training = {}
