@@ -171,3 +171,13 @@ def _checkpoint_tensors(model_dir: Path):
     from safetensors.torch import load_file
 
     return load_file(str(model_dir / "model.safetensors")).values()
+
+
+def test_trls_own_engine_for_a_4bit_policy_is_refused_by_this_vllm():
+    """Why the oracle above is trl's iterator and not trl's run: for a bitsandbytes policy trl builds its colocated
+    engine with ``quantization="bitsandbytes"``, which vLLM 0.32 no longer has ("Unknown quantization method:
+    bitsandbytes", from trl's ``VLLMGeneration._init_vllm``). When this fails, vLLM serves bitsandbytes again:
+    measure trl's whole run too."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    assert "bitsandbytes" not in QUANTIZATION_METHODS
