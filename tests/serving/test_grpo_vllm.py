@@ -81,12 +81,7 @@ def launched(tmp_path_factory):
 
     work = build_model(tmp_path_factory.mktemp("grpo_vllm"))
     probe = work / "probe"
-    env = {
-        "GRPO_PROBE_OUT": str(probe),
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in the rank's process (as trl's colocate mode needs)
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
+    env = _probe_env(probe)
     started = time.monotonic()
     proc = launch_via_run(
         "cpu_fsdp2_rehearsal.yaml", grpo_script.__file__, *grpo_args(work, work / "run"), timeout=600, fork=False,
@@ -94,9 +89,22 @@ def launched(tmp_path_factory):
     )  # fmt: skip
     wall = time.monotonic() - started
     check(proc)
-    records = {r: [json.loads(line) for line in (probe / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
+    records = {r: _records(probe, r) for r in (0, 1)}
     print(f"launch wall {wall:.0f} s; per sync: {[(e['bytes'], round(e['seconds'], 3)) for e in records[0]]}")
     return {"work": work, "records": records, "output": proc.stdout + proc.stderr}
+
+
+def _probe_env(probe: Path) -> dict:
+    return {
+        "GRPO_PROBE_OUT": str(probe),
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in the rank's process (as trl's colocate mode needs)
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+
+
+def _records(probe: Path, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (probe / f"rank{rank}.jsonl").read_text().splitlines()]
 
 
 def test_grpo_trains_under_fsdp2_with_a_4bit_base_syncing_only_the_adapter(launched):
@@ -181,3 +189,22 @@ def test_trls_own_engine_for_a_4bit_policy_is_refused_by_this_vllm():
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
     assert "bitsandbytes" not in QUANTIZATION_METHODS
+
+
+def test_our_callback_on_trls_trainer_in_one_process_syncs_the_adapter_too(launched):
+    """The user-script route: GRPOTrainer(..., callbacks=[FSDPQLoRACallback()]), one process, 2 steps."""
+    from dist_utils import check, run_single
+
+    work, probe = launched["work"], launched["work"] / "probe_callback"
+    script = HERE / "grpo_callback_script.py"
+    args = (str(work / "model"), str(work / "data"), str(work / "run_callback"), "2")
+    proc = run_single(str(script), *args, timeout=400, env=_probe_env(probe), fork=False)
+    check(proc)
+    records = _records(probe, 0)
+    assert [e["step"] for e in records] == [0, 1]
+    for entry in records:
+        assert entry["engaged"]["linear4bit"] == LAYERS * len(TARGETS) and entry["tensors"] == 2 * LAYERS * len(
+            TARGETS
+        )
+        assert entry["vllm"] == entry["policy"], entry["step"]
+    assert records[-1]["vllm"] != records[-1]["vllm_base"]
