@@ -111,3 +111,22 @@ def test_marks_only_peft_models_that_generate_with_vllm(model_dir):
     assert prepare_adapter_sync(_trainer(model, fsdp_version=2)) is True
     assert getattr(model, _MARK)
     assert prepare_adapter_sync(_trainer(model.get_base_model())) is False  # a full fine-tune: trl's own sync
+
+
+def test_stock_trl_vllm_sync_merges_and_sends_every_weight():
+    """Canary (_compat/trl.py, trl_vllm_adapter_sync): trl's colocated sync merges the adapter and walks every
+    parameter, its engine has no LoRA, and its trainers look the class up as a module global. When this fails, trl
+    changed (adapter-only sync, PR 6007): drop or adapt hf_fsdp_qlora/train/vllm_sync.py."""
+    import inspect
+
+    import trl.trainer.grpo_trainer as grpo
+    import trl.trainer.rloo_trainer as rloo
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    for trainer_module in (grpo, rloo):  # (ours, once a trainer of this process was marked: a subclass of trl's)
+        assert issubclass(trainer_module.VLLMGeneration, VLLMGeneration), trainer_module.__name__
+    assert "merge_adapter()" in inspect.getsource(VLLMGeneration._iter_named_params)
+    init = inspect.getsource(VLLMGeneration._init_vllm)
+    assert "enable_lora" not in init and 'quantization = "bitsandbytes"' in init
+    assert "_iter_named_params()" in inspect.getsource(VLLMGeneration.sync_weights)
+    assert "self.llm.generate(" in inspect.getsource(VLLMGeneration.generate)  # our engine adds the LoRARequest
