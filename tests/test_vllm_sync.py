@@ -22,13 +22,13 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("vllm_sync") / "llama", "llama", dtype=torch.float32)
 
 
-def _peft(model_dir, quantized: bool, **lora):
+def _peft(model_dir, quantized: bool, dtype=torch.float32, **lora):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, quantization_config=quant if quantized else None
+        model_dir, dtype=dtype, quantization_config=quant if quantized else None
     )
     torch.manual_seed(0)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, **lora)
@@ -48,26 +48,29 @@ def test_adapter_tensors_are_peft_s_own_adapter_file(model_dir):
         assert torch.equal(ours[key], tensor), key
 
 
-def test_engine_base_is_the_dequantized_4bit_base_the_policy_computes_with(model_dir):
+@pytest.mark.parametrize("load_dtype", [torch.float32, torch.bfloat16])
+def test_engine_base_is_the_dequantized_4bit_base_the_policy_computes_with(model_dir, load_dtype):
+    """Whatever dtype training loaded the checkpoint in (the 4-bit block maxima depend on it); the engine runs in
+    the compute dtype (fp32)."""
     from bitsandbytes.functional import dequantize_4bit
 
     from hf_fsdp_qlora.quant_record import keep_live_record
     from hf_fsdp_qlora.train.vllm_sync import vllm_base_weights
 
-    model = _peft(model_dir, quantized=True)
+    model = _peft(model_dir, quantized=True, dtype=load_dtype)
     record = keep_live_record(model)
-    served = dict(vllm_base_weights(model_dir, record, torch.device("cpu"), torch.float32))
+    served = dict(vllm_base_weights(model_dir, record, torch.device("cpu"), torch.float32, load_dtype))
     base = model.get_base_model()
     checked = set()
     for name, module in base.named_modules():
         weight = getattr(module, "weight", None)
         if type(weight).__name__ == "Params4bit":
             key = ".".join(p for p in name.split(".") if p != "base_layer") + ".weight"
-            assert torch.equal(served[key], dequantize_4bit(weight.data, weight.quant_state)), key
+            assert torch.equal(served[key], dequantize_4bit(weight.data, weight.quant_state).float()), key
             checked.add(key)  # (a LoRA layer and its base_layer show the same weight)
     assert checked == set(record.linear) and checked
     norm = "model.norm.weight"  # not quantized: as stored
-    assert torch.equal(served[norm], base.get_parameter(norm).detach())
+    assert torch.equal(served[norm], base.get_parameter(norm).detach().float())
 
 
 def _trainer(model, **args):

@@ -130,10 +130,11 @@ def _vllm_max_rank(rank: int) -> int:
     return fits[0]
 
 
-def vllm_base_weights(checkpoint: str | os.PathLike, record, device, dtype):
-    """Yield (name, tensor) for every tensor of the 16-bit `checkpoint`, one at a time: the weights `record` says
-    training quantized come back round-tripped through bitsandbytes with training's settings (the base the policy
-    computes with), the others as stored. `record` None: everything as stored."""
+def vllm_base_weights(checkpoint: str | os.PathLike, record, device, dtype, load_dtype=None):
+    """Yield (name, tensor in `dtype`) for every tensor of the 16-bit `checkpoint`, one at a time: the weights
+    `record` says training quantized come back round-tripped through bitsandbytes with training's settings (the base
+    the policy computes with), quantized from `load_dtype` (the dtype training loaded them in, default `dtype`: the
+    block maxima depend on it), the others as stored. `record` None: everything as stored."""
     from safetensors import safe_open
 
     from ..merge._lora_math import quantize_roundtrip
@@ -148,7 +149,7 @@ def vllm_base_weights(checkpoint: str | os.PathLike, record, device, dtype):
                 tensor = f.get_tensor(name)
                 if name in quantized:
                     quant = (record.quant_type, record.blocksize or 64, record.double_quant)
-                    tensor = quantize_roundtrip(tensor.to(device=device, dtype=dtype), *quant)
+                    tensor = quantize_roundtrip(tensor.to(device=device, dtype=load_dtype or dtype), *quant)
                 yield name, tensor.to(dtype)
 
 
@@ -251,7 +252,8 @@ def _build_engine(generation) -> _LoRAEngine:
     llm = LLM(**_engine_kwargs(generation, peft_model, dtype))
     record = getattr(peft_model, RECORD_ATTR, None)
     if record is not None and record.linear:
-        weights = vllm_base_weights(peft_model.name_or_path, record, accelerator.device, dtype)
+        load_dtype = peft_model.get_input_embeddings().weight.dtype  # never quantized: as training loaded it
+        weights = vllm_base_weights(peft_model.name_or_path, record, accelerator.device, dtype, load_dtype)
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     return _LoRAEngine(llm)
 
