@@ -29,10 +29,13 @@ import weakref
 from pathlib import Path
 
 import torch
+from transformers.utils import logging
 
 from ..errors import UnsupportedSetupError
 
 __all__ = ["adapter_generation_class", "adapter_tensors", "prepare_adapter_sync", "vllm_base_weights"]
+
+logger = logging.get_logger(__name__)
 
 _MARK = "hf_fsdp_qlora_vllm_adapter_sync"  # on the peft model: build the adapter-synced engine for it
 # The LoRA ranks vLLM accepts for max_lora_rank (vllm.config.lora.MaxLoRARanks).
@@ -291,6 +294,11 @@ def adapter_generation_class() -> type:
             step = len(self.llm.syncs)
             entry = self.llm.load_adapter(unwrap_peft_model(self.model), step)
             self.llm.reset_prefix_cache()
+            if step == 0 and self.accelerator.is_main_process:
+                logger.info(
+                    "hf_fsdp_qlora: vLLM generates with the adapter synced alone: %d LoRA tensors, %.2f MB per sync "
+                    "(nothing merged)", entry["tensors"], entry["bytes"] / 1e6,
+                )  # fmt: skip
             return entry
 
     _CLASS = AdapterVLLMGeneration
