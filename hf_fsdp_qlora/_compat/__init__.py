@@ -12,7 +12,7 @@ then read ``remove_when`` and drop or adapt the workaround. Import-light on purp
 
 from __future__ import annotations
 
-from hf_fsdp_qlora._compat import accelerate, bitsandbytes, multi, peft, torch, transformers
+from hf_fsdp_qlora._compat import accelerate, bitsandbytes, multi, peft, torch, transformers, trl
 from hf_fsdp_qlora._compat._entry import Workaround
 
 __all__ = ["LIBRARIES", "WORKAROUNDS", "Workaround", "by_key"]
@@ -24,6 +24,7 @@ LIBRARIES = {
     "bitsandbytes": bitsandbytes,
     "peft": peft,
     "transformers": transformers,
+    "trl": trl,
     "multi": multi,
 }
 

@@ -7,7 +7,8 @@ Trainer hook                         owner
 ==================================== ===================================================================
 create_accelerator_and_postprocess   accelerator_setup (settings set aside, activation checkpointing),
                                      compile, offload, long_context (sequence parallelism, tiled MLP),
-                                     consistency.follow_wrapping (after-wrap fix-ups)
+                                     consistency.follow_wrapping (after-wrap fix-ups),
+                                     vllm_sync (trl's GRPO/RLOO with use_vllm: adapter-only sync)
 get_train_dataloader, compute_loss   long_context (a sequence-parallel group's ranks share batches and split
                                      each sequence; then loss.compute_loss, the chunked loss)
 _track_num_input_tokens              long_context (a group's shared batches counted once)
@@ -46,6 +47,7 @@ from .preemption_callback import (
     preemption_callback_of,
     train_then_exit_if_preempted,
 )
+from .vllm_sync import prepare_adapter_sync
 
 
 def with_fsdp_callback(callbacks, args=None):
@@ -98,6 +100,9 @@ class FSDPSaveMixin:
             install_activation_offloading(self.model)
         install_long_context(self)  # before accelerate wraps the model
         follow_wrapping(self)
+        # trl's GRPO/RLOO with use_vllm=True build their engine after this returns: mark the model for the
+        # adapter-only sync before they do.
+        prepare_adapter_sync(self)
 
     # -- the loop: preemption
 

@@ -31,9 +31,20 @@ def exit_status(status) -> int:
     return 1
 
 
+def _stop_idle_thread_pools() -> None:
+    """Ask ``concurrent.futures`` thread pools left open to stop once their queued work is done, as the interpreter
+    does first at a normal exit: an idle pool worker (vLLM's engine leaves one) is a non-daemon thread that would
+    otherwise wait for work forever, and the rank would never exit."""
+    pools = sys.modules.get("concurrent.futures.thread")
+    stop = getattr(pools, "_python_exit", None)  # the hook the interpreter runs (threading._register_atexit)
+    if stop is not None:
+        stop()
+
+
 def _join_non_daemon_threads() -> None:
     """Wait for the non-daemon threads, as the interpreter does at a normal exit (``os._exit`` would kill them:
     an upload started with ``push_to_hub(blocking=False)`` would be cut off while the job reports success)."""
+    _stop_idle_thread_pools()
     current = threading.current_thread()
     while True:
         waiting = [t for t in threading.enumerate() if t is not current and not t.daemon and t.is_alive()]

@@ -3,13 +3,15 @@ its script the way the examples and `python -m hf_fsdp_qlora.run` do.
 
 --case tail: rank 0 runs a tail of its own (a push_to_hub, a merge) longer than the group's collective timeout;
              rank 1 is done at once. Run under `-m hf_fsdp_qlora.run`, whose exit ends it.
---case exit: rank 0 leaves a non-daemon thread running (push_to_hub(blocking=False)) and returns 0; rank 1's
+--case exit: rank 0 leaves a non-daemon thread running (push_to_hub(blocking=False)) and an idle thread pool
+             open (vLLM's engine leaves one), and returns 0; rank 1's
              main() has no return (None). Ends with `finish_distributed(main())`, as the examples do.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import threading
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 
 TIMEOUT_S = 5  # the process group's collective timeout
 TAIL_S = TIMEOUT_S + 3
+_POOLS = []
 
 
 def _wait_for_peer(out: Path, case: str, rank: int) -> None:
@@ -56,6 +59,10 @@ def main(args) -> int | None:
             (out / "upload_done").write_text("uploaded")
 
         threading.Thread(target=upload, daemon=False).start()
+        # An idle thread pool left open, as vLLM's engine leaves one: its worker is a non-daemon thread too (kept
+        # referenced: a collected pool's worker ends by itself).
+        _POOLS.append(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+        _POOLS[-1].submit(int).result()
     return 0
 
 
