@@ -172,6 +172,6 @@ def grouped_forward(module, hidden: torch.Tensor, top_k_index: torch.Tensor, top
     if not routing.experts.numel():
         return final
     out = module.apply_gate(_project(module, 0, hidden[routing.tokens], routing))
-    out = _project(module, 1, out, routing) * top_k_weights[routing.tokens, routing.slots, None]
+    out = module.post_expert(_project(module, 1, out, routing)) * top_k_weights[routing.tokens, routing.slots, None]
     # One index_add_ in expert order: each token's contributions add in the loop's order.
     return final.index_add_(0, routing.tokens, out.to(final.dtype))

@@ -23,7 +23,14 @@ from torch import nn
 
 from ..dtypes import PACKED_EXPERTS_ATTR
 from ..errors import UnsupportedSetupError
-from ..expert_layouts import EXPERT_LAYOUTS, ExpertLayout, expert_layout, has_fused_experts, is_experts_module
+from ..expert_layouts import (
+    EXPERT_LAYOUTS,
+    ExpertLayout,
+    expert_layout,
+    experts_tensors,
+    has_fused_experts,
+    is_experts_module,
+)
 from ..moe_routers import router_layers
 
 __all__ = [
@@ -80,7 +87,8 @@ class QuantizedExperts(nn.Module):
                 setattr(self, key, value)
         for key, child in experts.named_children():
             self.add_module(key, child)
-        self._family_gate = type(experts)._apply_gate
+        # The family's gate (concatenated or interleaved gate/up, its own activation), or without one its act_fn.
+        self._family_gate = type(experts)._apply_gate if layout.gated else None
         self.num_experts = getattr(experts, "num_experts", getattr(experts, layout.weights[0]).shape[0])
         self._meta = {}
         self._lora = {}  # weight name -> [(lora_A, lora_B, scaling)], set by peft's wrappers while they run
@@ -151,7 +159,13 @@ class QuantizedExperts(nn.Module):
             self._lora.pop(name, None)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._family_gate is None:  # has_gate=False (Nemotron-H): the up projection's activation only
+            return self.act_fn(gate_up)
         return self._family_gate(self, gate_up)
+
+    def post_expert(self, out: torch.Tensor) -> torch.Tensor:
+        """Each expert's output after its down projection, before the routing weight (``has_post_expert_norm``)."""
+        return out if self.layout.post_norm is None else getattr(self, self.layout.post_norm)(out)
 
     apply_gate = _apply_gate  # the family's gate, for the grouped path
 
@@ -239,12 +253,12 @@ class QuantizedExperts(nn.Module):
             slots, tokens = torch.cat([w[0] for w in where]), torch.cat([w[1] for w in where])
             counts = [len(w[1]) for w in where]
             out = self._apply_gate(self._project_routed(hidden_states[tokens], 0, hit, counts))
-            out = self._project_routed(out, 1, hit, counts) * top_k_weights[tokens, slots, None]
+            out = self.post_expert(self._project_routed(out, 1, hit, counts)) * top_k_weights[tokens, slots, None]
             return final.index_add_(0, tokens, out.to(final.dtype))
         for expert in hit:
             top_k_pos, token_idx = torch.where(mask[expert])
             out = self._apply_gate(self._project(hidden_states[token_idx], 0, expert))
-            out = self._project(out, 1, expert) * top_k_weights[token_idx, top_k_pos, None]
+            out = self.post_expert(self._project(out, 1, expert)) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
 
@@ -310,7 +324,9 @@ def quantize_experts(
 
     Raises:
         UnsupportedSetupError: an experts module (by class: :func:`~hf_fsdp_qlora.expert_layouts.is_experts_module`)
-            of a family we do not know; it names the class and the way to load it knowingly in 16 bits, instead of leaving the experts unquantized silently.
+            that declares no layout (transformers' ``use_experts_implementation``) and has no named entry; it names
+            the module path, the tensors found and the way to load it knowingly in 16 bits, instead of leaving the
+            experts unquantized silently.
     """
     found = []
     for name, module in model.named_modules():
@@ -320,13 +336,7 @@ def quantize_experts(
         if layout is not None:
             found.append((name, module, layout))
         elif is_experts_module(module):
-            raise UnsupportedSetupError(
-                f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer "
-                f"({[n for n, _ in module.named_parameters()]}) in a layout hf_fsdp_qlora cannot quantize to 4 bits "
-                f"yet (supported: "
-                f"{', '.join(sorted(EXPERT_LAYOUTS))}). Pass quantize_experts=False to load_qlora_model to keep "
-                "these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit experts)."
-            )
+            raise UnsupportedSetupError(_refusal(name, module))
     for name, module, layout in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -345,6 +355,25 @@ def quantize_experts(
     return [name for name, _, _ in found]
 
 
+# peft (0.21) refuses LoRA on these layers of its Mamba-based model types ("Module 'out_proj' is incompatible with
+# Mamba-based models"), also when they come from "all-linear"; our "all-linear" leaves them out there (Nemotron-H
+# has experts too: lora_config_for_experts spells "all-linear" out for it).
+_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+
+
+def _refusal(name: str, module: nn.Module) -> str:
+    """Why the experts module `module` at `name` cannot be quantized: where it is, what it holds, what to do."""
+    return (
+        f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer "
+        f"({', '.join(experts_tensors(module)) or 'no tensors of its own'}) in a layout hf_fsdp_qlora cannot quantize "
+        "to 4 bits: the class neither declares its layout through transformers' use_experts_implementation nor has "
+        "a named entry in hf_fsdp_qlora.expert_layouts.EXPERT_LAYOUTS. Pass quantize_experts=False to "
+        "load_qlora_model to keep these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit "
+        "experts)."
+    )
+
+
 def lora_config_for_experts(model: nn.Module, lora_config):
     """`lora_config` made to fit a mixture-of-experts model (4-bit or 16-bit experts), before ``get_peft_model``.
 
@@ -361,6 +390,8 @@ def lora_config_for_experts(model: nn.Module, lora_config):
     import copy
 
     names = _linear_targets(model)
+    if getattr(model.config, "model_type", None) in _MAMBA_TYPES:
+        names = [n for n in names if n.rsplit(".", 1)[-1] not in _MAMBA_REFUSED]
     lora_config = copy.deepcopy(lora_config)
     lora_config.target_modules = names
     lora_config.hf_fsdp_qlora_linear_targets = True  # not a dataclass field: never saved
@@ -369,14 +400,16 @@ def lora_config_for_experts(model: nn.Module, lora_config):
 
 
 def _linear_targets(model: nn.Module) -> list[str]:
-    """The linear layers but the output head and the routers, as peft targets: a leaf name where it names such
-    layers only, else the full names of the layers it names."""
+    """The linear layers but the output head, the routers and sparse attention's indexers, as peft targets: a leaf
+    name where it names such layers only, else the full names of the layers it names. An indexer (DeepSeek-V3.2,
+    GLM-MoE-DSA, Hunyuan v4 ...) only picks the keys attention reads by top-k: LoRA there never gets a gradient."""
     out = model.get_output_embeddings()
     routers = router_layers(model)
     linear, other = {}, set()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and module is not out and "." in name and name not in routers:
+        indexer = ".indexer." in f".{name}."
+        if isinstance(module, nn.Linear) and module is not out and "." in name and name not in routers and not indexer:
             linear.setdefault(leaf, []).append(name)
         elif name:
             other.add(leaf)
