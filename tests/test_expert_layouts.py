@@ -28,7 +28,6 @@ from family_sweep import _compare, _load16, families
 from family_variants import expert_targets
 
 from hf_fsdp_qlora import load_qlora_model
-from hf_fsdp_qlora.expert_layouts import declared_layout
 from hf_fsdp_qlora.loading.experts import QuantizedExperts
 
 # bf16 grouped vs loop, as max |difference| / max |value| (tests/test_moe.py GROUPED_TOLERANCE).
@@ -65,7 +64,8 @@ def _lora_config(path: Path):
 
 
 def _declared_experts(model) -> dict[str, torch.nn.Module]:
-    return {n: m for n, m in model.named_modules() if declared_layout(m) is not None}
+    """The experts modules whose class transformers decorated (its __init__ sets the declared flags)."""
+    return {n: m for n, m in model.named_modules() if hasattr(m, "has_gate") and hasattr(m, "is_concatenated")}
 
 
 def _quantized(model) -> dict[str, QuantizedExperts]:
