@@ -743,22 +743,24 @@ def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe, compute):
 
 
 def test_moe_family_we_cannot_quantize_is_an_error(tmp_path):
-    """GraniteMoE's fused experts are not in the experts table: load_qlora_model refuses them (the real loader, the
-    oracle), and the doctor says so with the fix; with --no-quantize-experts it plans them 16-bit."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """JetMoE's experts (JetMoeParallelExperts: one fused weight per projection, called with per-expert row counts)
+    neither declare a layout through transformers' use_experts_implementation nor have a named entry:
+    load_qlora_model refuses them (the real loader, the oracle), and the doctor says so with the fix; with
+    --no-quantize-experts it plans them 16-bit."""
+    from family_build import tiny_config
+    from transformers import AutoModelForCausalLM
 
     from hf_fsdp_qlora import load_qlora_model
     from hf_fsdp_qlora.errors import UnsupportedSetupError
 
-    config = AutoConfig.for_model("granitemoe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                  vocab_size=256, num_hidden_layers=2, intermediate_size=32, num_local_experts=4,
-                                  num_experts_per_tok=2)  # fmt: skip
+    config = tiny_config("jetmoe")
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedSetupError, match="GraniteMoeExperts"):
+    with pytest.raises(UnsupportedSetupError, match=r"JetMoeParallelExperts at 'model\.layers\.0\.mlp\.input_linear'"
+                       r" .*weight \[4, 256, 64\].*quantize_experts=False"):  # fmt: skip
         load_qlora_model(str(tmp_path))
     d = diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit")
     assert {f.id for f in d.errors} == {"experts-not-quantizable"}
-    assert "GraniteMoeExperts" in d.errors[0].problem and "quantize_experts=False" in d.errors[0].message
+    assert "JetMoeParallelExperts" in d.errors[0].problem and "quantize_experts=False" in d.errors[0].message
     assert d.plan.parameters["experts_bytes"] == d.plan.parameters["experts_bytes_16bit"]
     assert not diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit", quantize_experts=False).errors
 
