@@ -144,6 +144,18 @@ def _check_one_step_moves_expert_lora(model, ids) -> int:
     return len(expert_lora)
 
 
+def _check_doctor_plans_4bit_experts(path: Path, model) -> None:
+    """The doctor plans the experts 4-bit, their packed bytes exactly those the loader holds."""
+    from hf_fsdp_qlora.doctor.checks import diagnose
+    from hf_fsdp_qlora.loading.experts import packed_expert_bytes
+
+    diag = diagnose(str(path), quantization="4bit", lora_dropout=0.0, lora_r=4, seq_len=128)
+    assert not diag.errors, [f"[{f.id}] {f.message}" for f in diag.errors]
+    planned = diag.plan.parameters
+    packed = packed_expert_bytes(model)[1]
+    assert packed <= planned["experts_bytes"] < planned["experts_bytes_16bit"] / 3, (packed, planned)
+
+
 @torch.no_grad()
 def _peft_merge_of(model, base32) -> dict:
     """peft's ``merge_and_unload`` on a copy of the float32 base carrying the trained model's adapter, tensor for
@@ -194,6 +206,7 @@ def test_declared_experts_quantize_train_and_merge(family, tmp_path):
     assert set(quantized) == set(declared), "every declared experts module holds 4-bit experts by default"
     assert all(not any(p.is_floating_point() and p.dim() == 3 for p in q.parameters()) for q in quantized.values())
     _check_against_family_forward(quantized, base32)
+    _check_doctor_plans_4bit_experts(path, model)
     model.train()
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     _check_grouped_equals_loop(model, ids)
