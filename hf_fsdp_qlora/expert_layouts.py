@@ -38,6 +38,11 @@ class ExpertLayout:
         gated: the first projection's output goes through the family's gate (``_apply_gate``: concatenated or
             interleaved gate/up, the class's own business); without a gate, through its activation ``act_fn``.
         post_norm: the child module applied to each expert's output before the routing weight, or None.
+        dense: the module is called as ``experts(rows)`` with ``rows`` ``[E * T, H]``, expert e's input in rows
+            ``e*T .. e*T+T-1`` already scaled by its routing score (Llama 4), not ``(hidden, top_k_index,
+            top_k_weights)``.
+        peft_transposed: peft reads the weights as ``[E, in, out]`` (it asks the module's ``is_transposed``; a class
+            outside transformers' contract has none, and peft then adds ``B_e @ A_e`` to the stored matrix as is).
     """
 
     weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
@@ -45,11 +50,21 @@ class ExpertLayout:
     transposed: bool = False
     gated: bool = True
     post_norm: str | None = None
+    dense: bool = False
+    peft_transposed: bool | None = None  # None: as `transposed` (transformers' declared is_transposed)
+
+    @property
+    def lora_transposed(self) -> bool:
+        return self.transposed if self.peft_transposed is None else self.peft_transposed
 
 
 # Experts classes outside transformers' declared contract that we quantize anyway, by class name. Every class
-# transformers decorates is read from its flags instead (declared_layout); none is needed here today.
-EXPERT_LAYOUTS: dict[str, ExpertLayout] = {}
+# transformers decorates is read from its flags instead (declared_layout).
+EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
+    # Llama 4: gate_up [E, H, 2I] and down [E, I, H] applied as x @ W to every expert's slice of the rows
+    # (Llama4TextMoe repeats the tokens once per expert, scaled by the router's score); no is_transposed for peft.
+    "Llama4TextExperts": ExpertLayout(transposed=True, dense=True, peft_transposed=False),
+}
 # The 16-bit weight names any layout uses (a saved 4-bit experts checkpoint is recognised by them).
 EXPERT_WEIGHT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
 _FLAGS = ("has_gate", "is_transposed", "has_bias", "is_concatenated", "has_post_expert_norm")
@@ -82,8 +97,8 @@ def _fits(module: nn.Module, layout: ExpertLayout) -> bool:
         return False
     if any(b.dim() != 2 or b.shape[0] != experts for b in biases):
         return False
-    if not hasattr(module, "_apply_gate" if layout.gated else "act_fn"):
-        return False
+    if not hasattr(module, "act_fn") and not (layout.gated and hasattr(module, "_apply_gate")):
+        return False  # a gate of its own, or the activation the default gate (and an ungated expert) applies
     return layout.post_norm is None or isinstance(getattr(module, layout.post_norm, None), nn.Module)
 
 

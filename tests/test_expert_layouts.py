@@ -63,9 +63,19 @@ def _lora_config(path: Path):
     return config
 
 
+# Families whose experts class is outside transformers' contract and has a named entry (EXPERT_LAYOUTS).
+NAMED_FAMILIES = {"llama4_text": "Llama4TextExperts"}
+
+
 def _declared_experts(model) -> dict[str, torch.nn.Module]:
-    """The experts modules whose class transformers decorated (its __init__ sets the declared flags)."""
-    return {n: m for n, m in model.named_modules() if hasattr(m, "has_gate") and hasattr(m, "is_concatenated")}
+    """The experts modules whose class transformers decorated (its __init__ sets the declared flags), or whose class
+    has a named entry."""
+    named = set(NAMED_FAMILIES.values())
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if (hasattr(m, "has_gate") and hasattr(m, "is_concatenated")) or type(m).__name__ in named
+    }
 
 
 def _quantized(model) -> dict[str, QuantizedExperts]:
@@ -85,22 +95,26 @@ def _check_against_family_forward(quantized: dict, base32) -> None:
     generator = torch.Generator().manual_seed(0)
     for name, ours in quantized.items():
         stock = copy.deepcopy(stock_modules[name]).to(torch.bfloat16)
-        stock.config._experts_implementation = "eager"
+        if hasattr(stock, "config"):  # a declared class: transformers' eager forward, the reference
+            stock.config._experts_implementation = "eager"
         for weight in ours.layout.weights:
             dequantized = torch.stack([ours.dequantize_expert(weight, e) for e in range(ours.num_experts)])
             getattr(stock, weight).copy_(dequantized)
         first = ours.quant_meta(ours.layout.weights[0])[0]  # [out, in], or [in, out] transposed
-        hidden = torch.randn(12, first[0] if ours.layout.transposed else first[1], generator=generator)
+        rows = 3 * ours.num_experts if ours.layout.dense else 12
+        hidden = torch.randn(rows, first[0] if ours.layout.transposed else first[1], generator=generator)
         index = torch.stack([torch.randperm(ours.num_experts, generator=generator)[:2] for _ in range(12)])
         weights = torch.rand(12, 2, generator=generator)
         hidden = hidden.to(torch.bfloat16)
+        # a dense call (Llama 4): every expert on its own 3 rows; else 12 tokens routed to 2 experts each
+        args = (hidden,) if ours.layout.dense else (hidden, index, weights.to(torch.bfloat16))
         compute = ours.compute
         ours.compute = "loop"  # the reference path; grouped is compared with it below
         try:
-            got = ours(hidden, index, weights.to(torch.bfloat16)).float()
+            got = ours(*args).float()
         finally:
             ours.compute = compute
-        want = stock(hidden, index, weights.to(torch.bfloat16)).float()
+        want = stock(*args).float()
         scale = want.abs().max()
         assert scale > 0
         torch.testing.assert_close(got / scale, want / scale, rtol=2**-7, atol=2**-7, msg=name)
@@ -190,7 +204,7 @@ def _check_merge(path: Path, adapter: Path, out: Path, base32, ref: dict, expert
     assert not unchanged, f"peft's merge left expert weights unchanged: {unchanged[:3]}"
 
 
-@pytest.mark.parametrize("family", decorated_families())
+@pytest.mark.parametrize("family", [*decorated_families(), *NAMED_FAMILIES])
 def test_declared_experts_quantize_train_and_merge(family, tmp_path):
     try:
         path = build(family, tmp_path / "base")

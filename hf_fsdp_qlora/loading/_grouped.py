@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from ._lora_rows import run_with_weight
+
 __all__ = ["dequantize_routed", "grouped_forward", "grouped_mm_function", "log_path_once", "unavailable_reason"]
 
 logger = logging.getLogger(__name__)
@@ -138,8 +140,6 @@ def _project(module, index: int, x: torch.Tensor, routing: _Routing) -> torch.Te
     if module.layout.biases:
         out = out + getattr(module, module.layout.biases[index])[routing.row_expert]
     for lora_A, lora_B, scaling in module.lora_factors(name):
-        from .experts import run_with_weight
-
         low = run_with_weight(lora_A, _lora_A_grouped, x, routing)
         delta = run_with_weight(lora_B, _lora_B_grouped, low, routing)
         out = out + scaling * delta.to(out.dtype)

@@ -32,6 +32,13 @@ from ..expert_layouts import (
     is_experts_module,
 )
 from ..moe_routers import router_layers
+from ._lora_rows import (
+    _lora_A_rows,
+    _lora_A_rows_stored,
+    _lora_B_rows,
+    _lora_B_rows_stored,
+    run_with_weight,
+)
 
 __all__ = [
     "EXPERT_LAYOUTS",
@@ -88,7 +95,7 @@ class QuantizedExperts(nn.Module):
         for key, child in experts.named_children():
             self.add_module(key, child)
         # The family's gate (concatenated or interleaved gate/up, its own activation), or without one its act_fn.
-        self._family_gate = type(experts)._apply_gate if layout.gated else None
+        self._family_gate = getattr(type(experts), "_apply_gate", None) if layout.gated else None
         self.num_experts = getattr(experts, "num_experts", getattr(experts, layout.weights[0]).shape[0])
         self._meta = {}
         self._lora = {}  # weight name -> [(lora_A, lora_B, scaling)], set by peft's wrappers while they run
@@ -159,8 +166,11 @@ class QuantizedExperts(nn.Module):
             self._lora.pop(name, None)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self._family_gate is None:  # has_gate=False (Nemotron-H): the up projection's activation only
+        if not self.layout.gated:  # has_gate=False (Nemotron-H): the up projection's activation only
             return self.act_fn(gate_up)
+        if self._family_gate is None:  # a named class without one (Llama 4): transformers' default gate
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate) * up
         return self._family_gate(self, gate_up)
 
     def post_expert(self, out: torch.Tensor) -> torch.Tensor:
@@ -215,17 +225,31 @@ class QuantizedExperts(nn.Module):
         out = torch.cat([self._project(c, index, e) for c, e in zip(x.split(counts), experts)])
         for lora_A, lora_B, scaling in self._lora.get(self.layout.weights[index], ()):
             # Through the adapters' own forwards: under FSDP1 each is its own unit and its weight is whole only there.
-            low = run_with_weight(lora_A, _lora_A_rows, x, experts, counts, self.num_experts)
-            delta = run_with_weight(lora_B, _lora_B_rows, low, experts, counts, self.num_experts)
+            if self.layout.transposed and not self.layout.lora_transposed:
+                # peft added B_e @ A_e to the stored [in, out] matrix as is (Llama 4): x @ B_e @ A_e
+                low = run_with_weight(lora_B, _lora_B_rows_stored, x, experts, counts, self.num_experts)
+                delta = run_with_weight(lora_A, _lora_A_rows_stored, low, experts, counts, self.num_experts)
+            else:
+                low = run_with_weight(lora_A, _lora_A_rows, x, experts, counts, self.num_experts)
+                delta = run_with_weight(lora_B, _lora_B_rows, low, experts, counts, self.num_experts)
             out = out + scaling * delta.to(out.dtype)
         return out
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, top_k_index=None, top_k_weights=None):
         # As bitsandbytes' Linear4bit: compute in the dtype the experts were quantized for, return the input's dtype
         # (a bf16 model with float32 compute, or a float32 model with bf16 compute, mixes the two otherwise).
         # The routing weights stay as the router made them: the family's own experts multiply by them uncast.
         input_dtype = hidden_states.dtype
+        if self.layout.dense:
+            return self._dense_forward(hidden_states.to(self.dtype)).to(input_dtype)
         return self._forward(hidden_states.to(self.dtype), top_k_index, top_k_weights).to(input_dtype)
+
+    def _dense_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every expert on its own slice of `rows` (``[E * T, H]``, Llama 4's call), expert by expert."""
+        experts, counts = list(range(self.num_experts)), [rows.shape[0] // self.num_experts] * self.num_experts
+        return self._project_routed(
+            self._apply_gate(self._project_routed(rows, 0, experts, counts)), 1, experts, counts
+        )
 
     def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         from . import _grouped
@@ -261,32 +285,6 @@ class QuantizedExperts(nn.Module):
             out = self.post_expert(self._project(out, 1, expert)) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
-
-
-def run_with_weight(linear: nn.Module, fn, *args):
-    """``fn(linear.weight, *args)`` run as `linear`'s forward, so FSDP (an FSDP1 unit around `linear`) gathers the
-    weight first. Outside its own unit's forward an FSDP1 weight is a 1-D flat shard, which is why peft's own
-    expert LoRA fails under FSDP1 (``shape '[8, -1, 2048]' is invalid``)."""
-    inner = getattr(linear, "_fsdp_wrapped_module", linear)
-    inner.forward = lambda *a: fn(inner.weight, *a)  # an instance attribute shadows Linear.forward, for this call
-    try:
-        return linear(*args)
-    finally:
-        del inner.forward
-
-
-def _lora_A_rows(weight, x, experts, counts, num_experts):
-    # peft's lora_A for [E, out, in] is [r*E, in]: expert e's rows are e*r .. e*r+r-1.
-    per_expert = weight.unflatten(0, (num_experts, -1))
-    x = x.to(weight.dtype)
-    return torch.cat([c @ per_expert[e].T for c, e in zip(x.split(counts), experts)])
-
-
-def _lora_B_rows(weight, low, experts, counts, num_experts):
-    # peft's lora_B is [out, r*E] read as [out, r, E]: expert e's columns are e, E+e, 2E+e, ...
-    per_expert = weight.unflatten(1, (-1, num_experts))
-    low = low.to(weight.dtype)
-    return torch.cat([c @ per_expert[:, :, e].T for c, e in zip(low.split(counts), experts)])
 
 
 def packed_expert_bytes(model: nn.Module) -> tuple[int, int]:
