@@ -38,9 +38,11 @@ class ExpertLayout:
         gated: the first projection's output goes through the family's gate (``_apply_gate``: concatenated or
             interleaved gate/up, the class's own business); without a gate, through its activation ``act_fn``.
         post_norm: the child module applied to each expert's output before the routing weight, or None.
-        dense: the module is called as ``experts(rows)`` with ``rows`` ``[E * T, H]``, expert e's input in rows
-            ``e*T .. e*T+T-1`` already scaled by its routing score (Llama 4), not ``(hidden, top_k_index,
-            top_k_weights)``.
+        call: how the family calls the module. ``"routed"``: transformers' experts call ``(hidden, top_k_index,
+            top_k_weights)``. ``"dense"``: ``experts(rows)``, ``rows`` ``[E * T, H]``, expert e's input in rows
+            ``e*T .. e*T+T-1`` already scaled by its routing score (Llama 4). ``"split"``: ``experts(rows,
+            expert_size)``, rows sorted by expert, ``expert_size[e]`` of them for expert e, one projection and no
+            activation (JetMoE's ``input_linear`` / ``output_linear``).
         peft_transposed: peft reads the weights as ``[E, in, out]`` (it asks the module's ``is_transposed``; a class
             outside transformers' contract has none, and peft then adds ``B_e @ A_e`` to the stored matrix as is).
     """
@@ -50,8 +52,12 @@ class ExpertLayout:
     transposed: bool = False
     gated: bool = True
     post_norm: str | None = None
-    dense: bool = False
+    call: str = "routed"
     peft_transposed: bool | None = None  # None: as `transposed` (transformers' declared is_transposed)
+
+    @property
+    def dense(self) -> bool:
+        return self.call == "dense"
 
     @property
     def lora_transposed(self) -> bool:
@@ -63,7 +69,9 @@ class ExpertLayout:
 EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     # Llama 4: gate_up [E, H, 2I] and down [E, I, H] applied as x @ W to every expert's slice of the rows
     # (Llama4TextMoe repeats the tokens once per expert, scaled by the router's score); no is_transposed for peft.
-    "Llama4TextExperts": ExpertLayout(transposed=True, dense=True, peft_transposed=False),
+    "Llama4TextExperts": ExpertLayout(transposed=True, call="dense", peft_transposed=False),
+    # JetMoE: one [E, out, in] weight per module, two modules per MoE block (and per mixture-of-attention block).
+    "JetMoeParallelExperts": ExpertLayout(weights=("weight",), gated=False, call="split"),
 }
 # The 16-bit weight names any layout uses (a saved 4-bit experts checkpoint is recognised by them).
 EXPERT_WEIGHT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
@@ -97,6 +105,8 @@ def _fits(module: nn.Module, layout: ExpertLayout) -> bool:
         return False
     if any(b.dim() != 2 or b.shape[0] != experts for b in biases):
         return False
+    if layout.call == "split":  # one projection, the caller activates
+        return True
     if not hasattr(module, "act_fn") and not (layout.gated and hasattr(module, "_apply_gate")):
         return False  # a gate of its own, or the activation the default gate (and an ungated expert) applies
     return layout.post_norm is None or isinstance(getattr(module, layout.post_norm, None), nn.Module)

@@ -56,7 +56,14 @@ def _lora_config(path: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        targets = expert_targets(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    # every 3-D weight of every experts module, as `<parent>.<module>.<param>` suffixes (JetMoE's are not "experts")
+    targets = expert_targets(meta) + sorted({
+        f"{'.'.join(name.split('.')[-2:])}.{param}"
+        for name, module in _declared_experts(meta).items()
+        for param, value in module.named_parameters(recurse=False)
+        if value.dim() == 3 and not name.endswith(".experts")
+    })  # fmt: skip
     # init_lora_weights=False: lora_B starts non-zero, so one step moves lora_A too
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
     config.target_parameters = targets
@@ -64,7 +71,7 @@ def _lora_config(path: Path):
 
 
 # Families whose experts class is outside transformers' contract and has a named entry (EXPERT_LAYOUTS).
-NAMED_FAMILIES = {"llama4_text": "Llama4TextExperts"}
+NAMED_FAMILIES = {"llama4_text": "Llama4TextExperts", "jetmoe": "JetMoeParallelExperts"}
 
 
 def _declared_experts(model) -> dict[str, torch.nn.Module]:
@@ -107,7 +114,11 @@ def _check_against_family_forward(quantized: dict, base32) -> None:
         weights = torch.rand(12, 2, generator=generator)
         hidden = hidden.to(torch.bfloat16)
         # a dense call (Llama 4): every expert on its own 3 rows; else 12 tokens routed to 2 experts each
-        args = (hidden,) if ours.layout.dense else (hidden, index, weights.to(torch.bfloat16))
+        args = (hidden, index, weights.to(torch.bfloat16))
+        if ours.layout.dense:
+            args = (hidden,)
+        elif ours.layout.call == "split":  # JetMoE: rows sorted by expert, how many per expert
+            args = (hidden, [3, 0, 5, 4][: ours.num_experts])
         compute = ours.compute
         ours.compute = "loop"  # the reference path; grouped is compared with it below
         try:
@@ -145,9 +156,11 @@ def _check_grouped_equals_loop(model, ids) -> None:
         torch.testing.assert_close(grouped_grads[name] / top, grad / top, **GROUPED, msg=name)
 
 
-def _check_one_step_moves_expert_lora(model, ids) -> int:
-    expert_lora = {n: p for n, p in model.named_parameters() if "lora_" in n and ".experts" in n}
-    assert expert_lora, "no LoRA on the experts"
+def _check_one_step_moves_expert_lora(model, ids, quantized: dict) -> int:
+    homes = tuple(f"base_model.model.{name}." for name in quantized)
+    expert_lora = {n: p for n, p in model.named_parameters() if "lora_" in n and n.startswith(homes)}
+    wanted = 2 * sum(len(q.layout.weights) for q in quantized.values())  # lora_A and lora_B per expert weight
+    assert len(expert_lora) == wanted, (len(expert_lora), wanted, sorted(expert_lora)[:4])
     before = {n: p.detach().clone() for n, p in expert_lora.items()}
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     model.zero_grad(set_to_none=True)
@@ -224,7 +237,7 @@ def test_declared_experts_quantize_train_and_merge(family, tmp_path):
     model.train()
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     _check_grouped_equals_loop(model, ids)
-    _check_one_step_moves_expert_lora(model, ids)
+    _check_one_step_moves_expert_lora(model, ids, quantized)
     model.save_pretrained(tmp_path / "adapter")
     ref = _peft_merge_of(model, base32)
     del model

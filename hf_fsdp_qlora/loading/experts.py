@@ -242,6 +242,10 @@ class QuantizedExperts(nn.Module):
         input_dtype = hidden_states.dtype
         if self.layout.dense:
             return self._dense_forward(hidden_states.to(self.dtype)).to(input_dtype)
+        if self.layout.call == "split":  # JetMoE: (rows sorted by expert, rows per expert)
+            counts = [int(c) for c in top_k_index]
+            rows = hidden_states.to(self.dtype)
+            return self._project_routed(rows, 0, list(range(self.num_experts)), counts).to(input_dtype)
         return self._forward(hidden_states.to(self.dtype), top_k_index, top_k_weights).to(input_dtype)
 
     def _dense_forward(self, rows: torch.Tensor) -> torch.Tensor:
