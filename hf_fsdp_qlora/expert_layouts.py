@@ -124,8 +124,8 @@ def expert_layout(module: nn.Module) -> ExpertLayout | None:
 
 
 def experts_tensors(module: nn.Module) -> list[str]:
-    """``name [shape]`` of every tensor an experts module holds directly, for messages."""
-    found = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    """``name [shape]`` of every tensor an experts module holds (DBRX's sit one module deeper), for messages."""
+    found = [*module.named_parameters(), *module.named_buffers()]
     return [f"{name} {list(tensor.shape)}" for name, tensor in found]
 
 

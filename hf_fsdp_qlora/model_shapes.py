@@ -358,13 +358,15 @@ def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], cou
         if not weight_names:
             continue
         bias_names = layout.biases if layout else ()
-        weights = {n: tuple(int(d) for d in direct[n].shape[1:]) for n in weight_names}
+        # 3-D [E, rows, cols]; an unknown class may stack its experts' rows in 2-D (DBRX: [E * ffn, hidden])
+        count = int(getattr(sub, "num_experts", 0) or direct[weight_names[0]].shape[0])
+        weights = {n: (direct[n].numel() // count // direct[n].shape[-1], direct[n].shape[-1]) for n in weight_names}
         shape.experts.append(
             ExpertsShape(
                 name=name,
                 family=type(sub).__name__,
                 layer=_layer_index(name, layer_prefixes),
-                num_experts=int(direct[weight_names[0]].shape[0]),
+                num_experts=count,
                 weights=weights,
                 bias_numel=sum(direct[n].numel() for n in bias_names),
                 quantizable=layout is not None,
