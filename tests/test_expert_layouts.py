@@ -108,16 +108,17 @@ def _check_against_family_forward(quantized: dict, base32) -> None:
             dequantized = torch.stack([ours.dequantize_expert(weight, e) for e in range(ours.num_experts)])
             getattr(stock, weight).copy_(dequantized)
         first = ours.quant_meta(ours.layout.weights[0])[0]  # [out, in], or [in, out] transposed
-        rows = 3 * ours.num_experts if ours.layout.dense else 12
+        call = getattr(ours.layout, "call", "routed")  # how the family calls its experts (expert_layouts.py)
+        rows = 3 * ours.num_experts if call == "dense" else 12
         hidden = torch.randn(rows, first[0] if ours.layout.transposed else first[1], generator=generator)
         index = torch.stack([torch.randperm(ours.num_experts, generator=generator)[:2] for _ in range(12)])
         weights = torch.rand(12, 2, generator=generator)
         hidden = hidden.to(torch.bfloat16)
         # a dense call (Llama 4): every expert on its own 3 rows; else 12 tokens routed to 2 experts each
         args = (hidden, index, weights.to(torch.bfloat16))
-        if ours.layout.dense:
+        if call == "dense":
             args = (hidden,)
-        elif ours.layout.call == "split":  # JetMoE: rows sorted by expert, how many per expert
+        elif call == "split":  # JetMoE: rows sorted by expert, how many per expert
             args = (hidden, [3, 0, 5, 4][: ours.num_experts])
         compute = ours.compute
         ours.compute = "loop"  # the reference path; grouped is compared with it below
