@@ -22,7 +22,14 @@ PENDING_FIX: dict[str, str] = {}
 # 34 the first sweep found now work (GPT-2 Conv1D merge, LFM3/HRM checkpoint key conversions, cross-attention and
 # Mamba's dt_proj left out of all-linear, gradient checkpointing only where the class supports it) or are refused by
 # name by the loader and the doctor alike (encoder families configured as encoders).
-OTHER_FAILURES: dict[str, str] = {}
+OTHER_FAILURES: dict[str, str] = {
+    # Loaded since issue 48 (experts by declared layout); both found by the sweep's oracles, reported on issue 48.
+    "laguna": "peft 0.21 runs a saved adapter's keys through transformers' Laguna renaming 'mlp.shared_expert.' "
+    "(an unescaped regex dot) which also matches 'mlp.shared_experts': the shared-expert LoRA loads nowhere "
+    "(PeftModel.from_pretrained, the oracle here, and load_qlora_model(adapter=...)); merge-adapters itself is right",
+    "hy_v4": "merge_nf4: the indexer's weights_proj (kept float32 by _keep_in_fp32_modules_strict, yet quantized) is "
+    "written back in bf16; training saw its float32 dequantization (2.7e-05 off)",
+}
 
 
 @pytest.fixture(scope="session")
