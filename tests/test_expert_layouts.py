@@ -244,3 +244,72 @@ def test_declared_experts_quantize_train_and_merge(family, tmp_path):
     del model
     expert_keys = [f"{name}.{w}" for name, m in quantized.items() for w in m.layout.weights]
     _check_merge(path, tmp_path / "adapter", tmp_path / "merged", base32, ref, expert_keys)
+
+
+def _synthetic_experts(flags: dict):
+    """A class transformers' decorator declares with `flags` (hidden 32, 4 experts of width 16), random weights."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(**flags)
+    class SyntheticExperts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            gate, bias, transposed = (
+                flags.get("has_gate", True),
+                flags.get("has_bias", False),
+                flags.get("is_transposed"),
+            )
+            first = ("gate_up_proj" if gate else "up_proj", 32 * (2 if gate else 1))
+
+            def weight(out, inp):
+                return torch.nn.Parameter(torch.randn(4, inp, out) if transposed else torch.randn(4, out, inp))
+
+            self.num_experts = 4
+            setattr(self, first[0], weight(first[1], 32))
+            self.down_proj = weight(32, 32)
+            if bias:
+                setattr(self, f"{first[0]}_bias", torch.nn.Parameter(torch.randn(4, first[1])))
+                self.down_proj_bias = torch.nn.Parameter(torch.randn(4, 32))
+            self.act_fn = torch.nn.SiLU()
+            if flags.get("has_post_expert_norm"):
+                self.post_expert_norm = torch.nn.LayerNorm(32)
+                torch.nn.init.normal_(self.post_expert_norm.weight)
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # only transformers' dispatch runs here
+            raise NotImplementedError
+
+    torch.manual_seed(0)
+    return SyntheticExperts(SimpleNamespace(_experts_implementation="batched_mm"))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"has_post_expert_norm": True}, {"has_gate": False}, {"is_transposed": True, "has_bias": True}],
+    ids=["post_expert_norm", "no_gate", "transposed_bias"],
+)
+@pytest.mark.parametrize("compute", ["loop", "grouped"])
+def test_declared_flags_against_transformers_dispatch(flags, compute):
+    """Flags no causal-LM family here combines (a post-expert norm: transformers 5.24's MuseSpark) on a class the
+    decorator declares: our 4-bit experts (loop and grouped) against transformers' own ``batched_mm`` forward
+    (ExpertsInterface) on the dequantized weights."""
+    from hf_fsdp_qlora.loading.experts import quantize_experts
+
+    stock = _synthetic_experts(flags)
+    holder = torch.nn.ModuleDict({"experts": copy.deepcopy(stock)})
+    assert quantize_experts(holder, dtype=torch.float32) == ["experts"]
+    ours = holder["experts"]
+    ours.compute = compute
+    with torch.no_grad():
+        for weight in ours.layout.weights:
+            getattr(stock, weight).copy_(torch.stack([ours.dequantize_expert(weight, e) for e in range(4)]))
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(10, 32, generator=generator)
+    index = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2, generator=generator)
+    with torch.no_grad():
+        want = stock(hidden, index, weights)
+        got = ours(hidden, index, weights)
+    scale = want.abs().max()  # float32 sums met in another order: 1e-5 of the largest value (test_moe.py's bound)
+    torch.testing.assert_close(got / scale, want / scale, rtol=1e-5, atol=1e-5)
