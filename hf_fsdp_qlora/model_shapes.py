@@ -14,6 +14,7 @@ from .loss_paths import LOGIT_TRANSFORMS
 from .model_config import load_model_config
 from .moe_routers import router_layers
 from .sp_rules import local_attention_kinds, router_aux_kind
+from .towers import auto_class_for, tower_modules
 
 __all__ = [
     "ExpertsShape",
@@ -99,6 +100,9 @@ class ModelShape:
     # config, and how the class computes it (sp_rules.router_aux_kind)
     output_router_logits: bool = False
     router_aux: str | None = None
+    # a multimodal model's vision/audio towers and projectors (hf_fsdp_qlora.towers): kept 16-bit, frozen, no LoRA
+    towers: list[str] = field(default_factory=list)
+    tower_params: int = 0
 
     @property
     def expert_params(self) -> int:
@@ -231,8 +235,12 @@ def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
         module = module.get_base_model()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layer_classes = list(getattr(module, "_no_split_modules", None) or [])
-    layer_prefixes = _layer_prefixes(module, layer_classes)
+    towers = tower_modules(module)
+    # the language model's layers: a tower's blocks are FSDP units too, but not the decoder layers counted per layer
+    layer_prefixes = [p for p in _layer_prefixes(module, layer_classes) if not _in_towers(p, towers)]
     shape = _sizes(config, text, module, layer_classes)
+    shape.towers = towers
+    shape.tower_params = sum(p.numel() for n, p in module.named_parameters() if _in_towers(n, towers))
     linear_weights = set()
     _add_experts(shape, module, text, layer_prefixes, linear_weights)
     _add_linears(shape, module, layer_prefixes, lora_target_modules, linear_weights)
@@ -247,16 +255,18 @@ def _module_and_config(model):
     if isinstance(model, torch.nn.Module):
         return model, model.config
     config = load_model_config(model)
-    from transformers import AutoModelForCausalLM
-
     try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), config
+        with torch.device("meta"):  # AutoModelForCausalLM, or the image-text class of a family mapped only there
+            return auto_class_for(config).from_config(config, dtype=torch.bfloat16), config
     except Exception as err:  # any failure to build a model from this config is bad input
         raise SetupInputError(
             f"{config.model_type!r} has no causal-LM class in transformers ({err}). Pass a causal language "
             "model's config (Llama, Qwen2, Mistral, ...)."
         ) from err
+
+
+def _in_towers(name: str, towers: list[str]) -> bool:
+    return any(name == t or name.startswith(f"{t}.") for t in towers)
 
 
 def _layer_prefixes(module, layer_classes: list[str]) -> list[str]:
@@ -287,7 +297,7 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         checkpointing=bool(getattr(module, "supports_gradient_checkpointing", True)),
         num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         hidden_size=int(text.hidden_size),
-        intermediate_size=int(getattr(text, "intermediate_size", 4 * text.hidden_size) or 4 * text.hidden_size),
+        intermediate_size=_widest(getattr(text, "intermediate_size", None)) or 4 * int(text.hidden_size),
         num_heads=heads,
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=int(_config_value(text, "head_dim") or text.hidden_size // heads),
@@ -303,6 +313,11 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
     )
 
 
+def _widest(size) -> int:
+    """A config's size field as one number: Gemma 3n gives a width per layer (the widest plans the peak)."""
+    return int(max(size) if isinstance(size, (list, tuple)) else size or 0)
+
+
 def _add_linears(shape: ModelShape, module, layer_prefixes: list[str], lora_target_modules, counted: set) -> None:
     """Every linear layer of `module` into `shape` (quantized and LoRA-targeted but the head); weight ids into
     `counted`."""
@@ -310,11 +325,12 @@ def _add_linears(shape: ModelShape, module, layer_prefixes: list[str], lora_targ
 
     head = module.get_output_embeddings()
     routers = router_layers(module) if lora_target_modules == "all-linear" else set()  # never all-linear targets
+    towers = shape.towers  # 16-bit and frozen: neither quantized nor LoRA targets
     for name, sub in module.named_modules():
         is_linear = isinstance(sub, torch.nn.Linear) or type(sub).__name__ in ("Linear4bit", "Linear8bitLt")
         if not is_linear or "lora_" in name or ".base_layer" in name[-11:]:
             continue
-        is_head = sub is head
+        is_head = sub is head or _in_towers(name, towers)
         shape.linears.append(
             LinearShape(
                 name=name,
@@ -358,9 +374,9 @@ def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], cou
         if not weight_names:
             continue
         bias_names = layout.biases if layout else ()
-        # 3-D [E, rows, cols]; an unknown class may stack its experts' rows in 2-D (DBRX: [E * ffn, hidden])
-        count = int(getattr(sub, "num_experts", 0) or direct[weight_names[0]].shape[0])
-        weights = {n: (direct[n].numel() // count // direct[n].shape[-1], direct[n].shape[-1]) for n in weight_names}
+        first = direct[weight_names[0]]  # stacked [E, ...], or DBRX's 2-D [E * ffn, hidden] (E: the class's count)
+        count = int(first.shape[0] if first.dim() >= 3 else getattr(sub, "num_experts", 0) or first.shape[0])
+        weights = {n: _per_expert(direct[n], count) for n in weight_names}
         shape.experts.append(
             ExpertsShape(
                 name=name,
@@ -382,6 +398,14 @@ def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], cou
     if not shared and getattr(text, "n_shared_experts", None):  # DeepSeek: n_shared_experts experts of width
         shared = int(text.n_shared_experts) * shape.expert_width
     shape.shared_expert_width = int(shared)
+
+
+def _per_expert(param, count: int) -> tuple[int, ...]:
+    """One expert's weight shape: a stacked [E, ...] weight's trailing dims; DBRX stacks its experts' rows in 2-D
+    weights ([E * ffn, hidden])."""
+    if param.dim() >= 3:
+        return tuple(int(d) for d in param.shape[1:])
+    return (int(param.shape[0]) // count, int(param.shape[1]))
 
 
 def _config_value(config, name: str):

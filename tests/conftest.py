@@ -34,10 +34,11 @@ _SECONDS = {
     "test_moe_stream.py": 60,
     "test_expert_layouts.py": 40,
     "test_recipes_docs.py": 90,
-    "test_families.py": 50,
+    "test_families.py": 70, "test_flagship_plans.py": 15,
     "test_options.py": 130,
     "test_precision_trl.py": 40, "test_peft_recipe.py": 15,
     "test_sequence_parallel.py": 45, "test_adapter_dtype_benchmark.py": 5,
+    "test_multimodal_train.py": 70, "test_multimodal.py": 25,
 }  # fmt: skip
 
 

@@ -11,6 +11,9 @@ A fenced ``bash`` or ``python`` block is preceded by an HTML comment (invisible 
                                           (examples/cpu_demo.sh: tests/test_demo.py), so no test runs it twice
     <!-- cpu-rehearsal: make-targets -->  every `make T` in the block names a target of the Makefile
     <!-- cpu-rehearsal: excerpt-of PATH --> (python) every line is a line of PATH, in order; PATH is run elsewhere
+    <!-- cpu-rehearsal: pasteable COMMAND --> (python) a whole script as a user pastes it: saved as $SNIPPET, its
+                                          MODEL = "..." and DATA = "..." lines pointed at a tiny local model and
+                                          data, and run by COMMAND (README: tests/test_readme.py)
     <!-- gpu-only -->                     docs: needs a GPU or a real model; its programs, scripts and options are
                                           checked to exist (argument parsing, not a run)
 """
@@ -36,7 +39,8 @@ class Block:
     line: int  # 1-based line of the opening fence
     lang: str
     body: str
-    kind: str | None  # "command", "as-written", "tested-by", "run-by", "make-targets", "excerpt-of", "gpu-only", None
+    kind: str | None  # "command", "as-written", "tested-by", "run-by", "make-targets", "excerpt-of", "pasteable",
+    # "gpu-only", None
     arg: str = ""
 
     @property
@@ -57,7 +61,7 @@ def _marker(before: str) -> tuple[str | None, str]:
     for kind in ("as-written", "make-targets"):
         if text == kind:
             return kind, ""
-    for kind in ("tested-by", "run-by", "excerpt-of"):
+    for kind in ("tested-by", "run-by", "excerpt-of", "pasteable"):
         if text.startswith(kind + " "):
             return kind, text[len(kind) + 1 :].strip()
     return "command", text

@@ -14,7 +14,26 @@ CHATML_TEMPLATE = (
 )
 # Printed (stdout and stderr) by tests/scripts/recipe_scenarios.py between its routes and the trl script it runs last.
 TRL_MARKER = "recipe_scenarios: the routes are done; now trl's script through hf_fsdp_qlora.run"
-WORDS = "the cat dog sat on a mat red blue green one two three four five and is was".split()
+WORDS = [
+    "the",
+    "cat",
+    "dog",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "red",
+    "blue",
+    "green",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "and",
+    "is",
+    "was",
+]
 
 
 def _sentence(rng, n):
@@ -61,24 +80,59 @@ def _write(folder: Path, rows_by_split: dict) -> Path:
     return folder
 
 
-def build_chat_dataset(folder: str | Path, n_train: int = 16, n_test: int = 4, seed: int = 1) -> Path:
+def build_chat_dataset(
+    folder: str | Path, n_train: int = 16, n_test: int = 4, seed: int = 1, long_words: int = 0
+) -> Path:
+    """`long_words`: the first training row's answer has that many words (past a recipe's max_length)."""
     rng = random.Random(seed)
 
-    def row():
+    def row(words=8):
         return {
             "messages": [
                 {"role": "user", "content": _sentence(rng, 6)},
-                {"role": "assistant", "content": _sentence(rng, 8)},
+                {"role": "assistant", "content": _sentence(rng, words)},
             ]
         }
 
-    return _write(Path(folder), {"train": [row() for _ in range(n_train)], "test": [row() for _ in range(n_test)]})
+    train = [row(long_words or 8)] + [row() for _ in range(n_train - 1)]
+    return _write(Path(folder), {"train": train, "test": [row() for _ in range(n_test)]})
 
 
-def build_preference_dataset(folder: str | Path, n_train: int = 16, n_test: int = 4, seed: int = 2) -> Path:
+def build_preference_dataset(
+    folder: str | Path, n_train: int = 16, n_test: int = 4, seed: int = 2, long_words: int = 0
+) -> Path:
+    """`long_words`: the first training row's chosen answer has that many words."""
+    rng = random.Random(seed)
+
+    def row(words=5):
+        return {
+            "prompt": _sentence(rng, 6),
+            "chosen": " " + _sentence(rng, words),
+            "rejected": " " + _sentence(rng, 5),
+        }
+
+    train = [row(long_words or 5)] + [row() for _ in range(n_train - 1)]
+    return _write(Path(folder), {"train": train, "test": [row() for _ in range(n_test)]})
+
+
+def build_prompt_dataset(folder: str | Path, n_train: int = 8, n_test: int = 2, seed: int = 3) -> Path:
+    """Plain prompts (trl-lib/tldr's `prompt` column), for GRPO."""
     rng = random.Random(seed)
 
     def row():
-        return {"prompt": _sentence(rng, 6), "chosen": " " + _sentence(rng, 5), "rejected": " " + _sentence(rng, 5)}
+        return {"prompt": _sentence(rng, 10) + " TL;DR:"}
 
     return _write(Path(folder), {"train": [row() for _ in range(n_train)], "test": [row() for _ in range(n_test)]})
+
+
+def build_example_jsonl(path: str | Path, columns: tuple[str, str], n: int = 12, seed: int = 4, long_words: int = 0):
+    """The example scripts' JSONL (`prompt`/`completion`, or `prompt`/`label`); `long_words`: the first row's
+    completion has that many words (cut at max_length from the right, it keeps labels: it trains on something)."""
+    rng = random.Random(seed)
+    first, second = columns
+    rows = [{first: _sentence(rng, 6), second: _sentence(rng, long_words or 3)}]
+    rows += [{first: _sentence(rng, 6), second: _sentence(rng, 3)} for _ in range(n - 1)]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

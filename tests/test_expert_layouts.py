@@ -218,7 +218,21 @@ def _check_merge(path: Path, adapter: Path, out: Path, base32, ref: dict, expert
     assert not unchanged, f"peft's merge left expert weights unchanged: {unchanged[:3]}"
 
 
-@pytest.mark.parametrize("family", [*decorated_families(), *NAMED_FAMILIES])
+# Families whose 4-bit experts are right but which fail elsewhere (tests/test_families.py OTHER_FAILURES says how).
+OUTSIDE_EXPERTS = {
+    "deepseek_v4": "LoRA on its sparse attention's compressor gets no gradient",
+    "inkling2_text": "its router multiplies float32 hidden states by a bf16 weight",
+    "kimi_linear": "merge-adapters cannot read its per-expert base files",
+    "zaya": "LoRA on its CCA projection's q_proj/k_proj gets no gradient",
+}
+
+
+def _family_param(family: str):
+    reason = OUTSIDE_EXPERTS.get(family)
+    return pytest.param(family, marks=[pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
+
+
+@pytest.mark.parametrize("family", [_family_param(f) for f in [*decorated_families(), *NAMED_FAMILIES]])
 def test_declared_experts_quantize_train_and_merge(family, tmp_path):
     try:
         path = build(family, tmp_path / "base")

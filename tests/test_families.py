@@ -10,6 +10,7 @@ docstring. Families the generic shrink cannot build are listed in the page with 
 from __future__ import annotations
 
 import pytest
+from family_build import NOT_BUILT, tiny_config
 from family_sweep import families
 from make_families_table import PAGE, render, run_sweep, status
 
@@ -18,18 +19,42 @@ from make_families_table import PAGE, render, run_sweep, status
 # experts (defect 1); jamba and nemotron_h are now refused by their experts class's name instead.
 PENDING_FIX: dict[str, str] = {}
 
-# Failures found by the sweep that are not among the seven (reported on issue 35), as strict xfails: none left. The
-# 34 the first sweep found now work (GPT-2 Conv1D merge, LFM3/HRM checkpoint key conversions, cross-attention and
-# Mamba's dt_proj left out of all-linear, gradient checkpointing only where the class supports it) or are refused by
-# name by the loader and the doctor alike (encoder families configured as encoders).
+# Failures of families the size rules build since issue 48 (they were "not built" before), as strict xfails with
+# the error: each is in the loader or merge code, not in the sweep, and passes (XPASS: remove it here) once fixed.
+_TOWER = "text-only training leaves the LoRA of its vision/audio tower without gradient: all-linear reaches the towers"
+_INDEXER = (
+    "all-linear puts LoRA on the sparse-attention indexer (wq_b, wk, weights_proj), whose output only "
+    "selects tokens (top-k): those adapters never get a gradient"
+)
+_INPLACE = (
+    "the input-gradient hook makes the embedding output a leaf that requires grad, and the model adds to it "
+    "in place: 'a leaf Variable that requires grad is being used in an in-place operation'"
+)
 OTHER_FAILURES: dict[str, str] = {
-    # Loaded since issue 48 (experts by declared layout); both found by the sweep's oracles, reported on issue 48.
+    "gemma3": _TOWER, "fuyu": _TOWER, "got_ocr2": _TOWER, "moss_transcribe_diarize": _TOWER,
+    "phi4_multimodal": _TOWER,
+    "deepseek_v32": _INDEXER, "glm_moe_dsa": _INDEXER,
+    "blt": _INPLACE, "git": _INPLACE,
+    "gemma3n_text": "its AltUp correction_coefs is an nn.Linear quantized to 4 bits whose .weight the training "
+                    "forward reads directly: 'mat1 and mat2 shapes cannot be multiplied (8x4 and 1x4)'",
+    "reformer": "'element 0 of tensors does not require grad' at backward; stock peft on the 16-bit model fails "
+                "alike (its reversible layers)",
+    # loaded since experts by declared layout (issue 48), failing outside their experts:
+    "deepseek_v4": "all-linear LoRA on its sparse attention's compressor (kv_proj, ...) gets no gradient on short "
+                   "sequences",
+    "inkling2_text": "its router multiplies float32 hidden states by a bf16 router weight: 'expected m1 and m2 to have "
+                     "the same dtype, but got: float != c10::BFloat16'",
+    "kimi_linear": "merge-adapters: the base stores its experts per expert in the original format "
+                   "(block_sparse_moe.experts.N.w1): 'cannot tell which expert the base's tensor ... holds'",
+    "zaya": "all-linear LoRA on its CCA projection's q_proj/k_proj gets no gradient",
     "laguna": "peft 0.21 runs a saved adapter's keys through transformers' Laguna renaming 'mlp.shared_expert.' "
-    "(an unescaped regex dot) which also matches 'mlp.shared_experts': the shared-expert LoRA loads nowhere "
-    "(PeftModel.from_pretrained, the oracle here, and load_qlora_model(adapter=...)); merge-adapters itself is right",
-    "hy_v4": "merge_nf4: the indexer's weights_proj (kept float32 by _keep_in_fp32_modules_strict, yet quantized) is "
-    "written back in bf16; training saw its float32 dequantization (2.7e-05 off)",
-}
+              "(an unescaped regex dot) which also matches 'mlp.shared_experts': the shared-expert LoRA loads "
+              "nowhere (PeftModel.from_pretrained, the oracle here, and load_qlora_model(adapter=...))",
+    "hy_v4": "merge_nf4: the indexer's weights_proj (kept float32 by _keep_in_fp32_modules_strict, yet quantized) "
+             "is written back in bf16; training saw its float32 dequantization (2.7e-05 off)",
+    "zamba": "merge-adapters: the adapter has LoRA on layers.7.shared_transf, the block tied to layers.2's, which "
+             "the checkpoint stores once: 'the adapter changes 7 tensor(s) the base does not have'",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -59,12 +84,39 @@ def test_family_works_or_is_refused_by_name(sweep, family):
 
 
 def test_table_equals_the_sweep(sweep):
-    assert PAGE.read_text() == render(sweep), "docs/families.md is stale: run tests/make_families_table.py"
+    from make_flagship_table import split_page
+
+    sweep_part, _ = split_page(PAGE.read_text())  # the flagship section: tests/test_flagship_plans.py
+    assert sweep_part == render(sweep), "docs/families.md is stale: run tests/make_families_table.py"
 
 
-def test_sweep_covers_every_family_and_builds_most(sweep):
-    """The mapping's every causal-LM family has a record; the generic shrink builds most of them."""
+def test_sweep_covers_every_family_and_builds_all_but_the_listed(sweep):
+    """The mapping's every causal-LM family has a record; every family is built but the NOT_BUILT few, whose
+    reason is the page's note."""
     assert set(sweep) == set(families())
-    built = [f for f, r in sweep.items() if r["build"]["ok"]]
-    assert len(built) >= 0.6 * len(sweep), len(built)
-    assert {"llama", "qwen3_moe", "mixtral", "gpt_oss"} <= set(built)
+    not_built = {f: r["build"]["detail"] for f, r in sweep.items() if not r["build"]["ok"]}
+    assert not_built == NOT_BUILT
+    assert len(not_built) <= 5
+    assert {"llama", "qwen3_moe", "mixtral", "gpt_oss", "gemma3", "qwen3_5_moe", "llama4"} <= set(sweep) - set(
+        not_built
+    )
+
+
+@pytest.mark.parametrize("family", ["dbrx", "gemma3n_text"])
+def test_the_doctor_reads_shapes_the_size_rules_reach(family):
+    """DBRX stacks its experts' rows in 2-D weights ([E * ffn, hidden]) and Gemma 3n gives one MLP width per layer:
+    the doctor's shape reading crashed on both (ValueError unpacking one expert's shape, TypeError on int(list))."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp_qlora.model_shapes import model_shape
+
+    config = tiny_config(family)
+    shape = model_shape(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+    if family == "dbrx":
+        assert [(e.num_experts, e.weights["mlp.w1"]) for e in shape.experts[:1]] == [(4, (128, 64))]
+    else:
+        assert shape.intermediate_size == 128

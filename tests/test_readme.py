@@ -21,7 +21,7 @@ from readme_blocks import blocks, node_exists, options, program, scripts, shell_
 
 README = REPO / "README.md"
 BLOCKS = blocks(README)
-RUN_KINDS = ("command", "as-written")
+RUN_KINDS = ("command", "as-written", "pasteable")
 
 
 def _id(block):
@@ -31,12 +31,12 @@ def _id(block):
 def test_every_command_block_says_how_it_is_tested():
     assert len(BLOCKS) >= 8, [b.where for b in BLOCKS]
     missing = [b.where for b in BLOCKS if b.kind not in ("command", "as-written", "tested-by", "run-by",
-                                                          "make-targets", "excerpt-of")]  # fmt: skip
+                                                          "make-targets", "excerpt-of", "pasteable")]  # fmt: skip
     assert not missing, f"README blocks without a <!-- cpu-rehearsal: ... --> comment before them: {missing}"
 
 
 def test_readme_stays_short():
-    assert len(README.read_text().splitlines()) <= 150
+    assert len(README.read_text().splitlines()) <= 190  # the GPU first steps and route 1's whole script included
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "command"], ids=_id)
@@ -114,6 +114,20 @@ def workspace(tmp_path_factory):
     }
 
 
+def _pasted(block, workspace) -> str:
+    """The script a user pastes, saved in the workspace: its MODEL and DATA lines point at the tiny model and the
+    demo's data, its output folder lies in the workspace; nothing else changes."""
+    text = re.sub(r'^MODEL = "[^"]*"', f'MODEL = "{workspace["TINY"]}"', block.body, count=1, flags=re.MULTILINE)
+    text = re.sub(r'^DATA = "[^"]*"', f'DATA = "{REPO / "examples/data/capitals.jsonl"}"', text, count=1,
+                  flags=re.MULTILINE)  # fmt: skip
+    assert text.count(workspace["TINY"]) == 1 and "capitals.jsonl" in text, f"{block.where}: no MODEL/DATA lines"
+    text = text.replace('output_dir="llama-qlora"', f'output_dir="{workspace["WORK"]}/pasted-{block.line}"')
+    path = os.path.join(workspace["WORK"], f"pasted_line{block.line}.py")
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(text)
+    return path
+
+
 @pytest.fixture(scope="module")
 def rehearsals(workspace):
     """Run every CPU form in README order; {line: completed process}."""
@@ -121,8 +135,10 @@ def rehearsals(workspace):
     for block in BLOCKS:
         if block.kind not in RUN_KINDS:
             continue
-        script = block.arg if block.kind == "command" else block.body
+        script = block.body if block.kind == "as-written" else block.arg
         env = _env({**workspace, "PORT": str(free_port()), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
+        if block.kind == "pasteable":
+            env["SNIPPET"] = _pasted(block, workspace)
         done[block.line] = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", script], check=False, cwd=str(REPO), env=env, capture_output=True, text=True,
             timeout=420,
@@ -138,7 +154,8 @@ def test_cpu_form_succeeds(block, rehearsals, workspace):
     text = proc.stdout + proc.stderr
     if "accelerate launch" in block.arg:  # a green launch proves nothing: FSDP must have engaged on both ranks
         assert re.search(r"FSDP2 engaged on 2 rank\(s\)", text), text[-3000:]
-    for folder in re.findall(r'--output(?:_dir)? "\$WORK/([\w-]+)"', block.arg):
+    folders = re.findall(r'--output(?:_dir)? "\$WORK/([\w-]+)"', block.arg)
+    for folder in folders + ([f"pasted-{block.line}"] if block.kind == "pasteable" else []):
         written = os.listdir(os.path.join(workspace["WORK"], folder))
         assert any(name.endswith(".safetensors") for name in written), (block.where, folder, written)
     if "explain" in block.arg:

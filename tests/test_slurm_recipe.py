@@ -59,15 +59,18 @@ def test_sbatch_dry_run_launch_line(nodes, tmp_path):
     for rank, line in enumerate(node_lines):
         words = line.split(": ", 1)[1].split()
         assert words[:2] == ["accelerate", "launch"]
-        opts = dict(zip(words[2:-9:2], words[3:-9:2], strict=True))
+        opts = dict(zip(words[2:-11:2], words[3:-11:2], strict=True))
         assert Path(opts["--config_file"]).name == config and Path(opts["--config_file"]).is_file()
         assert opts["--num_machines"] == str(nodes) and opts["--num_processes"] == str(8 * nodes)
         assert opts["--machine_rank"] == str(rank) and opts["--main_process_ip"] == "node01"
-        assert words[-9:-6] == ["-m", "hf_fsdp_qlora.run", "examples/train_qlora.py"]
-        # The defaults are the arguments of their script: it gets past its argparse (it stopped there).
-        args = _train_qlora_parser()(words[-6:])
+        assert words[-11:-8] == ["-m", "hf_fsdp_qlora.run", "examples/train_qlora.py"]
+        # The defaults are the arguments of their script: it gets past its argparse (it stopped there), with the
+        # recipe's settings file (a checkpoint every 100 steps: tests/test_recipes_settings.py).
+        args = _train_qlora_parser()(words[-8:])
         assert (args.model, args.data, args.output) == ("meta-llama/Llama-3.1-8B", "examples/data/capitals.jsonl",
                                                         str(tmp_path / "run"))  # fmt: skip
+        assert args.config == "examples/recipes/slurm-multinode.yaml"
+        assert args.training["save_strategy"] == "steps" and args.training["save_steps"] == 100
     assert "preempted.json" in lines[-1] and lines[-1].endswith(": scontrol requeue")
     syntax = subprocess.run(["bash", "-n", str(SBATCH)], check=False, capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr

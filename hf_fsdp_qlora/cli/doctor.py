@@ -127,6 +127,9 @@ examples:
   hf-fsdp-qlora doctor --accelerate-config fsdp2_qlora --model ./Llama-3.1-8B --load-in-4bit --gpu-memory 24GB
   hf-fsdp-qlora doctor --accelerate-config llamaguard3_1b_1x24gb --model ./Llama-Guard-3-1B --full-finetune \\
       --gpu-memory 24GB --json
+  # the settings the launch reads (sequence length, batch, checkpoints, LoRA; flags given here win):
+  hf-fsdp-qlora doctor --accelerate-config fsdp2_qlora --num-gpus 1 --gpu-memory 24GB --model ./Llama-3.1-8B \\
+      --training-config examples/recipes/llama-8b-1x24gb.yaml
 
 --model takes a model directory, its config.json, or a Hugging Face Hub id (org/name: only its config.json is
 fetched, with your token and cache; HF_HUB_OFFLINE=1 reads the cache only); no weight is read. Memory sizes: 80GB = 80GiB (GPUs are
@@ -141,6 +144,13 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
         )
         parser.add_argument(
             "--model", required=True, metavar="PATH|ORG/NAME", help="model directory, its config.json, or a Hub id"
+        )
+        parser.add_argument(
+            "--training-config",
+            metavar="YAML",
+            help="the training settings file the launch reads (trl's --config, the example scripts' --config; "
+            "examples/recipes/): its max_length, per_device_train_batch_size, save_steps, quantization and LoRA "
+            "keys plan the run; an option given here with another value than its default wins",
         )
         quant = parser.add_mutually_exclusive_group()
         quant.add_argument("--load-in-4bit", action="store_true", help="QLoRA: 4-bit NF4 base + LoRA")
@@ -278,6 +288,8 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
 
     def run(self, args: argparse.Namespace) -> int:
         """Print the report; 0 no error, 1 errors found, 2 usage error."""
+        if args.training_config:
+            _apply_training_config(self, args)
         problem = _impossible(args)
         if problem:
             raise CommandError(problem)
@@ -294,6 +306,32 @@ sold in binary units). exit status: 0 no error, 1 errors found, 2 usage error.""
         if args.longest:
             print(_longest_line(diagnosis))
         return diagnosis.exit_code
+
+
+_QUANTIZATION = ("load_in_4bit", "load_in_8bit", "full_finetune")
+
+
+def _apply_training_config(command: Command, args: argparse.Namespace) -> None:
+    """Plan with the settings the launch reads from the same file: each option the file sets replaces the option's
+    default; one given on the command line (another value than its default) wins, as flags beside trl's --config do."""
+    from hf_fsdp_qlora.training_config import doctor_values, read_training_config
+
+    try:
+        values = doctor_values(read_training_config(args.training_config))
+    except (OSError, ValueError) as err:
+        raise CommandError(f"--training-config {args.training_config}: {err}") from err
+    defaults = argparse.ArgumentParser()
+    command.add_arguments(defaults)
+    given = {dest for dest in values if getattr(args, dest) != defaults.get_default(dest)}
+    if any(getattr(args, q) for q in _QUANTIZATION):  # --load-in-8bit beside a file's load_in_4bit: the flag's
+        given.update(_QUANTIZATION)
+    for dest, value in values.items():
+        if dest not in given:
+            setattr(args, dest, value)
+    if sum(bool(getattr(args, q)) for q in _QUANTIZATION) > 1:
+        raise CommandError(
+            f"--training-config {args.training_config}: sets more than one of {', '.join(_QUANTIZATION)}"
+        )
 
 
 def _longest_line(diagnosis) -> str:

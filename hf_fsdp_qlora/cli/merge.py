@@ -115,6 +115,14 @@ replaced, no CUDA for --device cuda).
             "(tie_word_embeddings=false) instead of failing (default: fail)",
         )
         parser.add_argument(
+            "--tokenizer",
+            default=None,
+            metavar="PATH",
+            help="folder whose tokenizer files to write beside the merge, instead of those of --base and of the "
+            "adapter folder (default: those, the adapter folder's over the base's); engines such as vLLM refuse a "
+            "model folder without tokenizer files",
+        )
+        parser.add_argument(
             "--no-progress", dest="progress", action="store_false", help="hide the per-shard progress bars"
         )
 
@@ -137,6 +145,7 @@ replaced, no CUDA for --device cuda).
             untie_embeddings=args.untie_embeddings,
             adapter_config=args.adapter_config,
             allow_other_base=args.allow_other_base,
+            tokenizer=args.tokenizer,
             progress=args.progress,
         )
         print(f"merged model written to {output}")

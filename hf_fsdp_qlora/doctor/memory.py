@@ -103,7 +103,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     loss_path: str = "ours"  # the loss path planned (hf_fsdp_qlora.loss_paths)
     # total / active (per token) / expert parameters, and for MoE the experts' bytes and the per-GPU total as held
-    # and with 16-bit experts (what a stock load_in_4bit holds)
+    # and with 16-bit experts (what a stock load_in_4bit holds); for a multimodal model its towers' (16-bit, frozen)
     parameters: dict = field(default_factory=dict)
     # the table's terms in report order: name, bytes per GPU, host bytes per process, reason (see .terms)
     terms: list[dict] = field(default_factory=list)
@@ -247,6 +247,9 @@ def _parameters(ctx: PlanContext) -> dict:
     with the experts a stock load_in_4bit leaves 16-bit."""
     shape, s, experts = ctx.shape, ctx.setup, ctx.experts
     params = {"total": shape.total_params, "active": shape.active_params, "experts": shape.expert_params}
+    if shape.towers:  # a multimodal model's towers and projectors: counted in the total, held 16-bit and frozen
+        params["towers"] = shape.tower_params
+        params["towers_bytes"] = shape.tower_params * dtype_bytes(s.dtype)
     if shape.experts:
         params["experts_bytes"] = experts.packed + experts.quant_state + (
             shape.expert_params - experts.quantized_numel) * dtype_bytes(s.dtype)  # fmt: skip

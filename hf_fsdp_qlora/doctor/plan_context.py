@@ -79,7 +79,10 @@ def planned_loss_path(setup: RunSetup, shape: ModelShape) -> tuple[str, str | No
     """The loss path the run takes, and why it is not ours: the predicate the trainer asks at run time."""
     if setup.loss_path is not None:
         return setup.loss_path, None
-    return loss_path(setup.trainer, setup.trainer_class, config=shape.logit_transforms)
+    path, why = loss_path(setup.trainer, setup.trainer_class, config=shape.logit_transforms)
+    if path == "own":  # a trainer class with a loss the plan has no row for (trl's GRPOTrainer, ...): its logits whole
+        return "stock", f"{why}: planned as the stock loss, the whole logits (--loss-path to plan another)"
+    return path, why
 
 
 def plan_context(shape: ModelShape, setup: RunSetup) -> PlanContext:

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from ..errors import UnsupportedSetupError
+from ..towers import lora_config_for_towers
 from ._checkpoint import check_checkpointing, supports_checkpointing
 from .expert_lora import (
     check_target_modules,
@@ -58,6 +59,7 @@ def attach_adapter(load, lora_config) -> None:
     lora_config = lora_config_for_experts(load.model, lora_config)  # "all-linear": the linear layers, in MoE too
     lora_config = lora_config_for_family(load.model, lora_config)  # not the layers its forward never runs
     lora_config = lora_config_for_mamba(load.model, lora_config)
+    lora_config = lora_config_for_towers(load.model, lora_config, load.lora_on_towers)  # the language model only
     check_target_parameters(load.model, lora_config)
     form = stock_form(load.model, lora_config)  # the names of the base, before peft wraps its layers
     peft_adapts_4bit_experts()  # peft's later loaders (load_adapter) read what we save

@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 _untouched = contextvars.ContextVar("hf_fsdp_qlora_script_loads_untouched", default=False)
 
 
+def loads_untouched() -> bool:
+    """Whether the current load is one of ``load_qlora_model``'s (within :func:`script_loads_untouched`)."""
+    return _untouched.get()
+
+
 @contextmanager
 def script_loads_untouched():
     """Within: the launcher's ``from_pretrained`` hook passes every load straight to transformers (the loader's own

@@ -401,6 +401,18 @@ def lora_config_for_experts(model: nn.Module, lora_config):
     return lora_config
 
 
+def _own_linear_forward(module: nn.Module) -> bool:
+    """A modelling file's ``nn.Linear`` subclass with a forward of its own (DeepSeek-V4's grouped output projection
+    ``DeepseekV4GroupedLinear``: per-group blocks of one weight): peft's LoRA would add ``x A^T B^T`` as for a plain
+    linear layer and fail on its shapes. bitsandbytes' 4-bit layers are plain linear layers here."""
+    for cls in type(module).__mro__:
+        if cls is nn.Linear:
+            return False
+        if cls.__module__.startswith("transformers.") and "forward" in cls.__dict__:
+            return True
+    return False
+
+
 def _linear_targets(model: nn.Module) -> list[str]:
     """The linear layers but the output head, the routers and sparse attention's indexers, as peft targets: a leaf
     name where it names such layers only, else the full names of the layers it names. An indexer (DeepSeek-V3.2,
@@ -411,7 +423,8 @@ def _linear_targets(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         indexer = ".indexer." in f".{name}."
-        if isinstance(module, nn.Linear) and module is not out and "." in name and name not in routers and not indexer:
+        plain = isinstance(module, nn.Linear) and not _own_linear_forward(module)
+        if plain and module is not out and "." in name and name not in routers and not indexer:
             linear.setdefault(leaf, []).append(name)
         elif name:
             other.add(leaf)

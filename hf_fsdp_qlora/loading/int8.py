@@ -146,18 +146,19 @@ def _viewed_width(in_features: int, dtype: torch.dtype, name: str) -> int:
     return in_features // width
 
 
-def modules_kept_16bit(config, skip_modules, dtype, trust_remote_code: bool = False) -> list[str]:
+def modules_kept_16bit(config, skip_modules, dtype, trust_remote_code: bool = False, model=None) -> list[str]:
     """bitsandbytes' ``llm_int8_skip_modules`` for `skip_modules` added to transformers' own list.
 
     A ``llm_int8_skip_modules`` given to transformers REPLACES the list it builds itself (the output head, tied
     weights), which would then be quantized: so that list is read from the model built on the meta device (nothing
-    allocated) and `skip_modules` is appended to it.
+    allocated; `model` when the caller has built it already, e.g. of an image-text class) and `skip_modules` is
+    appended to it.
     """
     from transformers.quantizers.base import get_keys_to_not_convert
 
     from ._experts_map import _meta_model
 
-    defaults = get_keys_to_not_convert(_meta_model(config, dtype, trust_remote_code))
+    defaults = get_keys_to_not_convert(model if model is not None else _meta_model(config, dtype, trust_remote_code))
     return sorted(set(defaults)) + [name for name in skip_modules if name not in defaults]
 
 

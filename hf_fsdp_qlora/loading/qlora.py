@@ -14,6 +14,7 @@ from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..expert_layouts import EXPERT_WEIGHT_NAMES
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
+from ..towers import auto_class_for, concrete_class, keep_present_layer_classes
 from ._adapter_steps import attach_adapter, continue_adapter, freeze_for_kbit_training
 from ._checkpoint import (
     check_causal_lm,
@@ -23,6 +24,7 @@ from ._checkpoint import (
     prequantized_check,
 )
 from ._experts_map import release_experts_dispatch
+from ._towers import refuse_low_ram_class, towers_of
 from .experts import quantize_experts as quantize_expert_weights
 from .family_targets import family_skip_modules
 from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
@@ -67,6 +69,8 @@ class _Load:
     skip_modules: tuple = ()  # layers kept 16-bit besides transformers' own (output head ...); the quantization record's
     model: Any = None  # _build_base; the PeftModel from _attach_adapter / _continue_adapter on
     adapter_dtype: Any = torch.float32  # the trainable tensors' dtype (the last step)
+    model_class: Any = None  # _read_config: the (auto) class from_pretrained is called on
+    lora_on_towers: bool = False  # attach_adapter: LoRA on a multimodal model's towers too (hf_fsdp_qlora.towers)
 
 
 def load_qlora_model(
@@ -85,6 +89,8 @@ def load_qlora_model(
     is_trainable: bool = True,
     skip_modules=None,
     adapter_dtype=torch.float32,
+    model_class=None,
+    lora_on_towers: bool = False,
     **from_pretrained_kwargs,
 ):
     """Load a causal LM in 4 bits (or 8) and add LoRA adapters, with one dtype driving everything.
@@ -136,7 +142,14 @@ def load_qlora_model(
         adapter_dtype: the dtype the trainable tensors (LoRA A/B, DoRA magnitudes) are kept and stepped in:
             ``torch.float32`` (default: small updates are not rounded away) or `dtype` (pure 16-bit adapters, half
             the adapter memory; see docs/dtypes.md).
-        **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (e.g. ``attn_implementation``).
+        model_class: the class whose ``from_pretrained`` loads the model: default ``AutoModelForCausalLM`` where
+            transformers maps the family there (Gemma 3/4 to their image-text class; Qwen3.5, Mllama, Llama 4 to their
+            text-only classes), else ``AutoModelForImageTextToText``. Pass ``AutoModelForImageTextToText`` (or the
+            class itself) to train Qwen3.5, Mllama or Llama 4 on images. A multimodal model's vision/audio towers and
+            projectors stay in `dtype`, unquantized and frozen (docs/multimodal.md).
+        lora_on_towers: ``"all-linear"`` (or a list of layer names) adapts the towers' linear layers too; default
+            False: the language model only.
+        **from_pretrained_kwargs: passed to ``from_pretrained`` (e.g. ``attn_implementation``).
 
     Returns:
         A ``peft.PeftModel`` ready for :class:`~hf_fsdp_qlora.FSDPQLoRATrainer`.
@@ -162,9 +175,12 @@ def load_qlora_model(
         is_trainable=is_trainable,
         skip_modules=tuple(skip_modules or ()),
         adapter_dtype=resolve_dtype(adapter_dtype),
+        model_class=model_class,
+        lora_on_towers=lora_on_towers,
     )
     _check_arguments(load, lora_config)
     _read_config(load)
+    refuse_low_ram_class(load.model_class, low_cpu_ram)
     check_checkpointing(load.config, gradient_checkpointing)
     _read_checkpoint_quantization(load)
     _refuse_8bit_experts(load)
@@ -173,6 +189,7 @@ def load_qlora_model(
     _plan_expert_stream(load)
     _build_base(load, low_cpu_ram)
     _view_packed_storage(load)
+    keep_present_layer_classes(load.model)  # FSDP's transformer wrap refuses a listed class the model lacks
     _quantize_experts(load)
     disable_cpu_repack_in_model(load.model)
     freeze_for_kbit_training(load.model, gradient_checkpointing)
@@ -219,6 +236,7 @@ def _read_config(load: _Load) -> None:
     """The checkpoint's config.json, refused unless it is a causal LM."""
     load.config = load_config(load.source, load.trust_remote_code)
     check_causal_lm(load.config)
+    load.model_class = load.model_class or auto_class_for(load.config)
 
 
 def _read_checkpoint_quantization(load: _Load) -> None:
@@ -275,11 +293,15 @@ def _decide_quantization(load: _Load) -> None:
 
 def _skips(load: _Load) -> dict:
     """``llm_int8_skip_modules`` (used by 4-bit and 8-bit loading alike) for the caller's `skip_modules` and the
-    family's own (layers its forward reads as a weight: family_targets.py), or nothing."""
-    skip = (*load.skip_modules, *(m for m in family_skip_modules(load.config) if m not in load.skip_modules))
+    family's own (layers its forward reads as a weight: family_targets.py; a multimodal model's towers and projectors:
+    hf_fsdp_qlora.towers), or nothing."""
+    meta, towers = towers_of(load.config, load.model_class, load.dtype, load.trust_remote_code)
+    own = (*family_skip_modules(load.config), *towers)  # towers: 16-bit, hf_fsdp_qlora.towers
+    skip = (*load.skip_modules, *(m for m in own if m not in load.skip_modules))
     if not skip:
         return {}
-    return {"llm_int8_skip_modules": modules_kept_16bit(load.config, skip, load.dtype, load.trust_remote_code)}
+    kept = modules_kept_16bit(load.config, skip, load.dtype, load.trust_remote_code, model=meta)
+    return {"llm_int8_skip_modules": kept}
 
 
 def _place_experts(load: _Load) -> None:
@@ -324,6 +346,10 @@ def _plan_expert_stream(load: _Load) -> None:
 
     user_kwargs = {k: v for k, v in load.from_pretrained_kwargs.items() if k not in load.placed}
     stream = expert_stream_or_say_why(load.source, load.config, load.dtype, load.trust_remote_code, user_kwargs)
+    if stream is not None and stream.model_class is not concrete_class(load.model_class, load.config):
+        logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: the stream follows %s's "
+                    "modules, this load builds %s's", stream.model_class.__name__, load.model_class.__name__)  # fmt: skip
+        stream = None
     if stream is not None:
         load.streamed = StreamedExperts(stream, load.quant_type, load.double_quant, load.dtype, load.experts_device)
 
@@ -350,10 +376,8 @@ def _build_base(load: _Load, low_cpu_ram: bool) -> None:
                 **kwargs,
             )
             return
-        from transformers import AutoModelForCausalLM
-
         quant = {} if load.quantization_config is None else {"quantization_config": load.quantization_config}
-        load.model = AutoModelForCausalLM.from_pretrained(
+        load.model = load.model_class.from_pretrained(
             load.source, **quant, dtype=load.dtype, trust_remote_code=load.trust_remote_code, **kwargs
         )
     release_experts_dispatch(load.model)

@@ -25,7 +25,7 @@ from hf_fsdp_qlora.merge._base_model import (
 from hf_fsdp_qlora.merge._experts import read_param_targets
 from hf_fsdp_qlora.merge._key_map import follow_checkpoint_keys, places_covering, quantized_places
 from hf_fsdp_qlora.merge._lora_math import collect_updates
-from hf_fsdp_qlora.merge._plan import plan
+from hf_fsdp_qlora.merge._plan import plan, torch_dtype
 from hf_fsdp_qlora.merge._quant_settings import quant_settings
 from hf_fsdp_qlora.merge.output_dir import AtomicOutputDir
 
@@ -126,14 +126,27 @@ def update_config(config: dict, items, task, out_dtype, untied: bool) -> None:
         for cfg in (config, config.get("text_config")):
             if isinstance(cfg, dict) and ("vocab_size" in cfg or cfg is config):
                 cfg["vocab_size"] = vocab
-    if out_dtype is not None:
-        config["dtype"] = str(out_dtype).removeprefix("torch.")
+    # Always said, also when the base's dtype is kept: engines serve config.json's dtype for `--dtype auto`
+    # (vLLM falls back to its own default where it is missing).
+    written = out_dtype or _dominant_dtype(items)
+    if written is not None:
+        config["dtype"] = str(written).removeprefix("torch.")
         if "torch_dtype" in config:
             config["torch_dtype"] = config["dtype"]
     if untied:
         for cfg in (config, config.get("text_config")):
             if isinstance(cfg, dict):
                 cfg["tie_word_embeddings"] = False
+
+
+def _dominant_dtype(items):
+    """The floating dtype holding most of the written bytes (a base may keep a few tensors, e.g. norms, in fp32)."""
+    sizes = {}
+    for item in items:
+        dtype = torch_dtype(item.dtype)
+        if dtype.is_floating_point:
+            sizes[dtype] = sizes.get(dtype, 0) + item.nbytes
+    return max(sizes, key=sizes.get) if sizes else None
 
 
 def output_with_room(output: Path, needed: int) -> AtomicOutputDir:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,6 +44,7 @@ from hf_fsdp_qlora.merge._lora_math import (
 from hf_fsdp_qlora.merge._plan import Item, torch_dtype
 from hf_fsdp_qlora.merge.adapter_io import load_adapter
 from hf_fsdp_qlora.merge.output_dir import check_output
+from hf_fsdp_qlora.merge.serving import TOKENIZER_CORE, adapter_notes, has_tokenizer, model_notes
 from hf_fsdp_qlora.safetensors_io import (
     OrderedWorker,
     ShardWriter,
@@ -53,6 +55,7 @@ from hf_fsdp_qlora.safetensors_io import (
 
 __all__ = ["DTYPES", "MergeError", "MergeUsageError", "merge_adapters"]
 
+logger = logging.getLogger(__name__)
 DTYPES = {name: getattr(torch, name) for name in FLOAT_NAMES}  # the output dtypes a merge writes
 _WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf|distcp)$|.*\.index\.json$")
 _TOKENIZER_FILE = re.compile(
@@ -107,6 +110,18 @@ def _check_usage(base, adapter, output, force, dtype, device, dequantize, max_sh
     if dev.type not in ("cpu", "cuda"):
         raise MergeUsageError(f"`device` {device} is not supported: use cpu or cuda")
     return out, dev, max_bytes
+
+
+def _tokenizer_folder(tokenizer: str | Path | None) -> Path | None:
+    if tokenizer is None:
+        return None
+    folder = Path(tokenizer)
+    if not folder.is_dir() or not has_tokenizer(folder):
+        raise MergeUsageError(
+            f"`tokenizer` {folder} is not a folder with tokenizer files ({', '.join(TOKENIZER_CORE)}): pass the "
+            "folder training saved its tokenizer to (tokenizer.save_pretrained), usually the base model's"
+        )
+    return folder
 
 
 class _Scratch:
@@ -239,20 +254,24 @@ def _write_shards(items: list[Item], tmp: Path, max_bytes: int, device, quant, p
     return weight_map
 
 
-def _copy_side_files(base: Path, adapter_folder: Path, tmp: Path, config: dict) -> None:
+def _copy_side_files(base: Path, adapter_folder: Path, tokenizer: Path | None, tmp: Path, config: dict) -> None:
     for src in sorted(base.iterdir()):
         if (
             src.is_file()
             and not src.name.startswith(".")
             and not _WEIGHT_FILE.match(src.name)
             and src.name not in _NOT_COPIED
+            and not (tokenizer is not None and _TOKENIZER_FILE.match(src.name))
         ):
             shutil.copy2(src, tmp / src.name)
-    # A tokenizer saved with the adapter (Trainer saves it into checkpoints) is the one training used.
-    if adapter_folder.is_dir():
-        for src in sorted(adapter_folder.iterdir()):
-            if src.is_file() and _TOKENIZER_FILE.match(src.name):
-                shutil.copy2(src, tmp / src.name)
+    # A tokenizer saved with the adapter (Trainer saves it into checkpoints) is the one training used. A folder named
+    # with `tokenizer` replaces both, whole (never a mix of two tokenizers' files). Engines refuse a model folder
+    # without one (merge/serving.py).
+    for folder in (adapter_folder,) if tokenizer is None else (tokenizer,):
+        if folder.is_dir():
+            for src in sorted(folder.iterdir()):
+                if src.is_file() and _TOKENIZER_FILE.match(src.name):
+                    shutil.copy2(src, tmp / src.name)
     # config.json last: a folder without it is never mistaken for a finished model.
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -274,6 +293,7 @@ def merge_adapters(
     untie_embeddings: bool = False,
     adapter_config: str | Path | None = None,
     allow_other_base: bool = False,
+    tokenizer: str | Path | None = None,
     progress: bool = True,
 ) -> Path:
     """Merge a LoRA adapter into a 16-bit base model, streaming shard by shard, and write a plain model folder.
@@ -311,6 +331,9 @@ def merge_adapters(
         adapter_config: the run's adapter_config.json, for an FSDP sharded checkpoint saved without one.
         allow_other_base: merge even though adapter_config.json names a local model of another architecture
             than `base` (by default that is refused, even when the shapes match).
+        tokenizer: a folder whose tokenizer files to write beside the merge, instead of the base's and the adapter
+            folder's (the default: the base's, then the adapter folder's over them). A merge without tokenizer files
+            does not load in vLLM; the merge warns then.
         progress: show a tqdm bar per output shard.
 
     Returns:
@@ -322,6 +345,7 @@ def merge_adapters(
     """
     base, adapter = Path(base), Path(adapter)
     adapter_config = Path(adapter_config) if adapter_config is not None else None
+    tokenizer = _tokenizer_folder(tokenizer)
     output, device, max_bytes = _check_usage(
         base, adapter, output, force, dtype, device, dequantize, max_shard_size, quant_blocksize, adapter_config
     )
@@ -350,11 +374,20 @@ def merge_adapters(
             if len(set(weight_map.values())) > 1:
                 index = {"metadata": {"total_size": needed}, "weight_map": dict(sorted(weight_map.items()))}
                 (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-            _copy_side_files(base, loaded.folder, tmp, config)
+            _copy_side_files(base, loaded.folder, tokenizer, tmp, config)
     except OSError as err:
         if err.errno == errno.ENOSPC:
             raise no_space(output, None, None) from None
         raise MergeError(
             f"{err.strerror or err}: {err.filename or output}. Check the path and its permissions."
         ) from None
+    _log_serving_notes(output, loaded.config, config)
     return output
+
+
+def _log_serving_notes(output: Path, adapter_config: dict, config: dict) -> None:
+    """What vLLM will refuse in the merge, or needs to serve the adapter itself, said before anyone deploys it."""
+    for note in model_notes(output):
+        logger.warning(note)
+    for note in adapter_notes(adapter_config, config):
+        logger.info(note)

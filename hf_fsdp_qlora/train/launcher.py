@@ -33,6 +33,7 @@ AUTO_RESUME_ENV = "HF_FSDP_QLORA_AUTO_RESUME"
 STOP_AFTER_ENV = "HF_FSDP_QLORA_STOP_AFTER"
 QUANTIZE_EXPERTS_ENV = "HF_FSDP_QLORA_QUANTIZE_EXPERTS"
 ADAPTER_DTYPE_ENV = "HF_FSDP_QLORA_ADAPTER_DTYPE"
+LORA_ON_TOWERS_ENV = "HF_FSDP_QLORA_LORA_ON_TOWERS"
 SP_SIZE_ENV = "HF_FSDP_QLORA_SP_SIZE"
 _ACCELERATE_SP_ENV = "PARALLELISM_CONFIG_SP_SIZE"  # what accelerate launch exports for parallelism_config_sp_size
 
@@ -52,6 +53,8 @@ and exits with status 75 (and leaves OUTPUT_DIR/preempted.json). Environment:
   HF_FSDP_QLORA_STOP_AFTER=HH:MM:SS  checkpoint and exit the same way after this much wall-clock time
   HF_FSDP_QLORA_QUANTIZE_EXPERTS=0   keep a mixture-of-experts model's experts 16-bit under --load_in_4bit
                                      (default: quantized to 4 bits like the linear layers, before peft and FSDP)
+  HF_FSDP_QLORA_LORA_ON_TOWERS=1     LoRA on a multimodal model's vision/audio towers too (default: the language
+                                     model only; towers stay unquantized and frozen; docs/multimodal.md)
   HF_FSDP_QLORA_ADAPTER_DTYPE=bfloat16  keep the adapters in bf16 (default float32: fp32 master weights, as stock
                                      peft; compute stays bf16)
   HF_FSDP_QLORA_SP_SIZE=2            Ulysses sequence parallelism for every trainer the script builds (trl's SFTTrainer
@@ -59,6 +62,11 @@ and exits with status 75 (and leaves OUTPUT_DIR/preempted.json). Environment:
                                      an FSDP2 accelerate config, accelerate's name: parallelism_config:
                                      {parallelism_config_sp_size: 2} (accelerate alone runs it under DeepSpeed only)
 """
+
+
+def lora_on_towers_from_env(environ=os.environ) -> bool:
+    """HF_FSDP_QLORA_LORA_ON_TOWERS: off unless set to 1/true/yes (case and spaces ignored)."""
+    return environ.get(LORA_ON_TOWERS_ENV, "0").strip().lower() in ("1", "true", "yes")
 
 
 def quantize_experts_from_env(environ=os.environ) -> bool:
@@ -186,12 +194,15 @@ def _apply_launch_settings() -> None:
 def _install_hooks() -> None:
     """FSDP on CPU processes, our behaviour for every Trainer the script builds, and its experts packed in 4 bits."""
     from ..cpu_rehearsal import enable_cpu_fsdp
+    from ..loading._script_towers import keep_towers_of_script_loads, limit_script_lora_to_language_model
     from ..loading.expert_lora import quantize_experts_before_peft
     from .trainer_hook import install_trainer_hook
 
     enable_cpu_fsdp()
     install_trainer_hook(adopt_all=True)
+    keep_towers_of_script_loads()  # before the experts stream's from_pretrained wrapper, which wraps it
     quantize_experts_before_peft(QUANTIZE_EXPERTS_ENV, quantize=quantize_experts_from_env())
+    limit_script_lora_to_language_model(lora_on_towers_from_env())  # around the experts hook's inject_adapter
 
 
 def _run_script(as_module: bool, target: str, rest: list[str]) -> int:

@@ -1,0 +1,201 @@
+"""Multimodal checkpoints trained under ``-m hf_fsdp_qlora.run`` (tests/test_multimodal_train.py), several runs in one
+launch:
+
+    accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run multimodal_scenarios.py OUT PORTS JOBS MODELS TEXT
+
+JOBS: comma-separated ``FAMILY:ROUTE``. ROUTE ``tokenizer``: as ``text`` through trl's ``SFTTrainer`` with the
+tokenizer (for families whose processor needs torchvision). ``ROUTE-fsdp1``: that run under FSDP1. ROUTE ``text``: trl's own ``sft.py`` (from the installed trl, unchanged) with
+``--use_peft --load_in_4bit --lora_target_modules all-linear`` on MODELS/FAMILY and the JSONL text data in TEXT.
+ROUTE ``image``: trl's ``SFTTrainer`` given the model path, a 4-bit ``BitsAndBytesConfig``, LoRA all-linear and the
+model's processor (saved beside it), on tiny random images made here with PIL. Each run meets on its own port
+of PORTS and writes ``OUT/FAMILY_ROUTE/record_rank{N}.pt``: what FSDP wrapped, the towers' storage, and the trainable
+tensors at the start and the end (gathered: train_scenarios.full_trainable); or, for a run that raised (the same
+on every rank), ``{"error": ...}``, and the next run goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import trl.scripts.sft as trl_sft
+from accelerate.state import AcceleratorState, GradientState
+from train_scenarios import full_trainable
+from transformers import Trainer, TrainerCallback
+
+STEPS = 2
+
+
+def _tower_facts(model) -> dict:
+    """The towers of the (wrapped) model: their 4-bit layers, dtypes, trainable tensors, LoRA and FSDP units."""
+    import bitsandbytes as bnb
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from hf_fsdp_qlora.towers import tower_modules
+
+    towers = tower_modules(model)
+
+    def inside(name):
+        return any(name.startswith(t + ".") or name == t for t in towers)
+
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    units = {n: type(m.module if isinstance(m, FSDP) else m).__name__ for n, m in modules.items()
+             if isinstance(m, (FSDP, FSDPModule))}  # fmt: skip
+    return {
+        "towers": towers,
+        "tower_4bit": [n for n, m in modules.items() if inside(n) and isinstance(m, bnb.nn.Linear4bit)],
+        "tower_dtypes": sorted({str(p.dtype) for n, p in params.items() if inside(n)}),
+        "tower_params": sum(p.numel() for n, p in params.items() if inside(n)),
+        "tower_trainable": [n for n, p in params.items() if inside(n) and p.requires_grad],
+        "tower_lora": [n for n in modules if inside(n) and n.endswith("lora_A")],
+        "tower_units": sorted({kind for n, kind in units.items() if inside(n)}),
+        "units": sorted(set(units.values())),
+        "language_4bit": sum(isinstance(m, bnb.nn.Linear4bit) for n, m in modules.items() if not inside(n)),
+        "class": type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__,
+    }
+
+
+class Recorder(TrainerCallback):
+    def __init__(self, trainer, out: Path):
+        self.trainer, self.out, self.record, self.batch_keys = trainer, out, {}, set()
+
+    def _keys(self, module, args, kwargs):
+        self.batch_keys |= {k for k, v in kwargs.items() if torch.is_tensor(v)}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        version = AcceleratorState().fsdp_plugin.fsdp_version
+        self.record = {"version": version, "init": full_trainable(model, version), **_tower_facts(model)}
+        self.record["distributed_type"] = str(AcceleratorState().distributed_type)
+        self._hook = model.register_forward_pre_hook(self._keys, with_kwargs=True)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._hook.remove()
+        self.record["final"] = full_trainable(model, self.record["version"])
+        self.record["batch_keys"] = sorted(self.batch_keys)
+        self.record["steps"] = state.global_step
+        self.record["engagement"] = self.trainer.fsdp_callback.engagement
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.save(self.record, self.out / f"record_rank{dist.get_rank()}.pt")
+
+
+@contextlib.contextmanager
+def recording(out: Path):
+    """Every Trainer built inside gets a :class:`Recorder` (sft.py builds its own; we cannot pass callbacks)."""
+    hooked = Trainer.__init__  # already hf_fsdp_qlora.run's hook
+
+    def __init__(self, *args, **kwargs):
+        hooked(self, *args, **kwargs)
+        self.add_callback(Recorder(self, out))
+
+    Trainer.__init__ = __init__
+    try:
+        yield
+    finally:
+        Trainer.__init__ = hooked
+
+
+def run_text(model: Path, text: Path, out: Path) -> None:
+    """trl's sft.py as users run it on a multimodal checkpoint, text only."""
+    script = trl_sft.__file__
+    sys.argv = [
+        script, "--model_name_or_path", str(model), "--dataset_name", str(text), "--use_peft", "--load_in_4bit",
+        "--dtype", "bfloat16", "--lora_target_modules", "all-linear", "--lora_dropout", "0", "--max_steps",
+        str(STEPS), "--per_device_train_batch_size", "2", "--save_strategy", "no", "--logging_steps", "1",
+        "--report_to", "none", "--learning_rate", "1e-3", "--output_dir", str(out), "--max_length", "32",
+    ]  # fmt: skip
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_image(model: Path, text: Path, out: Path) -> None:
+    """trl's SFTTrainer on image-text rows, with the model's processor, as its docs show for vision models."""
+    import numpy as np
+    from datasets import Dataset
+    from peft import LoraConfig
+    from PIL import Image
+    from transformers import AutoProcessor, BitsAndBytesConfig
+    from trl import SFTConfig, SFTTrainer
+
+    processor = AutoProcessor.from_pretrained(model)
+    prefix = (model / "image_prefix.txt").read_text().strip()
+    rng = np.random.default_rng(0)
+    rows = [
+        {"images": [Image.fromarray((rng.random((32, 32, 3)) * 255).astype("uint8"))],
+         "text": f"{prefix} " + " ".join(f"t{rng.integers(8, 500)}" for _ in range(6))}
+        for _ in range(2 * 2 * STEPS)
+    ]  # fmt: skip
+    args = SFTConfig(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, report_to="none", save_strategy="no",
+        logging_steps=1, learning_rate=1e-3, remove_unused_columns=False, model_init_kwargs={"dtype": torch.bfloat16},
+    )  # fmt: skip
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    trainer = SFTTrainer(model=str(model), args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=processor, peft_config=lora, quantization_config=quant)  # fmt: skip
+    trainer.train()
+    if dist.is_initialized():  # as sft.py's trainer.end(): the next run makes a new group
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_tokenizer(model: Path, text: Path, out: Path) -> None:
+    """trl's SFTTrainer on the image-text class with text rows and the tokenizer as its processing class (for the
+    families whose processor needs torchvision, which this environment lacks: sft.py would load the processor)."""
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig, PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, report_to="none", save_strategy="no",
+        logging_steps=1, learning_rate=1e-3, max_length=32, model_init_kwargs={"dtype": torch.bfloat16},
+    )  # fmt: skip
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    trainer = SFTTrainer(model=str(model), args=args, train_dataset=load_dataset(str(text), split="train"),
+                         processing_class=PreTrainedTokenizerFast.from_pretrained(model), peft_config=lora,
+                         quantization_config=quant)  # fmt: skip
+    trainer.train()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+ROUTES = {"text": run_text, "image": run_image, "tokenizer": run_tokenizer}
+
+
+def main() -> None:
+    out, ports, jobs = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3].split(",")
+    models, text = Path(sys.argv[4]), Path(sys.argv[5])
+    for job, port in zip(jobs, ports, strict=True):
+        family, route = job.split(":")
+        # "ROUTE-fsdp1": this run under FSDP1 (accelerate's plugin reads FSDP_VERSION when the trainer builds it)
+        route, _, fsdp1 = route.partition("-fsdp")
+        os.environ["FSDP_VERSION"] = fsdp1 or "2"
+        torch.manual_seed(0)
+        # each run meets on a port of its own (a rank still leaving the old group must not meet the new one)
+        os.environ["MASTER_PORT"] = port
+        run_out = out / job.replace(":", "_")
+        with recording(run_out):
+            try:
+                ROUTES[route](models / family, text, run_out)
+            except Exception as err:  # noqa: BLE001 - recorded for the test (an upstream break, named there)
+                rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+                run_out.mkdir(parents=True, exist_ok=True)
+                torch.save({"error": f"{type(err).__name__}: {err}"}, run_out / f"record_rank{rank}.pt")
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Tiny multimodal checkpoints built locally from their config classes (no hub): Gemma 3, Gemma 4, Mllama, Qwen3.5,
+Qwen3.5-MoE and Llama 4, each saved from its composite class (``...ForConditionalGeneration``, as released).
+
+`build_multimodal(path, family)` writes one; `COMPOSITE[family]` names the composite class and `TEXT_ONLY[family]` the
+class ``AutoModelForCausalLM`` maps the family to (the composite itself for Gemma 3 and 4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["COMPOSITE", "FAMILIES", "TEXT_ONLY", "build_multimodal", "multimodal_config"]
+
+TEXT = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+# special tokens of the image-text families (ids inside the tiny vocabulary)
+IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = 5, 3, 4
+
+
+def _gemma3():
+    from transformers import Gemma3Config
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}  # fmt: skip
+    return Gemma3Config(text_config={**TEXT, "sliding_window": 32}, vision_config=vision, mm_tokens_per_image=4,
+                        image_token_index=IMAGE_TOKEN, boi_token_index=BOI_TOKEN, eoi_token_index=EOI_TOKEN)  # fmt: skip
+
+
+def _gemma4():
+    from transformers import Gemma4Config
+
+    text = {**TEXT, "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"],
+            "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 8}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16, "patch_size": 8, "position_embedding_size": 64,
+              "pooling_kernel_size": 2}  # fmt: skip
+    audio = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "subsampling_conv_channels": [8, 4],
+             "output_proj_dims": 32, "attention_chunk_size": 4, "attention_context_left": 5}  # fmt: skip
+    # a vision and an audio tower, as the released Gemma 4 (E2B/E4B)
+    return Gemma4Config(text_config=text, vision_config=vision, audio_config=audio, image_token_id=IMAGE_TOKEN,
+                        boi_token_id=BOI_TOKEN, eoi_token_id=EOI_TOKEN, audio_token_id=7, boa_token_id=BOI_TOKEN,
+                        eoa_token_index=EOI_TOKEN)  # fmt: skip
+
+
+def _mllama():
+    from transformers import MllamaConfig
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_global_layers": 1,
+              "num_attention_heads": 2, "image_size": 32, "patch_size": 16, "vision_output_dim": 64,
+              "intermediate_layers_indices": [0]}  # fmt: skip
+    return MllamaConfig(text_config={**TEXT, "cross_attention_layers": [1]}, vision_config=vision,
+                        image_token_index=MLLAMA_IMAGE_TOKEN)  # fmt: skip
+
+
+def _qwen_vision():
+    return {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 8,
+            "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64,
+            "num_position_embeddings": 64}  # fmt: skip
+
+
+def _qwen_text():
+    return {**TEXT, "layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4}  # fmt: skip
+
+
+def _qwen3_5():
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(text_config=_qwen_text(), vision_config=_qwen_vision(), image_token_id=IMAGE_TOKEN)
+
+
+def _qwen3_5_moe():
+    from transformers import Qwen3_5MoeConfig
+
+    text = {**_qwen_text(), "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+            "num_experts": 4, "num_experts_per_tok": 2}  # fmt: skip
+    return Qwen3_5MoeConfig(text_config=text, vision_config=_qwen_vision(), image_token_id=IMAGE_TOKEN)
+
+
+def _llama4():
+    from transformers import Llama4Config
+
+    text = {**TEXT, "intermediate_size_mlp": 128, "num_local_experts": 2, "moe_layers": [1],
+            "layer_types": ["full_attention"] * 2, "no_rope_layers": [1, 1], "attention_chunk_size": 64}  # fmt: skip
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 16, "vision_output_dim": 64, "projector_input_dim": 64,
+              "projector_output_dim": 64}  # fmt: skip
+    return Llama4Config(text_config=text, vision_config=vision)
+
+
+_CONFIGS = {"gemma3": _gemma3, "gemma4": _gemma4, "mllama": _mllama, "qwen3_5": _qwen3_5,
+            "qwen3_5_moe": _qwen3_5_moe, "llama4": _llama4}  # fmt: skip
+FAMILIES = tuple(_CONFIGS)
+COMPOSITE = {"gemma3": "Gemma3ForConditionalGeneration", "gemma4": "Gemma4ForConditionalGeneration",
+             "mllama": "MllamaForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+             "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+             "llama4": "Llama4ForConditionalGeneration"}  # fmt: skip
+TEXT_ONLY = {"gemma3": "Gemma3ForConditionalGeneration", "gemma4": "Gemma4ForConditionalGeneration",
+             "mllama": "MllamaForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+             "llama4": "Llama4ForCausalLM"}  # fmt: skip
+
+
+def multimodal_config(family: str):
+    return _CONFIGS[family]()
+
+
+def build_multimodal(path: str | Path, family: str, dtype=torch.float32, seed: int = 0) -> Path:
+    """A tiny `family` checkpoint saved from its composite class (random weights, `seed`) at `path`."""
+    import transformers
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = getattr(transformers, COMPOSITE[family])(multimodal_config(family)).to(dtype)
+    with torch.no_grad():  # Mllama's cross-attention gates start at 0 (tanh(0): no image signal, no gradient there)
+        for name, param in model.named_parameters():
+            if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
+                param.fill_(0.5)
+    model.save_pretrained(path)
+    return path
+
+
+# the special tokens of every family's processor (ids 3..), then words t{id}
+SPECIALS = ["<boi>", "<eoi>", "<image>", "<|image|>", "<|python_tag|>"]
+MLLAMA_IMAGE_TOKEN = 3 + SPECIALS.index("<|image|>")
+
+
+def build_tokenizer(path: str | Path | None = None, **extra):
+    """A word-level tokenizer over t8..t511 with <pad>=0, <eos>=1, <unk>=2 and the image-text families' specials
+    (<boi>=3, <eoi>=4, <image>=5, <|image|>=6, ...; `extra`: more named special tokens), saved at `path` if given."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{name: 3 + i for i, name in enumerate(SPECIALS)}}
+    vocab.update({f"t{i}": i for i in range(len(vocab), TEXT["vocab_size"])})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<eos>", unk_token="<unk>",
+        extra_special_tokens={"boi_token": "<boi>", "eoi_token": "<eoi>", "image_token": "<image>", **extra},
+    )  # fmt: skip
+    if path is not None:
+        tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def _gemma3_processor(tokenizer):
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
+    image = Gemma3ImageProcessor(size={"height": 32, "width": 32}, do_pan_and_scan=False)
+    return Gemma3Processor(image_processor=image, tokenizer=tokenizer, image_seq_length=4), "<boi>"
+
+
+def _mllama_processor(tokenizer):
+    from transformers import MllamaImageProcessor, MllamaProcessor
+
+    image = MllamaImageProcessor(size={"height": 32, "width": 32})  # 4 tiles, as the vision config
+    return MllamaProcessor(image_processor=image, tokenizer=tokenizer), "<|image|>"
+
+
+# The others' processors (Gemma 4, Qwen3.5, Llama 4) need torchvision (their video or image processors), which the
+# CPU test environment does not install.
+PROCESSORS = {"gemma3": _gemma3_processor, "mllama": _mllama_processor}
+
+
+def build_processor(model_path: str | Path, family: str) -> Path:
+    """`family`'s processor over the tiny tokenizer, saved beside the model (as released checkpoints ship it) with
+    ``image_prefix.txt``: the text that stands for one image in a row (the processor expands it to its tokens)."""
+    tokenizer = build_tokenizer(image_token="<|image|>") if family == "mllama" else build_tokenizer()
+    processor, prefix = PROCESSORS[family](tokenizer)
+    path = Path(model_path)
+    processor.save_pretrained(path)
+    (path / "image_prefix.txt").write_text(prefix + "\n")
+    return path
