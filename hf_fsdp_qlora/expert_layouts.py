@@ -1,5 +1,12 @@
-"""Where each mixture-of-experts family keeps its fused expert weights: the table the loader, the merge and the
-model shapes all read (below all three, so none imports another to learn it)."""
+"""Where each mixture-of-experts family keeps its fused expert weights: what the loader, the merge and the model
+shapes all read (below all three, so none imports another to learn it).
+
+transformers 5 declares the layout of most experts classes itself: ``use_experts_implementation(is_concatenated=,
+is_transposed=, has_bias=, has_gate=, has_post_expert_norm=)`` decorates the class, and its ``__init__`` records the
+flags on every instance (``has_gate``, ``is_transposed``, ...) for the forwards ``ExpertsInterface`` dispatches to.
+:func:`expert_layout` reads those flags: any decorated class is known, whatever its name. A class outside that
+contract keeps a named entry (:data:`EXPERT_LAYOUTS`); anything else is refused by the loader, by module path.
+"""
 
 from __future__ import annotations
 
@@ -7,55 +14,123 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["EXPERT_LAYOUTS", "ExpertLayout", "expert_layout", "has_fused_experts", "is_experts_module"]
+__all__ = [
+    "EXPERT_LAYOUTS",
+    "EXPERT_WEIGHT_NAMES",
+    "ExpertLayout",
+    "declared_layout",
+    "expert_layout",
+    "experts_tensors",
+    "has_fused_experts",
+    "is_experts_module",
+]
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Where a family's experts module keeps its fused 3-D weights.
+    """Where a family's experts module keeps its fused 3-D weights, and how its forward uses them.
 
     Attributes:
-        weights: the 3-D ``[E, out, in]`` (or ``[E, in, out]`` when `transposed`) weight parameters, in call order.
+        weights: the 3-D ``[E, out, in]`` (or ``[E, in, out]`` when `transposed`) weight parameters, in call order:
+            the first projection (``gate_up_proj``, or ``up_proj`` without a gate), then ``down_proj``.
         biases: ``[E, out]`` bias parameters, one per weight (empty when the family has none).
         transposed: the weights are stored ``[E, in, out]`` and applied as ``x @ W``.
+        gated: the first projection's output goes through the family's gate (``_apply_gate``: concatenated or
+            interleaved gate/up, the class's own business); without a gate, through its activation ``act_fn``.
+        post_norm: the child module applied to each expert's output before the routing weight, or None.
+        call: how the family calls the module. ``"routed"``: transformers' experts call ``(hidden, top_k_index,
+            top_k_weights)``. ``"dense"``: ``experts(rows)``, ``rows`` ``[E * T, H]``, expert e's input in rows
+            ``e*T .. e*T+T-1`` already scaled by its routing score (Llama 4). ``"split"``: ``experts(rows,
+            expert_size)``, rows sorted by expert, ``expert_size[e]`` of them for expert e, one projection and no
+            activation (JetMoE's ``input_linear`` / ``output_linear``).
+        peft_transposed: peft reads the weights as ``[E, in, out]`` (it asks the module's ``is_transposed``; a class
+            outside transformers' contract has none, and peft then adds ``B_e @ A_e`` to the stored matrix as is).
     """
 
     weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
     biases: tuple[str, ...] = ()
     transposed: bool = False
+    gated: bool = True
+    post_norm: str | None = None
+    call: str = "routed"
+    peft_transposed: bool | None = None  # None: as `transposed` (transformers' declared is_transposed)
+
+    @property
+    def dense(self) -> bool:
+        return self.call == "dense"
+
+    @property
+    def lora_transposed(self) -> bool:
+        return self.transposed if self.peft_transposed is None else self.peft_transposed
 
 
-# Families whose experts we quantize, by experts class (transformers 5.23). All of them gate with `_apply_gate`
-# (installed by transformers' `use_experts_implementation`) and take (hidden_states, top_k_index, top_k_weights).
-_GATED = ExpertLayout()
-EXPERT_LAYOUTS = {
-    "Qwen3MoeExperts": _GATED,
-    "Qwen2MoeExperts": _GATED,
-    "Qwen3_5MoeExperts": _GATED,
-    "Qwen3NextExperts": _GATED,
-    "Qwen3VLMoeTextExperts": _GATED,
-    "MixtralExperts": _GATED,
-    "DeepseekV2Experts": _GATED,
-    "DeepseekV3Experts": _GATED,
-    "Glm4MoeExperts": _GATED,
-    "OlmoeExperts": _GATED,
-    "GptOssExperts": ExpertLayout(biases=("gate_up_proj_bias", "down_proj_bias"), transposed=True),
+# Experts classes outside transformers' declared contract that we quantize anyway, by class name. Every class
+# transformers decorates is read from its flags instead (declared_layout).
+EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
+    # Llama 4: gate_up [E, H, 2I] and down [E, I, H] applied as x @ W to every expert's slice of the rows
+    # (Llama4TextMoe repeats the tokens once per expert, scaled by the router's score); no is_transposed for peft.
+    "Llama4TextExperts": ExpertLayout(transposed=True, call="dense", peft_transposed=False),
+    # JetMoE: one [E, out, in] weight per module, two modules per MoE block (and per mixture-of-attention block).
+    "JetMoeParallelExperts": ExpertLayout(weights=("weight",), gated=False, call="split"),
 }
+# The 16-bit weight names any layout uses (a saved 4-bit experts checkpoint is recognised by them).
+EXPERT_WEIGHT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
+_FLAGS = ("has_gate", "is_transposed", "has_bias", "is_concatenated", "has_post_expert_norm")
+
+
+def declared_layout(module: nn.Module) -> ExpertLayout | None:
+    """The layout `module` declares through ``use_experts_implementation`` (the flags its ``__init__`` set), or None
+    for a module that declares none."""
+    if not all(hasattr(module, flag) for flag in _FLAGS):
+        return None
+    weights = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+    return ExpertLayout(
+        weights=weights,
+        biases=tuple(f"{w}_bias" for w in weights) if module.has_bias else (),
+        transposed=bool(module.is_transposed),
+        gated=bool(module.has_gate),
+        post_norm="post_expert_norm" if module.has_post_expert_norm else None,
+    )
+
+
+def _fits(module: nn.Module, layout: ExpertLayout) -> bool:
+    """`module` holds what `layout` names: 3-D weights and 2-D biases with one row per expert, its gate or
+    activation, its post-expert norm."""
+    weights = [getattr(module, n, None) for n in layout.weights]
+    biases = [getattr(module, n, None) for n in layout.biases]
+    if not all(isinstance(p, nn.Parameter) for p in weights + biases):
+        return False
+    experts = weights[0].shape[0]
+    if any(p.dim() != 3 or p.shape[0] != experts for p in weights):
+        return False
+    if any(b.dim() != 2 or b.shape[0] != experts for b in biases):
+        return False
+    if layout.call == "split":  # one projection, the caller activates
+        return True
+    if not hasattr(module, "act_fn") and not (layout.gated and hasattr(module, "_apply_gate")):
+        return False  # a gate of its own, or the activation the default gate (and an ungated expert) applies
+    return layout.post_norm is None or isinstance(getattr(module, layout.post_norm, None), nn.Module)
 
 
 def expert_layout(module: nn.Module) -> ExpertLayout | None:
-    """The layout of `module` if it is an experts module we can quantize, else None."""
-    layout = EXPERT_LAYOUTS.get(type(module).__name__)
-    if layout is None or not hasattr(module, "_apply_gate"):
+    """The layout of `module` if it is an experts module we can quantize (declared, or a named entry), else None.
+    Our own 4-bit experts copy the declared flags but are never quantized again."""
+    if getattr(type(module), "packed_experts", False):
         return None
-    names = layout.weights + layout.biases
-    if not all(isinstance(getattr(module, n, None), nn.Parameter) for n in names):
+    layout = declared_layout(module) or EXPERT_LAYOUTS.get(type(module).__name__)
+    if layout is None or not _fits(module, layout):
         return None
     return layout
 
 
+def experts_tensors(module: nn.Module) -> list[str]:
+    """``name [shape]`` of every tensor an experts module holds (DBRX's sit one module deeper), for messages."""
+    found = [*module.named_parameters(), *module.named_buffers()]
+    return [f"{name} {list(tensor.shape)}" for name, tensor in found]
+
+
 def is_experts_module(module: nn.Module) -> bool:
-    """Whether `module` is a mixture-of-experts experts module (known to the table or not), by what it is: a class in
+    """Whether `module` is a mixture-of-experts experts module (known to us or not), by what it is: a class in
     :data:`EXPERT_LAYOUTS`, a class transformers' ``use_experts_implementation`` decorated (it sets ``has_gate`` and
     ``is_concatenated`` on each instance), or a class named ``...Experts`` with no linear layer in it (routed experts
     kept as their own tensors). Never by a tensor's number of dimensions: a Conv1d (LFM2, Falcon-H1, Mamba mixers)

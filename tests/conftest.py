@@ -32,6 +32,7 @@ _SECONDS = {
     "test_int8.py": 150,
     "test_moe_load.py": 10,
     "test_moe_stream.py": 60,
+    "test_expert_layouts.py": 40,
     "test_recipes_docs.py": 90,
     "test_families.py": 70, "test_flagship_plans.py": 15,
     "test_options.py": 130,

@@ -743,22 +743,26 @@ def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe, compute):
 
 
 def test_moe_family_we_cannot_quantize_is_an_error(tmp_path):
-    """GraniteMoE's fused experts are not in the experts table: load_qlora_model refuses them (the real loader, the
-    oracle), and the doctor says so with the fix; with --no-quantize-experts it plans them 16-bit."""
+    """DBRX's experts (DbrxExperts: w1/v1/w2 of every expert stacked as 2-D matrices one module deeper) neither declare
+    a layout through transformers' use_experts_implementation nor have a named entry: load_qlora_model refuses them
+    (the real loader, the oracle) naming the module path and the tensors, and the doctor says so with the fix; with
+    --no-quantize-experts it plans them 16-bit."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hf_fsdp_qlora import load_qlora_model
     from hf_fsdp_qlora.errors import UnsupportedSetupError
 
-    config = AutoConfig.for_model("granitemoe", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                  vocab_size=256, num_hidden_layers=2, intermediate_size=32, num_local_experts=4,
-                                  num_experts_per_tok=2)  # fmt: skip
+    attention = {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}  # DBRX's defaults fail in transformers 5.23
+    config = AutoConfig.for_model("dbrx", d_model=64, n_heads=4, n_layers=2, vocab_size=256, max_seq_len=256,
+                                  attn_config=attention,
+                                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedSetupError, match="GraniteMoeExperts"):
+    with pytest.raises(UnsupportedSetupError, match=r"DbrxExperts at 'transformer\.blocks\.0\.ffn\.experts'"
+                       r" .*mlp\.w1 \[128, 64\].*quantize_experts=False"):  # fmt: skip
         load_qlora_model(str(tmp_path))
     d = diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit")
     assert {f.id for f in d.errors} == {"experts-not-quantizable"}
-    assert "GraniteMoeExperts" in d.errors[0].problem and "quantize_experts=False" in d.errors[0].message
+    assert "DbrxExperts" in d.errors[0].problem and "quantize_experts=False" in d.errors[0].message
     assert d.plan.parameters["experts_bytes"] == d.plan.parameters["experts_bytes_16bit"]
     assert not diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit", quantize_experts=False).errors
 

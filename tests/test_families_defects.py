@@ -136,13 +136,16 @@ def test_doctor_plans_conv_families(families, family):
                                                                   "qwen3_next" else [])  # fmt: skip
 
 
-def test_unknown_experts_class_is_refused_by_name(families):
-    """Jamba's experts (JambaExperts, not in the table) are refused by their class name, not at its Mamba Conv1d."""
+def test_declared_experts_class_is_quantized_beside_conv1d(families):
+    """Jamba's experts (JambaExperts: refused by class name before issue 48, declared through transformers'
+    use_experts_implementation) load in 4 bits; its Mamba Conv1d is no expert and stays as it was."""
     from hf_fsdp_qlora import load_qlora_model
-    from hf_fsdp_qlora.errors import UnsupportedSetupError
+    from hf_fsdp_qlora.loading.experts import QuantizedExperts
 
-    with pytest.raises(UnsupportedSetupError, match=r"JambaExperts at 'model\.layers\.1\.feed_forward\.experts'"):
-        load_qlora_model(str(families("jamba")), lora_config=_lora())
+    model = load_qlora_model(str(families("jamba")), lora_config=_lora(lora_dropout=0.0))
+    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantizedExperts)]
+    assert quantized == ["base_model.model.model.layers.1.feed_forward.experts"], quantized
+    assert _conv_weights(model) and all(w.dim() == 3 and w.is_floating_point() for w in _conv_weights(model).values())
 
 
 # ------------------------------------------------------------------------------------------------ defect 3

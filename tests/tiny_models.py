@@ -13,6 +13,10 @@ import torch
 ARCHS = ("llama", "qwen2", "llama_tied")
 # Mixtures of experts with fused 3-D experts (tests/test_moe.py): 8 experts, 2 routed per token.
 MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
+# Families whose experts layout transformers declares (tests/test_expert_layouts.py's FSDP2 scenarios), built by the
+# family sweep's generic shrink (tests/family_build.py): Aria (transposed experts) and MiniMax-M2 (not Phi-MoE: its
+# router samples in training, so no single-process run can reproduce a step-0 loss).
+DECLARED_MOE_ARCHS = ("aria_text", "minimax_m2")
 
 DECODER_LAYER = {
     "llama": "LlamaDecoderLayer",
@@ -60,6 +64,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = 256, num_layers: int = 2)
         return Qwen2Config(**common, tie_word_embeddings=False)
     if arch in MOE_ARCHS:
         return _moe_config(arch, common)
+    if arch in DECLARED_MOE_ARCHS:
+        from family_build import tiny_config as family_config
+
+        return family_config(arch)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHS}")
 
 

@@ -38,7 +38,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "hf_fsdp_qlora.loading.expert_lora.attach_expert_lora",
             "hf_fsdp_qlora.loading.expert_lora.peft_sees_expert_weights",
             "hf_fsdp_qlora.loading.expert_lora.quantize_experts_before_peft",
-            "hf_fsdp_qlora.loading.experts.run_with_weight",
+            "hf_fsdp_qlora.loading._lora_rows.run_with_weight",
         ),
         remove_when="peft adapts quantized expert modules itself and reads adapter weights inside their FSDP1 units",
         canary="tests/test_moe.py::test_stock_peft_param_wrapper_contract",

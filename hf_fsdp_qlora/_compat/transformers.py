@@ -226,7 +226,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "dequantized gate_up and down projections; no public hook exposes it"
         ),
         where=(
-            "hf_fsdp_qlora.expert_layouts.expert_layout",
+            "hf_fsdp_qlora.expert_layouts._fits",
             "hf_fsdp_qlora.loading.experts.QuantizedExperts.__init__",
         ),
         remove_when="transformers exposes the experts' activation publicly (or ships quantized experts itself)",

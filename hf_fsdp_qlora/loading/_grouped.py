@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from ._lora_rows import run_with_weight
+
 __all__ = ["dequantize_routed", "grouped_forward", "grouped_mm_function", "log_path_once", "unavailable_reason"]
 
 logger = logging.getLogger(__name__)
@@ -138,8 +140,6 @@ def _project(module, index: int, x: torch.Tensor, routing: _Routing) -> torch.Te
     if module.layout.biases:
         out = out + getattr(module, module.layout.biases[index])[routing.row_expert]
     for lora_A, lora_B, scaling in module.lora_factors(name):
-        from .experts import run_with_weight
-
         low = run_with_weight(lora_A, _lora_A_grouped, x, routing)
         delta = run_with_weight(lora_B, _lora_B_grouped, low, routing)
         out = out + scaling * delta.to(out.dtype)
@@ -172,6 +172,6 @@ def grouped_forward(module, hidden: torch.Tensor, top_k_index: torch.Tensor, top
     if not routing.experts.numel():
         return final
     out = module.apply_gate(_project(module, 0, hidden[routing.tokens], routing))
-    out = _project(module, 1, out, routing) * top_k_weights[routing.tokens, routing.slots, None]
+    out = module.post_expert(_project(module, 1, out, routing)) * top_k_weights[routing.tokens, routing.slots, None]
     # One index_add_ in expert order: each token's contributions add in the loop's order.
     return final.index_add_(0, routing.tokens, out.to(final.dtype))

@@ -27,6 +27,8 @@ from torch import nn
 
 from ..errors import UnsupportedSetupError
 from .experts import (
+    _MAMBA_REFUSED,
+    _MAMBA_TYPES,
     QuantizedExperts,
     expert_layout,
     has_fused_experts,
@@ -155,12 +157,6 @@ def linear_layer_names(model: nn.Module) -> list[str]:
         if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
             names.add(parts[-1])
     return sorted(names)
-
-
-# peft (0.21) refuses LoRA on these layers of its Mamba-based model types ("Module 'out_proj' is incompatible with
-# Mamba-based models"), also when they come from "all-linear"; our "all-linear" leaves them out there.
-_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
-_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
 
 
 def lora_config_for_mamba(model: nn.Module, lora_config):

@@ -23,8 +23,22 @@ from torch import nn
 
 from ..dtypes import PACKED_EXPERTS_ATTR
 from ..errors import UnsupportedSetupError
-from ..expert_layouts import EXPERT_LAYOUTS, ExpertLayout, expert_layout, has_fused_experts, is_experts_module
+from ..expert_layouts import (
+    EXPERT_LAYOUTS,
+    ExpertLayout,
+    expert_layout,
+    experts_tensors,
+    has_fused_experts,
+    is_experts_module,
+)
 from ..moe_routers import router_layers
+from ._lora_rows import (
+    _lora_A_rows,
+    _lora_A_rows_stored,
+    _lora_B_rows,
+    _lora_B_rows_stored,
+    run_with_weight,
+)
 
 __all__ = [
     "EXPERT_LAYOUTS",
@@ -80,7 +94,8 @@ class QuantizedExperts(nn.Module):
                 setattr(self, key, value)
         for key, child in experts.named_children():
             self.add_module(key, child)
-        self._family_gate = type(experts)._apply_gate
+        # The family's gate (concatenated or interleaved gate/up, its own activation), or without one its act_fn.
+        self._family_gate = getattr(type(experts), "_apply_gate", None) if layout.gated else None
         self.num_experts = getattr(experts, "num_experts", getattr(experts, layout.weights[0]).shape[0])
         self._meta = {}
         self._lora = {}  # weight name -> [(lora_A, lora_B, scaling)], set by peft's wrappers while they run
@@ -151,7 +166,16 @@ class QuantizedExperts(nn.Module):
             self._lora.pop(name, None)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self.layout.gated:  # has_gate=False (Nemotron-H): the up projection's activation only
+            return self.act_fn(gate_up)
+        if self._family_gate is None:  # a named class without one (Llama 4): transformers' default gate
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate) * up
         return self._family_gate(self, gate_up)
+
+    def post_expert(self, out: torch.Tensor) -> torch.Tensor:
+        """Each expert's output after its down projection, before the routing weight (``has_post_expert_norm``)."""
+        return out if self.layout.post_norm is None else getattr(self, self.layout.post_norm)(out)
 
     apply_gate = _apply_gate  # the family's gate, for the grouped path
 
@@ -201,17 +225,35 @@ class QuantizedExperts(nn.Module):
         out = torch.cat([self._project(c, index, e) for c, e in zip(x.split(counts), experts)])
         for lora_A, lora_B, scaling in self._lora.get(self.layout.weights[index], ()):
             # Through the adapters' own forwards: under FSDP1 each is its own unit and its weight is whole only there.
-            low = run_with_weight(lora_A, _lora_A_rows, x, experts, counts, self.num_experts)
-            delta = run_with_weight(lora_B, _lora_B_rows, low, experts, counts, self.num_experts)
+            if self.layout.transposed and not self.layout.lora_transposed:
+                # peft added B_e @ A_e to the stored [in, out] matrix as is (Llama 4): x @ B_e @ A_e
+                low = run_with_weight(lora_B, _lora_B_rows_stored, x, experts, counts, self.num_experts)
+                delta = run_with_weight(lora_A, _lora_A_rows_stored, low, experts, counts, self.num_experts)
+            else:
+                low = run_with_weight(lora_A, _lora_A_rows, x, experts, counts, self.num_experts)
+                delta = run_with_weight(lora_B, _lora_B_rows, low, experts, counts, self.num_experts)
             out = out + scaling * delta.to(out.dtype)
         return out
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, top_k_index=None, top_k_weights=None):
         # As bitsandbytes' Linear4bit: compute in the dtype the experts were quantized for, return the input's dtype
         # (a bf16 model with float32 compute, or a float32 model with bf16 compute, mixes the two otherwise).
         # The routing weights stay as the router made them: the family's own experts multiply by them uncast.
         input_dtype = hidden_states.dtype
+        if self.layout.dense:
+            return self._dense_forward(hidden_states.to(self.dtype)).to(input_dtype)
+        if self.layout.call == "split":  # JetMoE: (rows sorted by expert, rows per expert)
+            counts = [int(c) for c in top_k_index]
+            rows = hidden_states.to(self.dtype)
+            return self._project_routed(rows, 0, list(range(self.num_experts)), counts).to(input_dtype)
         return self._forward(hidden_states.to(self.dtype), top_k_index, top_k_weights).to(input_dtype)
+
+    def _dense_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every expert on its own slice of `rows` (``[E * T, H]``, Llama 4's call), expert by expert."""
+        experts, counts = list(range(self.num_experts)), [rows.shape[0] // self.num_experts] * self.num_experts
+        return self._project_routed(
+            self._apply_gate(self._project_routed(rows, 0, experts, counts)), 1, experts, counts
+        )
 
     def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         from . import _grouped
@@ -239,40 +281,14 @@ class QuantizedExperts(nn.Module):
             slots, tokens = torch.cat([w[0] for w in where]), torch.cat([w[1] for w in where])
             counts = [len(w[1]) for w in where]
             out = self._apply_gate(self._project_routed(hidden_states[tokens], 0, hit, counts))
-            out = self._project_routed(out, 1, hit, counts) * top_k_weights[tokens, slots, None]
+            out = self.post_expert(self._project_routed(out, 1, hit, counts)) * top_k_weights[tokens, slots, None]
             return final.index_add_(0, tokens, out.to(final.dtype))
         for expert in hit:
             top_k_pos, token_idx = torch.where(mask[expert])
             out = self._apply_gate(self._project(hidden_states[token_idx], 0, expert))
-            out = self._project(out, 1, expert) * top_k_weights[token_idx, top_k_pos, None]
+            out = self.post_expert(self._project(out, 1, expert)) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
-
-
-def run_with_weight(linear: nn.Module, fn, *args):
-    """``fn(linear.weight, *args)`` run as `linear`'s forward, so FSDP (an FSDP1 unit around `linear`) gathers the
-    weight first. Outside its own unit's forward an FSDP1 weight is a 1-D flat shard, which is why peft's own
-    expert LoRA fails under FSDP1 (``shape '[8, -1, 2048]' is invalid``)."""
-    inner = getattr(linear, "_fsdp_wrapped_module", linear)
-    inner.forward = lambda *a: fn(inner.weight, *a)  # an instance attribute shadows Linear.forward, for this call
-    try:
-        return linear(*args)
-    finally:
-        del inner.forward
-
-
-def _lora_A_rows(weight, x, experts, counts, num_experts):
-    # peft's lora_A for [E, out, in] is [r*E, in]: expert e's rows are e*r .. e*r+r-1.
-    per_expert = weight.unflatten(0, (num_experts, -1))
-    x = x.to(weight.dtype)
-    return torch.cat([c @ per_expert[e].T for c, e in zip(x.split(counts), experts)])
-
-
-def _lora_B_rows(weight, low, experts, counts, num_experts):
-    # peft's lora_B is [out, r*E] read as [out, r, E]: expert e's columns are e, E+e, 2E+e, ...
-    per_expert = weight.unflatten(1, (-1, num_experts))
-    low = low.to(weight.dtype)
-    return torch.cat([c @ per_expert[:, :, e].T for c, e in zip(low.split(counts), experts)])
 
 
 def packed_expert_bytes(model: nn.Module) -> tuple[int, int]:
@@ -310,7 +326,9 @@ def quantize_experts(
 
     Raises:
         UnsupportedSetupError: an experts module (by class: :func:`~hf_fsdp_qlora.expert_layouts.is_experts_module`)
-            of a family we do not know; it names the class and the way to load it knowingly in 16 bits, instead of leaving the experts unquantized silently.
+            that declares no layout (transformers' ``use_experts_implementation``) and has no named entry; it names
+            the module path, the tensors found and the way to load it knowingly in 16 bits, instead of leaving the
+            experts unquantized silently.
     """
     found = []
     for name, module in model.named_modules():
@@ -320,13 +338,7 @@ def quantize_experts(
         if layout is not None:
             found.append((name, module, layout))
         elif is_experts_module(module):
-            raise UnsupportedSetupError(
-                f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer "
-                f"({[n for n, _ in module.named_parameters()]}) in a layout hf_fsdp_qlora cannot quantize to 4 bits "
-                f"yet (supported: "
-                f"{', '.join(sorted(EXPERT_LAYOUTS))}). Pass quantize_experts=False to load_qlora_model to keep "
-                "these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit experts)."
-            )
+            raise UnsupportedSetupError(_refusal(name, module))
     for name, module, layout in found:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -345,6 +357,25 @@ def quantize_experts(
     return [name for name, _, _ in found]
 
 
+# peft (0.21) refuses LoRA on these layers of its Mamba-based model types ("Module 'out_proj' is incompatible with
+# Mamba-based models"), also when they come from "all-linear"; our "all-linear" leaves them out there (Nemotron-H
+# has experts too: lora_config_for_experts spells "all-linear" out for it).
+_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+
+
+def _refusal(name: str, module: nn.Module) -> str:
+    """Why the experts module `module` at `name` cannot be quantized: where it is, what it holds, what to do."""
+    return (
+        f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer "
+        f"({', '.join(experts_tensors(module)) or 'no tensors'}) in a layout hf_fsdp_qlora cannot quantize "
+        "to 4 bits: the class neither declares its layout through transformers' use_experts_implementation nor has "
+        "a named entry in hf_fsdp_qlora.expert_layouts.EXPERT_LAYOUTS. Pass quantize_experts=False to "
+        "load_qlora_model to keep these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit "
+        "experts)."
+    )
+
+
 def lora_config_for_experts(model: nn.Module, lora_config):
     """`lora_config` made to fit a mixture-of-experts model (4-bit or 16-bit experts), before ``get_peft_model``.
 
@@ -361,6 +392,8 @@ def lora_config_for_experts(model: nn.Module, lora_config):
     import copy
 
     names = _linear_targets(model)
+    if getattr(model.config, "model_type", None) in _MAMBA_TYPES:
+        names = [n for n in names if n.rsplit(".", 1)[-1] not in _MAMBA_REFUSED]
     lora_config = copy.deepcopy(lora_config)
     lora_config.target_modules = names
     lora_config.hf_fsdp_qlora_linear_targets = True  # not a dataclass field: never saved
@@ -368,15 +401,30 @@ def lora_config_for_experts(model: nn.Module, lora_config):
     return lora_config
 
 
+def _own_linear_forward(module: nn.Module) -> bool:
+    """A modelling file's ``nn.Linear`` subclass with a forward of its own (DeepSeek-V4's grouped output projection
+    ``DeepseekV4GroupedLinear``: per-group blocks of one weight): peft's LoRA would add ``x A^T B^T`` as for a plain
+    linear layer and fail on its shapes. bitsandbytes' 4-bit layers are plain linear layers here."""
+    for cls in type(module).__mro__:
+        if cls is nn.Linear:
+            return False
+        if cls.__module__.startswith("transformers.") and "forward" in cls.__dict__:
+            return True
+    return False
+
+
 def _linear_targets(model: nn.Module) -> list[str]:
-    """The linear layers but the output head and the routers, as peft targets: a leaf name where it names such
-    layers only, else the full names of the layers it names."""
+    """The linear layers but the output head, the routers and sparse attention's indexers, as peft targets: a leaf
+    name where it names such layers only, else the full names of the layers it names. An indexer (DeepSeek-V3.2,
+    GLM-MoE-DSA, Hunyuan v4 ...) only picks the keys attention reads by top-k: LoRA there never gets a gradient."""
     out = model.get_output_embeddings()
     routers = router_layers(model)
     linear, other = {}, set()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and module is not out and "." in name and name not in routers:
+        indexer = ".indexer." in f".{name}."
+        plain = isinstance(module, nn.Linear) and not _own_linear_forward(module)
+        if plain and module is not out and "." in name and name not in routers and not indexer:
             linear.setdefault(leaf, []).append(name)
         elif name:
             other.add(leaf)

@@ -12,6 +12,7 @@ from .._bnb_cpu import disable_cpu_repack_in_model
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
+from ..expert_layouts import EXPERT_WEIGHT_NAMES
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
 from ..towers import auto_class_for, concrete_class, keep_present_layer_classes
 from ._adapter_steps import attach_adapter, continue_adapter, freeze_for_kbit_training
@@ -24,7 +25,6 @@ from ._checkpoint import (
 )
 from ._experts_map import release_experts_dispatch
 from ._towers import refuse_low_ram_class, towers_of
-from .experts import EXPERT_LAYOUTS
 from .experts import quantize_experts as quantize_expert_weights
 from .family_targets import family_skip_modules
 from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
@@ -242,7 +242,7 @@ def _read_config(load: _Load) -> None:
 def _read_checkpoint_quantization(load: _Load) -> None:
     """The checkpoint's own quantization (if any), refused before any weight is read if the run cannot use it."""
     load.prequantized = prequantized_check(load.config, load.dtype, load.bits)
-    refuse_saved_quantized_experts(load.source, {w for lay in EXPERT_LAYOUTS.values() for w in lay.weights})
+    refuse_saved_quantized_experts(load.source, set(EXPERT_WEIGHT_NAMES))
 
 
 def _refuse_8bit_experts(load: _Load) -> None:
