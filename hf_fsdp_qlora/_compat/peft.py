@@ -75,4 +75,12 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="peft converts only adapters written for transformers 4 (or lets a config opt out)",
         canary="tests/test_families_defects.py::test_stock_peft_moves_linear_targets_onto_experts",
     ),
+    Workaround(
+        key="script_lora_limited_to_language_model",
+        upstream="peft <= 0.21 (BaseTuner.inject_adapter; a script's LoraConfig cannot exclude modules by path)",
+        works_around="trl's scripts put all-linear LoRA on a multimodal model's vision/audio towers too",
+        where=("hf_fsdp_qlora.loading.script_towers.limit_script_lora_to_language_model",),
+        remove_when="peft's all-linear leaves non-text towers out, or scripts can pass exclude_modules",
+        canary="tests/test_multimodal.py::test_script_loads_keep_the_towers_16bit",
+    ),
 )

@@ -256,4 +256,24 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         remove_when="transformers tiles its MLPs itself",
         canary="tests/test_tiled_mlp.py::test_tiled_mlp_keeps_one_tiles_intermediates",
     ),
+    Workaround(
+        key="inherited_no_split_modules",
+        upstream="transformers <= 5.24 (composite classes inherit their towers' _no_split_modules, e.g. Gemma 3's "
+        "SigLIP text embeddings it does not hold)",
+        works_around='FSDP1/FSDP2 auto-wrap raises "Could not find the transformer layer class ..." for a listed '
+        "class the model lacks",
+        where=("hf_fsdp_qlora.towers.keep_present_layer_classes",),
+        remove_when="transformers lists only the classes a composite model builds",
+        canary="tests/test_multimodal_train.py::test_trains_with_16bit_frozen_towers_sharded_in_their_own_units",
+    ),
+    Workaround(
+        key="auto_class_mapping_on_meta",
+        upstream="transformers <= 5.24 (auto classes keep their config-to-class map in _model_mapping; "
+        "PreTrainedModel._from_config builds without loading)",
+        works_around="the loader and the doctor need the concrete class an auto class picks, and the model's "
+        "module tree on the meta device, to find the towers before anything is loaded",
+        where=("hf_fsdp_qlora.towers.concrete_class", "hf_fsdp_qlora.towers.meta_model"),
+        remove_when="never (a dependency): the canary watches both",
+        canary="tests/test_multimodal.py::test_doctor_plans_the_towers_16bit",
+    ),
 )
