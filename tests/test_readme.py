@@ -39,10 +39,12 @@ def test_clone_command_shows_a_placeholder_not_an_invented_address():
     """The project has no published address yet: the clone command shows `<URL-of-this-repository>`, which the
     reader replaces, never a made-up one (`https://github.com/OWNER/...`). Once it has one, name it in pyproject's
     [project.urls] and here."""
-    clones = [words for b in BLOCKS for words in shell_commands(b.body) if words[:2] == ["git", "clone"]]
-    assert clones, "README: the install steps start with a clone command"
-    for words in clones:
-        assert re.fullmatch(r"<[A-Za-z-]+>", words[2]), f"README: git clone {words[2]}: no such address"
+    pages = [README, *sorted((REPO / "docs").rglob("*.md"))]
+    clones = [(b.where, words) for page in pages for b in blocks(page) for words in shell_commands(b.body)
+              if words[:2] == ["git", "clone"]]  # fmt: skip
+    assert {where.split(":")[0] for where, _ in clones} >= {"README.md", "docs/index.md"}, clones
+    for where, words in clones:
+        assert re.fullmatch(r"<[A-Za-z-]+>", words[2]), f"{where}: git clone {words[2]}: no such address"
 
 
 def test_readme_stays_short():
