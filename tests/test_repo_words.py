@@ -12,7 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PATTERNS = {
     "a machine lent or a lend": re.compile(r"\b(lent|lends?|lending)\b", re.IGNORECASE),
-    "the device tool's words": re.compile(r"\bdevice[ _-](calls?|tool|command|machine|time)\b", re.IGNORECASE),
+    "the device tool's words": re.compile(r"(?<![a-z])device[ _-](calls?|tool|command|machine|time)\b", re.IGNORECASE),
     "the device tool's timeout option": re.compile(r"\btimeout_s\b"),
     "the device tool's carry option": re.compile(
         r"\bcarry\s*:|\bcarry \.whl|\bcarried (wheels?|set|folder)\b|\b(tool|device) carries\b", re.IGNORECASE
