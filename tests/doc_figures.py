@@ -4,8 +4,9 @@ A ```text block preceded by ``<!-- doctor-output -->`` (or ``<!-- doctor-output:
 the page's nearest preceding `hf-fsdp-qlora doctor` command prints, with `--model` replaced by CONFIG when given
 (a published config.json under tests/data). The quote is the whole output (compared paragraph by paragraph: runs of
 lines between blank lines, trailing spaces dropped). The visible line before the marker says "Planned by the
-doctor". A GiB figure in a page's prose (tables included) is one that a doctor command shown on the page prints;
-a command's `--model` that is not a file here is read from MODELS (the published config of that model).
+doctor". A GiB figure in a page's prose (tables included), and a parameter count ("30.53B") beside one, is one
+that a doctor command shown on the page prints; a command's `--model` that is not a file here is read from MODELS
+(the published config of that model).
 Figures that were measured, not planned, sit in paragraphs that say "measured" and name the machine, the
 versions and the date (tests/test_docs_figures.py).
 
