@@ -90,8 +90,14 @@ def shell_commands(text: str) -> list[list[str]]:
     """The simple commands of a shell block, as words (continuations joined, comments and `&&`/`|` split)."""
     joined = re.sub(r"\\\n", " ", text)
     commands = []
+    pending = ""
     for line in joined.splitlines():
-        words = shlex.split(line, comments=True)
+        pending = f"{pending}\n{line}" if pending else line
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # a quote open across lines (`python -c "` and a script): read on to its end
+            continue
+        pending = ""
         current: list[str] = []
         for word in [*words, "&&"]:
             if word in ("&&", "||", "|", ";"):

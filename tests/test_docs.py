@@ -213,3 +213,13 @@ def test_inline_script_commands_exist():
         for script, rest in re.findall(r"`python ((?:benchmarks|examples)/\w+\.py)([^`]*)`", page.read_text()):
             assert (REPO / script).is_file(), (page.name, script)
             _check_script_options(script, rest.split(), page.name)
+
+
+def test_doctor_page_names_every_training_config_key_with_its_option():
+    """docs/doctor.md's table of the --training-config keys is the doctor's own: each key it reads, with the option
+    whose value it sets (an option's dest is its name, dashes as underscores)."""
+    from hf_fsdp_qlora.training_config import DOCTOR_KEYS
+
+    text = (DOCS / "doctor.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\w+)(?:: false)?` \| `--([\w-]+)` \|$", text, flags=re.MULTILINE)
+    assert {key: option.replace("-", "_") for key, option in rows} == DOCTOR_KEYS, rows

@@ -12,6 +12,8 @@ from doc_figures import GIB, PAGES, paragraphs, planned_figures, prose, quotes, 
 QUOTES = [q for page in PAGES for q in quotes(page)]
 PLANNED = re.compile(r"planned by the doctor", re.IGNORECASE)
 # "Measured on <machine>, ... torch <version> ..., <YYYY-MM-DD>" within one paragraph.
+# A parameter count the doctor prints ("30.53B total"), in a row that also holds a GiB figure.
+PARAMETERS = re.compile(r"(?<![\w.-])\d+\.\d+B\b")
 MEASURED_LABEL = re.compile(r"measured\s+on\s[\s\S]{0,300}?torch\s+\d[\s\S]{0,400}?\b20\d\d-\d\d-\d\d", re.IGNORECASE)
 
 
@@ -51,8 +53,8 @@ NOT_PLANS = {"gpu-check.md"}
     "page", [p for p in PAGES if GIB.search(prose(p.read_text())) and p.name not in NOT_PLANS], ids=lambda p: p.name
 )
 def test_every_gib_figure_is_planned_by_a_command_on_the_page_or_labelled_measured(page):
-    """A planned figure is printed by a doctor command the page shows; a measured one's paragraph (or its table's
-    caption) names the machine, the versions and the date."""
+    """A planned figure (GiB, or a parameter count beside one) is printed by a doctor command the page shows; a
+    measured one's paragraph (or its table's caption) names the machine, the versions and the date."""
     text = prose(page.read_text(encoding="utf-8"))
     printed = planned_figures(page)
     measured_tables = _measured_table_rows(text)
@@ -60,7 +62,8 @@ def test_every_gib_figure_is_planned_by_a_command_on_the_page_or_labelled_measur
     for row in _figure_paragraphs(text):
         if row in measured_tables or MEASURED_LABEL.search(row):
             continue
-        missing = [f for f in (" ".join(f.split()) for f in GIB.findall(row)) if f not in printed]
+        figures = GIB.findall(row) + PARAMETERS.findall(row)
+        missing = [f for f in (" ".join(f.split()) for f in figures) if f not in printed]
         if missing:
             wrong[row] = missing
     assert not wrong, f"{page.name}: figures no doctor command on the page prints, nor labelled measured: {wrong}"

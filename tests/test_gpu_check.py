@@ -20,7 +20,7 @@ from dist_utils import REPO
 sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu._worker_stages import adapter_dtype_missing
-from benchmarks.gpu.budget import DEFAULT_RUN_S, NAMES, PLAN, deadlines, first_call_estimate, resumed_call_estimate
+from benchmarks.gpu.budget import DEFAULT_RUN_S, NAMES, PLAN, deadlines, first_run_estimate, resumed_run_estimate
 from benchmarks.gpu.profiles import PROFILES
 from benchmarks.gpu.report import Report
 from benchmarks.gpu.stages import FAST_CUDA_TESTS
@@ -39,7 +39,7 @@ def dry(tmp_path_factory):
     return proc, report, (out / "gpu_report.md").read_text(), work
 
 
-RESUMED = ("fp32_vs_bf16", "moe_speed", "longest_seq")  # no share in the first call: they run in the resumed one
+RESUMED = ("fp32_vs_bf16", "moe_speed", "longest_seq")  # no share in the first run: they run in the resumed one
 # fp32_vs_bf16 needs issue 34's API (adapter_dtype); a tree without it reports the stage "not yet available".
 WAITING = ("fp32_vs_bf16",) if adapter_dtype_missing() else ()
 
@@ -147,7 +147,7 @@ class TestDryRun:
             assert ok[longest] and (longest == c["high"] or ok.get(longest + c["step"]) is False), (cap, who, probes)
 
     def test_fp32_moe_longest_side_by_side(self, dry):
-        """The resumed call's stages at tiny shape: fp32 against bf16 adapters (each trained in the dtype asked, where
+        """The resumed run's stages at tiny shape: fp32 against bf16 adapters (each trained in the dtype asked, where
         the API exists), the MoE layer's three contestants agreeing, and the longest sequence's bisection answer."""
         stages, work = dry[1]["stages"], dry[3]
         fp32 = {r["adapter_dtype"]: r for r in stages["fp32_vs_bf16"]["rows"]}
@@ -292,10 +292,10 @@ def test_mfu_counts_matmul_parameters_not_the_embedding(tmp_path):
     assert stages_speed._flops_per_token(ctx) == 4 * linear + 8 * s["num_hidden_layers"] * seq * s["hidden_size"]
 
 
-def test_budget_plan_fits_one_device_call():
+def test_budget_plan_fits_one_run():
     """The stage plan and its arithmetic at the real shape: stages in order of value, each stage's estimate within
     its share, set-up + shares + margin within the default run's 480 s (capacity and the rest of the CUDA tests take
-    what is left, most of them in a resumed call), and deadlines that pass unused time on and never exceed the end."""
+    what is left, most of them in a resumed run), and deadlines that pass unused time on and never exceed the end."""
     assert NAMES == ("tests", "correctness", "memory", "speed", *RESUMED, "capacity", "tests_rest")
     for stage in PLAN:
         if stage.share_s is not None:
@@ -304,19 +304,19 @@ def test_budget_plan_fits_one_device_call():
         assert (stage.resume_share_s is not None) == (stage.name in RESUMED) and stage.share(False) == stage.share_s
     assert all(s.share_s == 0 and s.share(True) > 0 for s in PLAN if s.name in RESUMED)
     assert [s.name for s in PLAN if s.share_s is None] == ["capacity", "tests_rest"]
-    first = first_call_estimate()
+    first = first_run_estimate()
     assert first["fits"] and first["setup_s"] + first["shares_s"] + first["margin_s"] <= DEFAULT_RUN_S
     assert first["left_for_unshared_s"] >= 0
-    assert not first_call_estimate(install_s=200)["fits"]  # a slow install is seen for what it costs
+    assert not first_run_estimate(install_s=200)["fits"]  # a slow install is seen for what it costs
     marks = deadlines(list(PLAN), start=1000.0, end=1000.0 + 400)
     assert list(marks) == list(NAMES)
     assert marks["tests"] == 1040 and marks["correctness"] == 1150 and marks["speed"] == 1375  # cumulative
     assert marks["fp32_vs_bf16"] == marks["longest_seq"] == 1375 and marks["capacity"] == marks["tests_rest"] == 1400
     short = deadlines(list(PLAN), start=0.0, end=100.0)  # set-up ran long: the earliest stages keep their shares
     assert short["tests"] == 40 and short["correctness"] == 100 and short["speed"] == 100
-    # The resumed call: what the first left (speed's second round) and the three stages with their own shares first,
+    # The resumed run: what the first left (speed's second round) and the three stages with their own shares first,
     # capacity and the rest of the tests after them.
-    again = resumed_call_estimate()
+    again = resumed_run_estimate()
     assert again["fits"] and again["shares_s"] == 150 + sum(PLAN[NAMES.index(n)].resume_share_s for n in RESUMED)
     later = deadlines([s for s in PLAN if s.name in ("speed", *RESUMED, "capacity")], 0.0, 400.0, resumed=True)
     assert later["speed"] == 150 and later["fp32_vs_bf16"] == 230 and later["longest_seq"] == 370
@@ -338,7 +338,7 @@ for sc in spec["scenarios"]:
 def test_stage_killed_at_its_deadline_keeps_earlier_results(monkeypatch, tmp_path):
     """A real launch (its own process group, killed at the stage's deadline) of a stand-in worker (no model: the
     kill is what is under test): the earlier stage's results were in the report folder before the kill and stay there, the killed
-    stage keeps the scenario it finished and is "stopped" (a resumed call runs it again), and the next stage runs."""
+    stage keeps the scenario it finished and is "stopped" (a resumed run runs it again), and the next stage runs."""
     import time
 
     from benchmarks.gpu import check, launch
@@ -374,7 +374,7 @@ def test_stage_killed_at_its_deadline_keeps_earlier_results(monkeypatch, tmp_pat
     b = final["b"]
     assert 2 < b["deadline_in_s"] <= 4 and b["deadline_in_s"] <= b["seconds"] < b["deadline_in_s"] + 10  # not 600
     done, kept = check.resumed(str(out / "gpu_report.json"))
-    assert done.keys() == {"a", "c"} and not kept  # a resumed call runs b again (all of it: b is no RUNS_KEPT stage)
+    assert done.keys() == {"a", "c"} and not kept  # a resumed run runs b again (all of it: b is no RUNS_KEPT stage)
     monkeypatch.setattr(check, "RUNS_KEPT", ("b",))
     done, kept = check.resumed(str(out / "gpu_report.json"))
     assert kept == {"b": {"b.1": {**final["b"]["runs"]["b.1"], "from": str(out / "gpu_report.json")}}}
@@ -412,8 +412,8 @@ def test_install_unpacks_what_the_check_imports(tmp_path):
     assert all(install_wheels.wanted(k, None) for k in kernels)  # the CUDA major unknown: every kernel kept
 
 
-def test_resume_from_runs_only_what_the_first_call_left(tmp_path):
-    """A second call with --resume-from: the first call's finished stages are kept (marked ``from``), only the
+def test_resume_from_runs_only_what_the_first_run_left(tmp_path):
+    """A second run with --resume-from: the first run's finished stages are kept (marked ``from``), only the
     stopped one runs (here tests_rest, whose dry form is cheap: a collection), in plan order after the kept ones."""
     first = {"header": {}, "stages": {"setup": {"status": "ok"}}}
     for name in NAMES:

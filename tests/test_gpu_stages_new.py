@@ -1,4 +1,4 @@
-"""The GPU form of the resumed call's stages (benchmarks/gpu/stages_new.py), without a GPU: the scenarios the 8B
+"""The GPU form of the resumed run's stages (benchmarks/gpu/stages_new.py), without a GPU: the scenarios the 8B
 profile builds, how they are launched, and the summaries' figures and goals from given worker results. The dry run
 (tests/test_gpu_check.py) runs the same code at tiny shape on CPU."""
 

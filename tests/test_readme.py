@@ -35,6 +35,18 @@ def test_every_command_block_says_how_it_is_tested():
     assert not missing, f"README blocks without a <!-- cpu-rehearsal: ... --> comment before them: {missing}"
 
 
+def test_clone_command_shows_a_placeholder_not_an_invented_address():
+    """The project has no published address yet: the clone command shows `<URL-of-this-repository>`, which the
+    reader replaces, never a made-up one (`https://github.com/OWNER/...`). Once it has one, name it in pyproject's
+    [project.urls] and here."""
+    pages = [README, *sorted((REPO / "docs").rglob("*.md"))]
+    clones = [(b.where, words) for page in pages for b in blocks(page) for words in shell_commands(b.body)
+              if words[:2] == ["git", "clone"]]  # fmt: skip
+    assert {where.split(":")[0] for where, _ in clones} >= {"README.md", "docs/index.md"}, clones
+    for where, words in clones:
+        assert re.fullmatch(r"<[A-Za-z-]+>", words[2]), f"{where}: git clone {words[2]}: no such address"
+
+
 def test_readme_stays_short():
     assert len(README.read_text().splitlines()) <= 190  # the GPU first steps and route 1's whole script included
 

@@ -26,9 +26,9 @@ SETUP_ESTIMATE_S = {"install": 15, "build": 45}
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: ``share_s`` seconds of the call (None: whatever is left), ``estimate_s`` at the real shape;
+    """One stage: ``share_s`` seconds of the run (None: whatever is left), ``estimate_s`` at the real shape;
     ``waiting_for`` names what a slot waits on (it reports "not yet available" until then); ``resume_share_s``: the
-    share in a resumed call (``--resume-from``) of a stage the first call has no room for (share 0 there)."""
+    share in a resumed run (``--resume-from``) of a stage the first run has no room for (share 0 there)."""
 
     name: str
     share_s: float | None
@@ -38,7 +38,7 @@ class Stage:
     resume_share_s: float | None = None
 
     def share(self, resumed: bool) -> float | None:
-        """The seconds this stage gets in the first call, or in a resumed one."""
+        """The seconds this stage gets in the first run, or in a resumed one."""
         return self.resume_share_s if resumed and self.resume_share_s is not None else self.share_s
 
 
@@ -48,7 +48,7 @@ PLAN = (
     Stage("correctness", 110, 100, "8B shape under FSDP2 and FSDP1 (and offload, callback), merge against peft"),
     Stage("memory", 75, 70, "the doctor's memory plan against max_memory_allocated"),
     Stage("speed", 150, 140, "tokens/s against the stock single-GPU QLoRA recipe (stock and ours first)"),
-    # The first call has no room for these three (set-up + the shares above + margin: 455 of 480 s): share 0 there
+    # The first run has no room for these three (set-up + the shares above + margin: 455 of 480 s): share 0 there
     # (they get only what the earlier stages left, and read "stopped" otherwise), their own share in the resumed
     # call, before capacity. fp32_vs_bf16: one launch, the 8B load twice (~12 + 2 x (25 + 10) s); moe_speed: one
     # launch, no 8B model (~12 s start, a few s to build the layer on the GPU, ~5 s of steps); longest_seq: the 8B
@@ -56,7 +56,7 @@ PLAN = (
     Stage("fp32_vs_bf16", 0, 80, "fp32 adapters against bf16 adapters: step time, peak memory", resume_share_s=80),
     Stage("moe_speed", 0, 30, "one Qwen3-30B-A3B MoE layer: grouped vs loop vs stock grouped_mm", resume_share_s=40),
     Stage("longest_seq", 0, 100, "longest sequence (tiled MLP, chunked loss) against the doctor", resume_share_s=100),
-    Stage("capacity", None, 300, "largest shape, longest sequence per cap (mostly the resumed call)"),
+    Stage("capacity", None, 300, "largest shape, longest sequence per cap (mostly the resumed run)"),
     Stage("tests_rest", None, 120, "the remaining CUDA tests (every test marked cuda)"),
 )
 NAMES = tuple(s.name for s in PLAN)
@@ -68,7 +68,7 @@ def plan_for(names: list[str]) -> list[Stage]:
 
 
 def deadlines(stages: list[Stage], start: float, end: float, resumed: bool = False) -> dict[str, float]:
-    """Each stage's deadline: `start` plus the shares up to and including it (a resumed call's shares when
+    """Each stage's deadline: `start` plus the shares up to and including it (a resumed run's shares when
     `resumed`), never past `end`; a stage without a share runs until `end` (it and the ones after it share what the
     earlier stages left)."""
     found, t = {}, start
@@ -79,8 +79,8 @@ def deadlines(stages: list[Stage], start: float, end: float, resumed: bool = Fal
     return found
 
 
-def first_call_estimate(install_s: float | None = None, build_s: float | None = None) -> dict:
-    """The first call's arithmetic at the real shape: set-up, the stages with a share, the margin, and the seconds
+def first_run_estimate(install_s: float | None = None, build_s: float | None = None) -> dict:
+    """The first run's arithmetic at the real shape: set-up, the stages with a share, the margin, and the seconds
     left for the stages without one (capacity, the rest of the tests), against DEFAULT_RUN_S."""
     setup = (install_s if install_s is not None else SETUP_ESTIMATE_S["install"]) + (
         build_s if build_s is not None else SETUP_ESTIMATE_S["build"]
@@ -91,14 +91,14 @@ def first_call_estimate(install_s: float | None = None, build_s: float | None = 
             "fits": setup + shares + MARGIN_S <= DEFAULT_RUN_S}  # fmt: skip
 
 
-# Stages with a first-call share that the first call is expected to leave stopped: speed's second round.
+# Stages with a first-run share that the first run is expected to leave stopped: speed's second round.
 RESUMED_WITH = ("speed",)
 
 
-def resumed_call_estimate(install_s: float | None = None, build_s: float | None = None) -> dict:
-    """The resumed call's arithmetic: set-up, what the first call leaves (RESUMED_WITH's shares) and the stages
+def resumed_run_estimate(install_s: float | None = None, build_s: float | None = None) -> dict:
+    """The resumed run's arithmetic: set-up, what the first run leaves (RESUMED_WITH's shares) and the stages
     that run only there (``resume_share_s``), the margin, and what is left for capacity and the rest of the tests."""
-    first = first_call_estimate(install_s, build_s)
+    first = first_run_estimate(install_s, build_s)
     shares = sum(s.share_s for s in PLAN if s.name in RESUMED_WITH) + sum(s.resume_share_s or 0 for s in PLAN)
     left = DEFAULT_RUN_S - MARGIN_S - first["setup_s"] - shares
     return {"setup_s": first["setup_s"], "shares_s": shares, "margin_s": MARGIN_S, "left_for_unshared_s": left,

@@ -7,7 +7,7 @@
 Stages (docs/gpu-check.md), in order of value (budget.PLAN): the fast CUDA tests, correctness (Llama 3.1 8B shape,
 each shipped GPU config and no FSDP, merge against peft), memory (the doctor's plan against CUDA's peak), speed
 (against the stock recipe), fp32 against bf16 adapters, MoE expert speed and our longest sequence (these three
-in the resumed call), capacity (largest shape, longest sequence) and the rest of the CUDA tests. ``gpu_report.json``
+in the resumed run), capacity (largest shape, longest sequence) and the rest of the CUDA tests. ``gpu_report.json``
 and ``gpu_report.md`` are rewritten as each stage ends. The run keeps to ``--budget`` seconds (8 minutes by default):
 each stage has its deadline (budget.deadlines) and every launch is killed at it.
 """
@@ -34,8 +34,8 @@ from .report import Report
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_STAGES = ("tests", "tests_rest")  # they run pytest (stages.start_tests)
-# Stages whose runs need nothing of each other (no adapter passed on, no chain): a resumed call keeps their runs
-# that ended "ok" and runs only the rest (speed's rounds do not fit one call).
+# Stages whose runs need nothing of each other (no adapter passed on, no chain): a resumed run keeps their runs
+# that ended "ok" and runs only the rest (speed's rounds do not fit one run).
 RUNS_KEPT = ("memory", "speed")
 STAGES = {  # name -> (scenarios, summary): every stage of budget.PLAN that launches the worker (all but TEST_STAGES)
     "correctness": (stages.correctness_scenarios, stages.correctness_summary),
@@ -161,7 +161,7 @@ def install_seconds(dry: bool, work: Path) -> float | None:
 
 
 def _stage_result(ctx: Context, stage: Stage, deadline: float, pooled: dict, tests: dict, kept: dict) -> dict:
-    """Run one stage until `deadline` (a slot reports what it waits for), less the runs `kept` from a first call;
+    """Run one stage until `deadline` (a slot reports what it waits for), less the runs `kept` from a first run;
     the figures its summary makes of them all."""
     if stage.waiting_for:
         return {"status": "not yet available", "waiting_for": stage.waiting_for, "what": stage.what}
@@ -184,7 +184,7 @@ def _stage_result(ctx: Context, stage: Stage, deadline: float, pooled: dict, tes
 
 def run_stages(ctx: Context, report: Report, plan: list[Stage], end: float, pooled=None, tests=None,
                kept=None, resumed: bool = False) -> None:  # fmt: skip
-    """Each stage of `plan` in order, cut at its deadline (a resumed call's shares when `resumed`), its result
+    """Each stage of `plan` in order, cut at its deadline (a resumed run's shares when `resumed`), its result
     written to the report the moment it ends."""
     for stage, deadline in zip(plan, deadlines(plan, time.monotonic(), end, resumed).values()):
         t = time.monotonic()
@@ -198,7 +198,7 @@ def run_stages(ctx: Context, report: Report, plan: list[Stage], end: float, pool
 
 
 def resumed(path: str | None) -> tuple[dict, dict]:
-    """From a first call's report: the stages it finished (any status but "stopped"; not run again), and of each
+    """From a first run's report: the stages it finished (any status but "stopped"; not run again), and of each
     stopped stage whose runs stand alone (RUNS_KEPT) the runs that ended "ok" (only the others run again)."""
     if not path:
         return {}, {}
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     report.add("setup", {"status": found["status"], "install_s": installed, "build_s": time.monotonic() - t,
                          "seconds": time.monotonic() - started, "parameters": ctx.parameters, "work": str(work),
                          "error": found.get("error") or found.get("log_tail", "")[-500:]})  # fmt: skip
-    for name, result in done.items():  # the first call's finished stages, kept as they were
+    for name, result in done.items():  # the first run's finished stages, kept as they were
         report.add(name, result)
     if found["status"] != "ok":
         for proc in tests.values():  # no stage will wait for them

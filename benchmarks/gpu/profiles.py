@@ -33,7 +33,7 @@ PROFILES = {
         "shape": LLAMA_8B, "shape_name": "llama3.1-8b", "lora_r": 16, "lr": 1e-3,
         "correctness": {"seq": 1024, "batch": 1, "steps": 4},
         "memory": {"seqs": (2048, 8192), "steps": 2},
-        # 8 steps, 2 of warm-up: a launch is ~50 s (start, 8B load, steps), so the first call's share holds one
+        # 8 steps, 2 of warm-up: a launch is ~50 s (start, 8B load, steps), so the first run's share holds one
         # round of the stock recipe and ours; the second round (order rotated) comes with --resume-from.
         "speed": {"seq": 2048, "batch": 1, "steps": 8, "warmup": 2, "rounds": 2},
         "capacity_shapes": [("llama3.1-70b", LLAMA_70B), ("codellama-34b", LLAMA_34B), ("llama2-13b", LLAMA_13B)],

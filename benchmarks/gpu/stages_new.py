@@ -1,6 +1,6 @@
 """Stages f-h of the GPU check: fp32 against bf16 adapters, MoE expert speed, the longest sequence.
 
-All three run in the resumed call (budget.PLAN: no share in the first call, ``resume_share_s`` in the second).
+All three run in the resumed run (budget.PLAN: no share in the first run, ``resume_share_s`` in the second).
 
 * ``fp32_vs_bf16``: ours at the 8B shape (no FSDP), the adapters' master weights in float32 and in bfloat16, one
   launch: seconds per step and CUDA's max allocated, side by side, and the dtype the LoRA weights trained in.
