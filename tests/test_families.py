@@ -22,25 +22,9 @@ PENDING_FIX: dict[str, str] = {}
 # Failures of families the size rules build since issue 48 (they were "not built" before), as strict xfails with
 # the error: each is in the loader or merge code, not in the sweep, and passes (XPASS: remove it here) once fixed.
 _TOWER = "text-only training leaves the LoRA of its vision/audio tower without gradient: all-linear reaches the towers"
-_INDEXER = (
-    "all-linear puts LoRA on the sparse-attention indexer (wq_b, wk, weights_proj), whose output only "
-    "selects tokens (top-k): those adapters never get a gradient"
-)
-_INPLACE = (
-    "the input-gradient hook makes the embedding output a leaf that requires grad, and the model adds to it "
-    "in place: 'a leaf Variable that requires grad is being used in an in-place operation'"
-)
 OTHER_FAILURES: dict[str, str] = {
     "gemma3": _TOWER, "fuyu": _TOWER, "got_ocr2": _TOWER, "moss_transcribe_diarize": _TOWER,
     "phi4_multimodal": _TOWER,
-    "deepseek_v32": _INDEXER, "glm_moe_dsa": _INDEXER,
-    "blt": _INPLACE, "git": _INPLACE,
-    "gemma3n_text": "its AltUp correction_coefs is an nn.Linear quantized to 4 bits whose .weight the training "
-                    "forward reads directly: 'mat1 and mat2 shapes cannot be multiplied (8x4 and 1x4)'",
-    "reformer": "'element 0 of tensors does not require grad' at backward; stock peft on the 16-bit model fails "
-                "alike (its reversible layers)",
-    "zamba": "merge-adapters: the adapter has LoRA on layers.7.shared_transf, the block tied to layers.2's, which "
-             "the checkpoint stores once: 'the adapter changes 7 tensor(s) the base does not have'",
 }  # fmt: skip
 
 
