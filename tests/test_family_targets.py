@@ -3,7 +3,8 @@
 - ``all-linear`` leaves out linear layers no gradient reaches (a module whose forward runs under ``torch.no_grad``,
   as DeepSeek-V3.2's and GLM-MoE-DSA's sparse-attention indexers do) and linear layers sharing one weight (Zamba's
   tied attention block), also when an MoE model's all-linear was resolved to a list of names first;
-- the loader's input-gradient hook leaves the embedding output changeable in place (BLT adds to it).
+- the loader's input-gradient hook leaves the embedding output changeable in place (BLT adds to it);
+- merge-adapters folds the same LoRA on a tied layer's two places into its one stored weight, and refuses different ones.
 """
 
 from __future__ import annotations
@@ -101,3 +102,46 @@ def test_input_grad_hook_lets_the_model_add_to_the_embedding_output_in_place():
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
     model.disable_input_require_grads()  # transformers' switch removes our hook too (train/accelerator_setup.py)
     assert not model.get_input_embeddings()(ids).requires_grad
+
+
+def test_merge_folds_lora_on_a_tied_layer_or_refuses_it(tmp_path):
+    """Zamba ties one attention block across its hybrid layers (stored once, under layers.2). LoRA named on it
+    explicitly gives each place its own adapter: merge-adapters said "the adapter changes 7 tensor(s) the base does
+    not have". Now: different LoRAs are refused naming the tie; the same LoRA on both places (what one module under
+    two names trains) is merged once, equal to peft's merge of the adapter with only the stored place's LoRA."""
+    from family_build import build
+    from family_sweep import _move_adapter
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_fsdp_qlora.errors import MergeError
+    from hf_fsdp_qlora.loading.qlora import load_qlora_model
+    from hf_fsdp_qlora.merge.pipeline import merge_adapters
+
+    base = build("zamba", tmp_path / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    model = load_qlora_model(base, dtype=torch.bfloat16, lora_config=lora)
+    _move_adapter(model)
+    model.save_pretrained(tmp_path / "two")
+    with pytest.raises(MergeError, match=r"ties model\.layers\.7\.shared_transf\.self_attn\.q_proj\.weight"):
+        merge_adapters(base, tmp_path / "two", tmp_path / "out_two", progress=False)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if "layers.7.shared_transf" in name and "lora_" in name:
+                param.copy_(params[name.replace("layers.7.", "layers.2.")])
+    model.save_pretrained(tmp_path / "same")
+    out = merge_adapters(base, tmp_path / "same", tmp_path / "out_same", progress=False)
+    with torch.no_grad():
+        for name, param in params.items():
+            if "layers.7.shared_transf" in name and "lora_B" in name:
+                param.zero_()
+    model.save_pretrained(tmp_path / "once")
+    key = "model.layers.2.shared_transf.self_attn.q_proj.weight"
+    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()[key]
+    float_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    ref = PeftModel.from_pretrained(float_base, tmp_path / "once").merge_and_unload().state_dict()[key]
+    start = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()[key]
+    assert not torch.equal(ref, start)
+    eps = torch.finfo(torch.bfloat16).eps
+    assert bool(((ours - ref).abs() <= 2 * eps * (ref.abs() + (ref - start).abs()) + 1e-30).all())
