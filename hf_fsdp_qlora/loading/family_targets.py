@@ -47,7 +47,8 @@ CROSS_ATTENTION = ("encoder_attn", "cross_attn", "crossattention")
 # in training, which on packed 4-bit bytes would silently rewrite them). falcon_mamba and jamba read dt_proj.weight
 # too, but run the layer instead when the model is quantized: not listed.
 _ALTUP = ("correction_coefs", "prediction_coefs")
-READ_AS_WEIGHT = {"mamba": ("dt_proj",), "gemma3n": _ALTUP, "gemma3n_text": _ALTUP}
+# LongCat-Flash's router: `F.linear(hidden_states.float(), self.classifier.weight.float())`.
+READ_AS_WEIGHT = {"mamba": ("dt_proj",), "gemma3n": _ALTUP, "gemma3n_text": _ALTUP, "longcat_flash": ("classifier",)}
 
 
 def cross_attention_modules(model: nn.Module) -> list[str]:
