@@ -75,7 +75,7 @@ def test_explicit_targets_are_left_as_given():
 
 def test_input_grad_hook_lets_the_model_add_to_the_embedding_output_in_place():
     """BLT and GIT add to the embedding output in place. transformers' hook made it a leaf that requires grad:
-    "a leaf Variable that requires grad is being used in an in-place operation". Ours hands on a tracked copy, and
+    "a leaf Variable that requires grad is being used in an in-place operation". Ours hands on a tracked tensor, and
     the gradient still reaches a trainable layer after it, equal to the one without the in-place add."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -93,6 +93,7 @@ def test_input_grad_hook_lets_the_model_add_to_the_embedding_output_in_place():
         probe.zero_grad()
         hidden = model.get_input_embeddings()(ids)
         assert hidden.requires_grad and not hidden.is_leaf
+        assert torch.equal(hidden, model.get_input_embeddings().weight[ids])  # the embedding's values, unchanged
         if in_place:
             hidden += 1.0
         else:

@@ -50,12 +50,14 @@ def freeze_for_kbit_training(model, gradient_checkpointing: bool | None) -> None
 def _input_requires_grad(module, args, output):
     """transformers' hook makes the frozen embedding's output a leaf that requires grad, which the model may not
     change in place (BLT and GIT add to it: "a leaf Variable that requires grad is being used in an in-place
-    operation"). Its copy is no leaf: autograd tracks it, and in-place ops on it are allowed."""
+    operation"). Adding a zero scalar that requires grad gives the same values as a tensor autograd tracks (no
+    leaf: in-place ops are allowed), in place of the output rather than beside it (a clone would keep both alive
+    until backward), and its gradient is one number, not one as large as the output."""
     import torch
 
-    if not isinstance(output, torch.Tensor) or output.requires_grad:
+    if not isinstance(output, torch.Tensor) or output.requires_grad or not output.is_floating_point():
         return None  # a trainable embedding's output needs nothing
-    return output.requires_grad_(True).clone()
+    return output + torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)
 
 
 def enable_input_grads(model) -> None:
