@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["causal_lm_problem", "causal_lm_fix"]
+__all__ = ["REFUSED_FAMILIES", "causal_lm_fix", "causal_lm_problem", "refused_family"]
 
 
 def causal_lm_problem(config) -> str | None:
@@ -50,3 +50,31 @@ def causal_lm_fix(config) -> str:
             f'{config.model_type!r} model trained as a decoder, set "is_decoder": true in its config.json.'
         )
     return "Pass a causal language model (e.g. a Llama, Qwen2 or Mistral checkpoint)."
+
+
+# Families whose causal-LM class cannot be LoRA-fine-tuned on text, for a reason upstream (transformers 5.24, peft
+# 0.21): model_type -> why, in words. Stock peft on the 16-bit model fails the same way.
+REFUSED_FAMILIES = {
+    "reformer": (
+        "Reformer's reversible layers (ReformerModelWithLMHead) run in their own autograd function, whose output "
+        "requires grad only through its inputs: with the base frozen, LoRA gets no gradient (stock peft on the "
+        "16-bit model fails alike: 'element 0 of tensors does not require grad' at the first backward)"
+    ),
+    "git": (
+        "GIT's causal-LM loss (GitForCausalLM) drops the logits of the image tokens it expects before the text even "
+        "when no image is given, so on text alone the loss is misaligned with the labels (or empty: 'Expected input "
+        "batch_size (0) to match target batch_size')"
+    ),
+}
+
+
+def refused_family(config) -> str | None:
+    """Why `config`'s family cannot be fine-tuned here (:data:`REFUSED_FAMILIES`), with what to do; else None."""
+    reason = REFUSED_FAMILIES.get(getattr(config, "model_type", None))
+    if reason is None:
+        return None
+    return (
+        f"model type {config.model_type!r} is not supported: {reason}. This is a limit of the modelling code in "
+        "transformers, not of the checkpoint. Fine-tune another causal language model (e.g. a Llama, Qwen2 or "
+        "Mistral checkpoint)."
+    )

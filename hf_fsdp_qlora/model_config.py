@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from .causal_lm import causal_lm_fix, causal_lm_problem
+from .causal_lm import causal_lm_fix, causal_lm_problem, refused_family
 from .errors import SetupInputError
 from .hub_config import fetch_config, looks_like_hub_id
 
@@ -71,3 +71,6 @@ def _check_causal_lm(config, path) -> None:
         raise SetupInputError(
             f"{path} describes {kind}, which has no causal-LM head to fine-tune. {causal_lm_fix(config)}"
         )
+    refused = refused_family(config)
+    if refused is not None:
+        raise SetupInputError(f"{path}: {refused}")

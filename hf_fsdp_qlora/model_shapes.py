@@ -286,8 +286,20 @@ def _position_limit(text) -> int | None:
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
+def _from_parts(text, name: str, combine) -> int | None:
+    """`name` of `text`, else `combine` of it over the sub-configs that have it (BLT: no width of its own, but a
+    local encoder, a global transformer, a local decoder and a patcher, each with theirs); None where none has it."""
+    value = getattr(text, name, None)
+    if value is not None:
+        return value
+    parts = [getattr(v, name, None) for v in vars(text).values() if hasattr(v, "to_dict") and hasattr(v, name)]
+    parts = [int(p) for p in parts if isinstance(p, int)]
+    return combine(parts) if parts else None
+
+
 def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
     """A shape with the config's sizes (no parameters counted yet)."""
+    hidden = int(_from_parts(text, "hidden_size", max))  # the widest part plans the peak
     # Attention-free families (Mamba, RWKV, xLSTM) have no heads: one "head" as wide as the hidden size.
     heads = int(getattr(text, "num_attention_heads", None) or getattr(text, "num_heads", None) or 1)
     return ModelShape(
@@ -295,12 +307,12 @@ def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
         layer_classes=layer_classes,
         module_classes={type(m).__name__ for m in module.modules()},
         checkpointing=bool(getattr(module, "supports_gradient_checkpointing", True)),
-        num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
-        hidden_size=int(text.hidden_size),
-        intermediate_size=_widest(getattr(text, "intermediate_size", None)) or 4 * int(text.hidden_size),
+        num_layers=int(_from_parts(text, "num_hidden_layers", sum) or 0),
+        hidden_size=hidden,
+        intermediate_size=_widest(getattr(text, "intermediate_size", None)) or 4 * hidden,
         num_heads=heads,
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-        head_dim=int(_config_value(text, "head_dim") or text.hidden_size // heads),
+        head_dim=int(_config_value(text, "head_dim") or hidden // heads),
         vocab_size=int(text.vocab_size),
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_positions=_position_limit(text),

@@ -67,6 +67,9 @@ FAMILY_SIZES = {
     "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2},  # an attention layer within the 2
     "recurrent_gemma": {"num_hidden_layers": 3},  # its block pattern: recurrent, recurrent, attention
     "deepseek_v2": {"num_experts_per_tok": 2},  # None by default
+    # three dense layers first (first_k_dense_replace): two layers cut from the pattern would have no MoE
+    "deepseek_v32": {"first_k_dense_replace": 1, "mlp_layer_types": ["dense", "sparse"]},
+    "glm_moe_dsa": {"first_k_dense_replace": 1, "mlp_layer_types": ["dense", "sparse"]},
     # its rotary parameters per layer type, none by default (the released checkpoint's config names them)
     "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
     "roc_bert": {
@@ -152,7 +155,9 @@ class NotBuilt(Exception):
 
 # Parameters a family initialises to zero that gate its linear layers: a trained model has them non-zero (Doge's
 # dynamic mask is exp(A * softplus(dt_proj(v))): A = 0 leaves dt_proj, and its LoRA, without effect or gradient).
-FAMILY_PARAMS = {"doge": ("self_attn.A",)}
+# Gemma 3n's AltUp scales the corrected stream by correct_output_scale (zero at init) before the per-layer-input gate:
+# at zero, per_layer_input_gate / per_layer_projection / per_layer_model_projection and their LoRA do nothing.
+FAMILY_PARAMS = {"doge": ("self_attn.A",), "gemma3n_text": ("altup.correct_output_scale",)}
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 

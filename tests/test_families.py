@@ -21,21 +21,7 @@ PENDING_FIX: dict[str, str] = {}
 
 # Failures of families the size rules build since issue 48 (they were "not built" before), as strict xfails with
 # the error: each is in the loader or merge code, not in the sweep, and passes (XPASS: remove it here) once fixed.
-_INDEXER = (
-    "all-linear puts LoRA on the sparse-attention indexer (wq_b, wk, weights_proj), whose output only "
-    "selects tokens (top-k): those adapters never get a gradient"
-)
-_INPLACE = (
-    "the input-gradient hook makes the embedding output a leaf that requires grad, and the model adds to it "
-    "in place: 'a leaf Variable that requires grad is being used in an in-place operation'"
-)
 OTHER_FAILURES: dict[str, str] = {
-    "deepseek_v32": _INDEXER, "glm_moe_dsa": _INDEXER,
-    "blt": _INPLACE, "git": _INPLACE,
-    "gemma3n_text": "its AltUp correction_coefs is an nn.Linear quantized to 4 bits whose .weight the training "
-                    "forward reads directly: 'mat1 and mat2 shapes cannot be multiplied (8x4 and 1x4)'",
-    "reformer": "'element 0 of tensors does not require grad' at backward; stock peft on the 16-bit model fails "
-                "alike (its reversible layers)",
     # loaded since experts by declared layout (issue 48), failing outside their experts:
     "deepseek_v4": "all-linear LoRA on its sparse attention's compressor (kv_proj, ...) gets no gradient on short "
                    "sequences",
@@ -49,8 +35,6 @@ OTHER_FAILURES: dict[str, str] = {
               "nowhere (PeftModel.from_pretrained, the oracle here, and load_qlora_model(adapter=...))",
     "hy_v4": "merge_nf4: the indexer's weights_proj (kept float32 by _keep_in_fp32_modules_strict, yet quantized) "
              "is written back in bf16; training saw its float32 dequantization (2.7e-05 off)",
-    "zamba": "merge-adapters: the adapter has LoRA on layers.7.shared_transf, the block tied to layers.2's, which "
-             "the checkpoint stores once: 'the adapter changes 7 tensor(s) the base does not have'",
 }  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from .experts import keep_linear_targets, lora_config_for_experts
 from .family_targets import lora_config_for_family
 from .stock_reload import save_stock_form, stock_form
 
-__all__ = ["attach_adapter", "continue_adapter", "freeze_for_kbit_training"]
+__all__ = ["attach_adapter", "continue_adapter", "enable_input_grads", "freeze_for_kbit_training"]
 
 logger = logging.getLogger("hf_fsdp_qlora.loading.qlora")  # the loader's log lines, under one name
 
@@ -45,7 +45,42 @@ def freeze_for_kbit_training(model, gradient_checkpointing: bool | None) -> None
         # One hook: transformers 5's gradient_checkpointing_enable registers it already, and a second registration
         # drops the first one's handle, so disable_input_require_grads (train/accelerator_setup.py) could not remove it.
         model.disable_input_require_grads()
-        model.enable_input_require_grads()
+        enable_input_grads(model)
+
+
+def _input_requires_grad(module, args, output):
+    """transformers' hook makes the frozen embedding's output a leaf that requires grad, which the model may not
+    change in place (BLT and GIT add to it: "a leaf Variable that requires grad is being used in an in-place
+    operation"). Adding a zero scalar that requires grad gives the same values as a tensor autograd tracks (no
+    leaf: in-place ops are allowed), in place of the output rather than beside it (a clone would keep both alive
+    until backward), and its gradient is one number, not one as large as the output."""
+    import torch
+
+    if not isinstance(output, torch.Tensor) or output.requires_grad or not output.is_floating_point():
+        return None  # a trainable embedding's output needs nothing
+    return output + torch.zeros((), dtype=output.dtype, device=output.device, requires_grad=True)
+
+
+def enable_input_grads(model) -> None:
+    """``enable_input_require_grads`` with :func:`_input_requires_grad` as the hook, on the same modules (each
+    input embedding once) and with the handles where ``disable_input_require_grads`` removes them."""
+    from transformers import PreTrainedModel
+
+    hooks, seen = [], set()
+    for module in model.modules():
+        if not (isinstance(module, PreTrainedModel) and hasattr(module, "get_input_embeddings")):
+            continue
+        try:
+            embeddings = module.get_input_embeddings()
+        except NotImplementedError:
+            continue
+        if embeddings is None or not hasattr(embeddings, "register_forward_hook") or id(embeddings) in seen:
+            continue
+        seen.add(id(embeddings))
+        hooks.append(embeddings.register_forward_hook(_input_requires_grad))
+    model._require_grads_hooks = hooks
+    if hooks:
+        model._require_grads_hook = hooks[0]  # the name transformers < 5 kept
 
 
 def attach_adapter(load, lora_config) -> None:

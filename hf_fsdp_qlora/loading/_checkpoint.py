@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from ..causal_lm import causal_lm_fix, causal_lm_problem
+from ..causal_lm import causal_lm_fix, causal_lm_problem, refused_family
 from ..errors import UnsupportedSetupError
 from ..prequantized import checkpoint_quantization, quantized_bits, refuse_unviewable_storage
 from .experts import has_fused_experts
@@ -54,6 +54,9 @@ def check_causal_lm(config) -> None:
             f"The model at this path is {kind}, which has no causal-LM head, so load_qlora_model cannot fine-tune "
             f"it for text generation. {causal_lm_fix(config)}"
         )
+    refused = refused_family(config)
+    if refused is not None:
+        raise UnsupportedSetupError(f"load_qlora_model: {refused}")
 
 
 def supports_checkpointing(model_or_class) -> bool:

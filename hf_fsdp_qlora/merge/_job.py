@@ -102,6 +102,7 @@ def planned_items(base, config, loaded, entries, updates, layout, conv1d, *, out
     embeddings were untied, and the task head's model (a reward model's score head) or None."""
     quantized, groups, chunks = layout
     tied = tied_map(base, config, entries)
+    fold_tied_layers(updates, meta_model_or_none(base), entries, tied)
     heads = {
         k: tuple(u.replacement.shape)
         for k, u in updates.items()
@@ -115,6 +116,46 @@ def planned_items(base, config, loaded, entries, updates, layout, conv1d, *, out
         item.transposed = item.name.removesuffix(".weight") in conv1d
         item.chunks = chunks.get(item.name)
     return items, untied, task
+
+
+def _same_update(one, other) -> bool:
+    """Whether two updates change a tensor alike (their LoRA factors, scaling, bias, replaced rows all equal)."""
+    import torch
+
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        if isinstance(x, tuple) and isinstance(y, tuple):
+            return len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
+        return x == y
+
+    fields = ("replacement", "lora_bias", "token_rows")
+    if not all(same(getattr(one, f), getattr(other, f)) for f in fields):
+        return False
+    if one.lora is None or other.lora is None:
+        return one.lora is other.lora
+    lora = ("a", "b", "scaling", "embedding", "fan_in_fan_out", "magnitude")  # not `module`: the names differ
+    return all(same(getattr(one.lora, f), getattr(other.lora, f)) for f in lora)
+
+
+def fold_tied_layers(updates: dict, skeleton, entries: dict, tied: dict) -> None:
+    """Updates of a layer the model ties to another (Zamba's one attention block shared by its hybrid layers: the
+    checkpoint stores it once, under the first layer) onto the stored tensor. Training ran one module under both
+    names, so peft's adapter holds the same LoRA under each (its merge_and_unload merges it once); different
+    updates cannot come from one module and are refused. Tied embeddings (`tied`) are the plan's to resolve."""
+    ties = getattr(skeleton, "all_tied_weights_keys", None) or {}
+    for alias, source in ties.items():
+        if alias in tied or alias in entries or alias not in updates or source not in entries:
+            continue
+        update = updates.pop(alias)
+        if source not in updates:
+            updates[source] = update
+        elif not _same_update(update, updates[source]):
+            raise MergeError(
+                f"the base ties {alias} to {source} (one layer shared by both places, stored once), but the adapter "
+                f"changes them differently ({update.sources[0]} and {updates[source].sources[0]}): one shared layer "
+                "cannot hold both. Train without LoRA on the shared layer (load_qlora_model's all-linear leaves it out)."
+            )
 
 
 def update_config(config: dict, items, task, out_dtype, untied: bool) -> None:
