@@ -27,8 +27,11 @@ def causal_lm_problem(config) -> str | None:
         causal.update([names] if isinstance(names, str) else names)
     architectures = getattr(config, "architectures", None) or []
     encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
-    generates = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
-        config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    generates = (
+        config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        # a composite family's text model saved alone (MllamaForCausalLM writes model_type "mllama_text_model")
+        or bool(architectures and all(a in causal for a in architectures))
     )
     if (
         encoder

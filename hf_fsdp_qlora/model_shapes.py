@@ -14,7 +14,7 @@ from .loss_paths import LOGIT_TRANSFORMS
 from .model_config import load_model_config
 from .moe_routers import router_layers
 from .sp_rules import local_attention_kinds, router_aux_kind
-from .towers import auto_class_for, tower_modules
+from .towers import auto_class_for, meta_model, tower_modules
 
 __all__ = [
     "ExpertsShape",
@@ -256,8 +256,8 @@ def _module_and_config(model):
         return model, model.config
     config = load_model_config(model)
     try:
-        with torch.device("meta"):  # AutoModelForCausalLM, or the image-text class of a family mapped only there
-            return auto_class_for(config).from_config(config, dtype=torch.bfloat16), config
+        # AutoModelForCausalLM, the image-text class of a family mapped only there, or a text model's own class
+        return meta_model(config, auto_class_for(config), torch.bfloat16), config
     except Exception as err:  # any failure to build a model from this config is bad input
         raise SetupInputError(
             f"{config.model_type!r} has no causal-LM class in transformers ({err}). Pass a causal language "

@@ -139,8 +139,29 @@ def auto_class_for(config):
     ``AutoModelForImageTextToText`` (image-text families with no causal-LM mapping)."""
     from transformers import AutoModelForCausalLM
 
-    cls = image_text_class(config)
+    cls = image_text_class(config) or saved_text_class(config)
     return AutoModelForCausalLM if cls is None else cls
+
+
+def saved_text_class(config):
+    """The causal-LM class a composite family's text model was saved with (``MllamaForCausalLM`` writes model_type
+    ``mllama_text_model``, which no auto class maps); None for a model type the auto classes know."""
+    import transformers
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return None
+    known = {
+        n
+        for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        for n in ([names] if isinstance(names, str) else names)
+    }
+    architectures = [a for a in getattr(config, "architectures", None) or [] if a in known]
+    return getattr(transformers, architectures[0], None) if architectures else None
 
 
 def image_text_class(config):

@@ -97,9 +97,13 @@ def _move_adapter(model) -> None:
 
 
 def _load16(path, dtype):
-    from transformers import AutoModelForCausalLM
+    """The 16-bit base as transformers loads it: the auto class, or the class a text model was saved with."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    from hf_fsdp_qlora.towers import saved_text_class
+
+    cls = saved_text_class(AutoConfig.from_pretrained(path)) or AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=dtype)
 
 
 def _peft_merge(base32, adapter: Path, replace: dict) -> dict:

@@ -268,3 +268,18 @@ def test_towers_of_classes_without_a_language_model(family, towers):
     with torch.device("meta"):
         model = auto_class_for(config).from_config(config)
     assert tower_modules(model) == towers
+
+
+@pytest.mark.parametrize("family, cls", [("mllama", "MllamaForCausalLM"), ("emu3", "Emu3ForCausalLM")])
+def test_a_text_model_saved_alone_loads_through_its_own_class(family, cls, tmp_path):
+    """``MllamaForCausalLM.save_pretrained`` writes model_type ``mllama_text_model``, which no auto class maps: the
+    loader and the doctor take the saved class (it was refused as "has no causal-LM head")."""
+    from family_build import build
+    from transformers import AutoConfig
+
+    from hf_fsdp_qlora.causal_lm import causal_lm_problem
+    from hf_fsdp_qlora.towers import auto_class_for
+
+    config = AutoConfig.from_pretrained(build(family, tmp_path / family))
+    assert config.architectures == [cls] and causal_lm_problem(config) is None
+    assert auto_class_for(config).__name__ == cls

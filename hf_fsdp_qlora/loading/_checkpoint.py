@@ -112,13 +112,10 @@ def prequantized_check(config, dtype: torch.dtype, bits: int):
 
 def config_has_fused_experts(config, trust_remote_code: bool) -> bool:
     """Whether the model `config` builds (on meta) has fused 3-D expert weights; False when it cannot be built."""
-    from ..towers import auto_class_for  # an image-text-only family (Qwen3-VL-MoE) through its own auto class
+    from ..towers import auto_class_for, meta_model  # an image-text-only family (Qwen3-VL-MoE): its own auto class
 
     try:
-        from accelerate import init_empty_weights
-
-        with init_empty_weights():
-            skeleton = auto_class_for(config).from_config(config, trust_remote_code=trust_remote_code)
+        skeleton = meta_model(config, auto_class_for(config), None, trust_remote_code)
     except Exception:  # noqa: BLE001 - no meta build from this config: nothing to decide here
         return False
     return has_fused_experts(skeleton)

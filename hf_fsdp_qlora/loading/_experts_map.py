@@ -54,10 +54,9 @@ def accelerator_device() -> int | None:
 
 
 def _meta_model(config, dtype, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
+    from ..towers import auto_class_for, meta_model  # the class the loader builds (a text model saved alone: its own)
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    return meta_model(config, auto_class_for(config), dtype, trust_remote_code)
 
 
 def experts_device_map(model, device) -> dict:
