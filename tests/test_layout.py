@@ -122,3 +122,101 @@ def test_loader_and_doctor_read_as_steps():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := _code_lines(node)) > 60
     }
     assert not long, f"split these into named steps: {long}"
+
+
+def _module_edges(path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` that `path` imports anywhere (module level or inside a function: an import moved into
+    a function to dodge a cycle is still an edge). ``from .pkg import sub`` is an edge to ``pkg.sub`` alone: the
+    package's ``__init__`` runs first either way, and counting it would tie every submodule to its siblings."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            subs = {f"{module}.{a.name}" for a in node.names} & known
+            found |= subs
+            if len(subs) < len(node.names) and module in known:  # a name from the module (or its __init__) itself
+                found.add(module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+    return found - {me}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    sources = {_module_name(p): p for p in SOURCES}
+    return {name: _module_edges(path, set(sources)) for name, path in sources.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle path (first module repeated at the end) for each strongly connected component of more than one
+    module (Tarjan's algorithm, iterative: no recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, successors = work[-1]
+            nxt = next(successors, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = stack[stack.index(node) :]
+                del stack[stack.index(node) :]
+                if len(component) > 1:
+                    components.append(set(component))
+    return [_path_within(component, graph) for component in components]
+
+
+def _path_within(component: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth first inside the component)."""
+    start = min(component)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & component):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if nxt not in came_from:
+                    came_from[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"no cycle in a strongly connected component: {component}")
+
+
+def test_cycle_finder_finds_every_cycle():
+    """The oracle for the test below: each cycle of a known graph is reported with its path; a chain is not."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+    assert sorted(_cycles(graph)) == [["a", "b", "c", "a"], ["d", "e", "d"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_cycle():
+    """No module of the package imports (at module level or inside a function) a module that imports it back."""
+    graph = _import_graph()
+    assert "hf_fsdp_qlora.loading.experts" in graph["hf_fsdp_qlora.loading.expert_lora"], "the graph lost its edges"
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (one path per knot of modules that reach each other):\n" + "\n".join(
+        " -> ".join(cycle) for cycle in cycles
+    )

@@ -191,3 +191,27 @@ def test_release_leaves_other_device_maps_alone(tiny_moe):
     model = AutoModelForCausalLM.from_pretrained(tiny_moe["qwen3_moe"], dtype=torch.bfloat16)
     model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0.self_attn": "cpu"}
     assert release_experts_dispatch(model) is False and model.hf_device_map
+
+
+def test_experts_module_alone_makes_peft_adapt_4bit_experts():
+    """In a fresh process that imports only ``hf_fsdp_qlora.loading.experts`` (never expert_lora by name), the first
+    4-bit experts module built installs the peft hook (experts.ON_BUILD, registered by expert_lora through
+    loading/__init__.py): peft's own loaders then adapt 4-bit experts, as docs/moe.md says after quantize_experts."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import torch\n"
+        "from peft.tuners.tuners_utils import BaseTuner\n"
+        "from transformers import AutoModelForCausalLM, Qwen3MoeConfig\n"
+        "from hf_fsdp_qlora.loading.experts import quantize_experts\n"
+        "config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,\n"
+        "    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)\n"
+        "model = AutoModelForCausalLM.from_config(config)\n"
+        "before = hasattr(BaseTuner.inject_adapter, 'hf_fsdp_qlora_experts')\n"
+        "assert quantize_experts(model, dtype=torch.float32)\n"
+        "print(before, hasattr(BaseTuner.inject_adapter, 'hf_fsdp_qlora_experts'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout

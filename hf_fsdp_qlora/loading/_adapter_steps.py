@@ -21,7 +21,13 @@ from .experts import keep_linear_targets, lora_config_for_experts
 from .family_targets import lora_config_for_family
 from .stock_reload import save_stock_form, stock_form
 
-__all__ = ["attach_adapter", "continue_adapter", "enable_input_grads", "freeze_for_kbit_training"]
+__all__ = [
+    "attach_adapter",
+    "continue_adapter",
+    "default_lora_config",
+    "enable_input_grads",
+    "freeze_for_kbit_training",
+]
 
 logger = logging.getLogger("hf_fsdp_qlora.loading.qlora")  # the loader's log lines, under one name
 
@@ -83,13 +89,22 @@ def enable_input_grads(model) -> None:
         model._require_grads_hook = hooks[0]  # the name transformers < 5 kept
 
 
+# Public as hf_fsdp_qlora.loading.qlora.default_lora_config (load_qlora_model's default); defined here, below the
+# loader, so that this step needs nothing from the module that calls it.
+def default_lora_config(**overrides):
+    """The LoRA config used when none is given: r=16, alpha=32, dropout 0.05, every linear layer."""
+    from peft import LoraConfig
+
+    kwargs = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
+    kwargs.update(overrides)
+    return LoraConfig(**kwargs)
+
+
 def attach_adapter(load, lora_config) -> None:
     """peft's LoRA on the frozen base (and on 4-bit experts, through our wrappers: expert_lora.py)."""
     if load.adapter is not None:
         return  # _continue_adapter loads it
     if lora_config is None:
-        from .qlora import default_lora_config  # the public default lives with load_qlora_model
-
         lora_config = default_lora_config()
     lora_config = lora_config_for_experts(load.model, lora_config)  # "all-linear": the linear layers, in MoE too
     lora_config = lora_config_for_family(load.model, lora_config)  # not the layers its forward never runs

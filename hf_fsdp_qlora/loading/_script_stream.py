@@ -12,7 +12,7 @@ So the launcher also wraps ``PreTrainedModel.from_pretrained`` (once per process
 family we quantize leaves the experts unread, exactly as ``load_qlora_model`` does
 (:func:`~hf_fsdp_qlora.loading._expert_stream.experts_left_unread`), and before the call returns they stream from the
 files into :class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts` one layer at a time, with the quant type, double
-quant and dtype the peft hook would have used (:func:`~hf_fsdp_qlora.loading.expert_lora.experts_quantization`).
+quant and dtype the peft hook would have used (:func:`experts_quantization`).
 Each rank streams its own (nothing is shared between ranks on this route).
 
 Where they stream (:func:`~hf_fsdp_qlora.loading._experts_map.one_device`): a ``device_map`` that puts the whole
@@ -41,7 +41,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["script_loads_untouched", "stream_experts_of_script_loads"]
+__all__ = ["experts_quantization", "script_loads_untouched", "stream_experts_of_script_loads"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +137,27 @@ def _model_dtype(dtype, config) -> torch.dtype:
     return saved if isinstance(saved, torch.dtype) else torch.float32
 
 
+def experts_quantization(model: torch.nn.Module) -> dict:
+    """How a script's 4-bit model gets its experts packed: its linear layers' quant type and double quant, and the
+    one dtype the run's FSDP units will hold (the linear layers' packed bytes are viewed as it later)."""
+    import types
+
+    from ..dtypes import training_dtype
+
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    if isinstance(quant, dict):
+        quant = types.SimpleNamespace(**quant)
+    return {
+        "quant_type": getattr(quant, "bnb_4bit_quant_type", None) or "nf4",
+        "double_quant": bool(getattr(quant, "bnb_4bit_use_double_quant", False)),
+        "dtype": training_dtype(model),
+    }
+
+
 def _load_streamed(from_pretrained, cls, source, kwargs: dict, stream, placement: dict, device):
     """transformers' load with the experts left unread, then the experts streamed into 4 bits layer by layer."""
     from ._expert_stream import StreamedExperts, experts_left_unread
     from ._experts_map import placed_kwargs, release_experts_dispatch
-    from .expert_lora import experts_quantization
 
     logger.info("hf_fsdp_qlora: %s.from_pretrained leaves the experts of %d MoE layers unread (%d checkpoint "
                 "tensors); they stream into 4 bits one layer at a time", cls.__name__, len(stream.modules),

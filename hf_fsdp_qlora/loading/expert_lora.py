@@ -26,9 +26,11 @@ from contextlib import contextmanager
 from torch import nn
 
 from ..errors import UnsupportedSetupError
+from ._script_stream import experts_quantization, stream_experts_of_script_loads
 from .experts import (
     _MAMBA_REFUSED,
     _MAMBA_TYPES,
+    ON_BUILD,
     QuantizedExperts,
     expert_layout,
     has_fused_experts,
@@ -42,7 +44,6 @@ __all__ = [
     "attach_expert_lora",
     "check_target_modules",
     "check_target_parameters",
-    "experts_quantization",
     "linear_layer_names",
     "peft_adapts_4bit_experts",
     "peft_sees_expert_weights",
@@ -197,21 +198,6 @@ def check_target_modules(model: nn.Module, lora_config) -> None:
             )
 
 
-def experts_quantization(model: nn.Module) -> dict:
-    """How a script's 4-bit model gets its experts packed: its linear layers' quant type and double quant, and the
-    one dtype the run's FSDP units will hold (the linear layers' packed bytes are viewed as it later)."""
-    from ..dtypes import training_dtype
-
-    quant = getattr(getattr(model, "config", None), "quantization_config", None)
-    if isinstance(quant, dict):
-        quant = types.SimpleNamespace(**quant)
-    return {
-        "quant_type": getattr(quant, "bnb_4bit_quant_type", None) or "nf4",
-        "double_quant": bool(getattr(quant, "bnb_4bit_use_double_quant", False)),
-        "dtype": training_dtype(model),
-    }
-
-
 def _quantize_experts_of_4bit_model(model: nn.Module, env_switch: str) -> None:
     from ..dtypes import quantization_kind
 
@@ -246,6 +232,9 @@ def peft_adapts_4bit_experts() -> None:
     tensors (a loaded-back adapter would run without them). Called when the first 4-bit experts module is built; a
     model without 4-bit experts is left to peft as is. Idempotent."""
     quantize_experts_before_peft(None)
+
+
+ON_BUILD.append(peft_adapts_4bit_experts)  # each 4-bit experts module built makes peft's loaders adapt it
 
 
 def quantize_experts_before_peft(env_switch: str | None, quantize: bool = True) -> None:
@@ -293,6 +282,4 @@ def quantize_experts_before_peft(env_switch: str | None, quantize: bool = True) 
     inject_adapter.hf_fsdp_qlora_experts = settings
     BaseTuner.inject_adapter = inject_adapter
     if env_switch is not None:
-        from ._script_stream import stream_experts_of_script_loads
-
         stream_experts_of_script_loads(settings)

@@ -55,6 +55,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# Run on each QuantizedExperts built: expert_lora (a layer above; loading/__init__.py imports it first) adds peft's hook.
+ON_BUILD: list = []
+
 
 class QuantizedExperts(nn.Module):
     """A family's experts module with every expert's weights in 4 bits, dequantized for the experts routed.
@@ -130,9 +133,8 @@ class QuantizedExperts(nn.Module):
             )
         # Whole, as quantized: under FSDP each rank's parameters hold a part (engagement log, packed_expert_bytes).
         self.packed_bytes = sum(getattr(self, f"{n}_4bit").nbytes for n in layout.weights)
-        from .expert_lora import peft_adapts_4bit_experts
-
-        peft_adapts_4bit_experts()  # peft's own loaders (PeftModel.from_pretrained, load_adapter) must see these weights
+        for hook in ON_BUILD:  # peft's own loaders (PeftModel.from_pretrained, load_adapter) must see these weights
+            hook()
 
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{n}={[self.num_experts, *self._meta[n][0]]}" for n in self.layout.weights)

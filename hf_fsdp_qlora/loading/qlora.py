@@ -15,7 +15,7 @@ from ..errors import UnsupportedSetupError
 from ..expert_layouts import EXPERT_WEIGHT_NAMES
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
 from ..towers import auto_class_for, concrete_class, keep_present_layer_classes
-from ._adapter_steps import attach_adapter, continue_adapter, freeze_for_kbit_training
+from ._adapter_steps import attach_adapter, continue_adapter, default_lora_config, freeze_for_kbit_training
 from ._checkpoint import (
     check_causal_lm,
     check_checkpointing,
@@ -34,15 +34,6 @@ __all__ = ["load_qlora_model", "default_lora_config"]
 logger = logging.getLogger(__name__)
 
 enable_cpu_fsdp()
-
-
-def default_lora_config(**overrides):
-    """The LoRA config used when none is given: r=16, alpha=32, dropout 0.05, every linear layer."""
-    from peft import LoraConfig
-
-    kwargs = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
-    kwargs.update(overrides)
-    return LoraConfig(**kwargs)
 
 
 @dataclass
