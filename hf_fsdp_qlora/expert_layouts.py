@@ -16,6 +16,7 @@ from torch import nn
 
 __all__ = [
     "EXPERT_LAYOUTS",
+    "EXPERT_REFUSALS",
     "EXPERT_WEIGHT_NAMES",
     "ExpertLayout",
     "declared_layout",
@@ -79,6 +80,16 @@ EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     # LongCat-Flash: transformers' layout, but gate_up_proj [routed + zero experts, 2I, H] and down_proj [routed, H, I]:
     # an index past the routed experts is an identity expert (the input times its routing weight).
     "LongcatFlashExperts": ExpertLayout(zero_experts=True),
+}
+# Experts classes refused with a reason of their own, beyond "no declared layout and no named entry".
+EXPERT_REFUSALS: dict[str, str] = {
+    "DbrxExperts": (
+        "DBRX stacks every expert's rows in 2-D matrices (mlp.w1 / mlp.v1 / mlp.w2, [experts * ffn_hidden_size, "
+        "hidden_size]) of a child module that DbrxExperts slices per expert itself; peft cannot put LoRA on them "
+        "either (target_parameters on any of them: peft 0.21's ParamWrapper hides the other two from DbrxExperts, "
+        "AttributeError at the first forward). With quantize_experts=False the experts stay 16-bit and frozen, and "
+        "all-linear LoRA (attention: Wqkv, out_proj; never the router) trains and merges"
+    ),
 }
 # The 16-bit weight names any layout uses (a saved 4-bit experts checkpoint is recognised by them).
 EXPERT_WEIGHT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})

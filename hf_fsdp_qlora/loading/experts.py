@@ -25,6 +25,7 @@ from ..dtypes import PACKED_EXPERTS_ATTR
 from ..errors import UnsupportedSetupError
 from ..expert_layouts import (
     EXPERT_LAYOUTS,
+    EXPERT_REFUSALS,
     ExpertLayout,
     expert_layout,
     experts_tensors,
@@ -383,13 +384,14 @@ _MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
 
 def _refusal(name: str, module: nn.Module) -> str:
     """Why the experts module `module` at `name` cannot be quantized: where it is, what it holds, what to do."""
+    why = EXPERT_REFUSALS.get(type(module).__name__)  # what in this class's layout stands in the way
     return (
         f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer "
         f"({', '.join(experts_tensors(module)) or 'no tensors'}) in a layout hf_fsdp_qlora cannot quantize "
         "to 4 bits: the class neither declares its layout through transformers' use_experts_implementation nor has "
         "a named entry in hf_fsdp_qlora.expert_layouts.EXPERT_LAYOUTS. Pass quantize_experts=False to "
         "load_qlora_model to keep these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit "
-        "experts)."
+        f"experts).{f' {why}.' if why else ''}"
     )
 
 
