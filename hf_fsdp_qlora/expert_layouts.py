@@ -16,6 +16,7 @@ from torch import nn
 
 __all__ = [
     "EXPERT_LAYOUTS",
+    "EXPERT_REFUSALS",
     "EXPERT_WEIGHT_NAMES",
     "ExpertLayout",
     "declared_layout",
@@ -45,6 +46,9 @@ class ExpertLayout:
             activation (JetMoE's ``input_linear`` / ``output_linear``).
         peft_transposed: peft reads the weights as ``[E, in, out]`` (it asks the module's ``is_transposed``; a class
             outside transformers' contract has none, and peft then adds ``B_e @ A_e`` to the stored matrix as is).
+        zero_experts: the first weight holds more experts than the last; the router's indices past the last weight's
+            experts pick "zero-computation" experts that return their input (LongCat-Flash). Their rows of the
+            first weight are stored (and merged, as peft merges them) but no forward reads them.
     """
 
     weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
@@ -54,6 +58,7 @@ class ExpertLayout:
     post_norm: str | None = None
     call: str = "routed"
     peft_transposed: bool | None = None  # None: as `transposed` (transformers' declared is_transposed)
+    zero_experts: bool = False
 
     @property
     def dense(self) -> bool:
@@ -72,6 +77,19 @@ EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     "Llama4TextExperts": ExpertLayout(transposed=True, call="dense", peft_transposed=False),
     # JetMoE: one [E, out, in] weight per module, two modules per MoE block (and per mixture-of-attention block).
     "JetMoeParallelExperts": ExpertLayout(weights=("weight",), gated=False, call="split"),
+    # LongCat-Flash: transformers' layout, but gate_up_proj [routed + zero experts, 2I, H] and down_proj [routed, H, I]:
+    # an index past the routed experts is an identity expert (the input times its routing weight).
+    "LongcatFlashExperts": ExpertLayout(zero_experts=True),
+}
+# Experts classes refused with a reason of their own, beyond "no declared layout and no named entry".
+EXPERT_REFUSALS: dict[str, str] = {
+    "DbrxExperts": (
+        "DBRX stacks every expert's rows in 2-D matrices (mlp.w1 / mlp.v1 / mlp.w2, [experts * ffn_hidden_size, "
+        "hidden_size]) of a child module that DbrxExperts slices per expert itself; peft cannot put LoRA on them "
+        "either (target_parameters on any of them: peft 0.21's ParamWrapper hides the other two from DbrxExperts, "
+        "AttributeError at the first forward). With quantize_experts=False the experts stay 16-bit and frozen, and "
+        "all-linear LoRA (attention: Wqkv, out_proj; never the router) trains and merges"
+    ),
 }
 # The 16-bit weight names any layout uses (a saved 4-bit experts checkpoint is recognised by them).
 EXPERT_WEIGHT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
@@ -100,8 +118,9 @@ def _fits(module: nn.Module, layout: ExpertLayout) -> bool:
     biases = [getattr(module, n, None) for n in layout.biases]
     if not all(isinstance(p, nn.Parameter) for p in weights + biases):
         return False
-    experts = weights[0].shape[0]
-    if any(p.dim() != 3 or p.shape[0] != experts for p in weights):
+    experts = weights[-1].shape[0]  # the routed experts (LongCat-Flash's first weight has its zero experts' rows too)
+    extra = layout.zero_experts and weights[0].dim() == 3 and weights[0].shape[0] >= experts
+    if any(p.dim() != 3 or (p.shape[0] != experts and not (extra and p is weights[0])) for p in weights):
         return False
     if any(b.dim() != 2 or b.shape[0] != experts for b in biases):
         return False

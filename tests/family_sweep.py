@@ -63,7 +63,7 @@ def _quantized_weights(model) -> dict[str, torch.Tensor]:
             seen[f"{_base_name(name)}.weight"] = bnb_f.dequantize_4bit(module.weight.data, module.weight.quant_state)
         elif isinstance(module, QuantizedExperts):
             for param in module.layout.weights:
-                stacked = [module.dequantize_expert(param, e) for e in range(module.num_experts)]
+                stacked = [module.dequantize_expert(param, e) for e in range(module.expert_rows(param))]
                 seen[f"{_base_name(name)}.{param}"] = torch.stack(stacked)
     return seen
 

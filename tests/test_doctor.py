@@ -758,11 +758,13 @@ def test_moe_family_we_cannot_quantize_is_an_error(tmp_path):
                                   ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedSetupError, match=r"DbrxExperts at 'transformer\.blocks\.0\.ffn\.experts'"
-                       r" .*mlp\.w1 \[128, 64\].*quantize_experts=False"):  # fmt: skip
+                       r" .*mlp\.w1 \[128, 64\].*quantize_experts=False"
+                       r".*2-D matrices.*peft cannot put LoRA on them"):  # fmt: skip
         load_qlora_model(str(tmp_path))
     d = diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit")
     assert {f.id for f in d.errors} == {"experts-not-quantizable"}
     assert "DbrxExperts" in d.errors[0].problem and "quantize_experts=False" in d.errors[0].message
+    assert "peft cannot put LoRA on them" in d.errors[0].problem  # why DBRX, by name
     assert d.plan.parameters["experts_bytes"] == d.plan.parameters["experts_bytes_16bit"]
     assert not diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit", quantize_experts=False).errors
 

@@ -71,7 +71,11 @@ def _lora_config(path: Path):
 
 
 # Families whose experts class is outside transformers' contract and has a named entry (EXPERT_LAYOUTS).
-NAMED_FAMILIES = {"llama4_text": "Llama4TextExperts", "jetmoe": "JetMoeParallelExperts"}
+NAMED_FAMILIES = {
+    "llama4_text": "Llama4TextExperts",
+    "jetmoe": "JetMoeParallelExperts",
+    "longcat_flash": "LongcatFlashExperts",
+}
 
 
 def _declared_experts(model) -> dict[str, torch.nn.Module]:
@@ -105,13 +109,15 @@ def _check_against_family_forward(quantized: dict, base32) -> None:
         if hasattr(stock, "config"):  # a declared class: transformers' eager forward, the reference
             stock.config._experts_implementation = "eager"
         for weight in ours.layout.weights:
-            dequantized = torch.stack([ours.dequantize_expert(weight, e) for e in range(ours.num_experts)])
+            rows = ours.expert_rows(weight)  # LongCat-Flash's gate_up_proj: its zero experts' rows too
+            dequantized = torch.stack([ours.dequantize_expert(weight, e) for e in range(rows)])
             getattr(stock, weight).copy_(dequantized)
         first = ours.quant_meta(ours.layout.weights[0])[0]  # [out, in], or [in, out] transposed
         call = getattr(ours.layout, "call", "routed")  # how the family calls its experts (expert_layouts.py)
         rows = 3 * ours.num_experts if call == "dense" else 12
         hidden = torch.randn(rows, first[0] if ours.layout.transposed else first[1], generator=generator)
-        index = torch.stack([torch.randperm(ours.num_experts, generator=generator)[:2] for _ in range(12)])
+        routable = getattr(ours, "total_experts", ours.num_experts)  # LongCat-Flash: its zero experts too
+        index = torch.stack([torch.randperm(routable, generator=generator)[:2] for _ in range(12)])
         weights = torch.rand(12, 2, generator=generator)
         hidden = hidden.to(torch.bfloat16)
         # a dense call (Llama 4): every expert on its own 3 rows; else 12 tokens routed to 2 experts each

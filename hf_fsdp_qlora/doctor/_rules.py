@@ -148,11 +148,14 @@ def experts_rule(ctx: Context):
         return
     unknown = sorted({e.family for e in shape.experts if not e.quantizable})
     if unknown:
+        from ..expert_layouts import EXPERT_REFUSALS
+
+        why = "".join(f" {EXPERT_REFUSALS[f]}." for f in unknown if f in EXPERT_REFUSALS)
         yield _finding(
             "experts-not-quantizable", "error",
             f"{', '.join(unknown)} holds the experts of a mixture-of-experts model in a layout hf_fsdp_qlora "
             "cannot quantize to 4 bits yet: load_qlora_model raises UnsupportedSetupError for it rather than leave "
-            "the experts 16-bit silently. The plan counts them 16-bit.",
+            f"the experts 16-bit silently. The plan counts them 16-bit.{why}",
             "load_qlora_model", "quantize_experts=False (doctor: --no-quantize-experts), the experts 16-bit knowingly",
         )  # fmt: skip
 

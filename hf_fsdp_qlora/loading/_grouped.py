@@ -85,7 +85,7 @@ def dequantize_routed(module, name: str, experts: torch.Tensor) -> torch.Tensor:
         return out
 
     def rows(tensor):  # every expert routed (any real batch): the stored rows as they are, no copy
-        return tensor if count == module.num_experts else tensor.index_select(0, experts)
+        return tensor if count == tensor.shape[0] else tensor.index_select(0, experts)
 
     absmax = rows(getattr(module, f"{name}_absmax"))
     if blocksize2 is not None:
@@ -139,9 +139,10 @@ def _project(module, index: int, x: torch.Tensor, routing: _Routing) -> torch.Te
     del weight  # autograd keeps it for the input gradient (what the doctor plans as the saved experts)
     if module.layout.biases:
         out = out + getattr(module, module.layout.biases[index])[routing.row_expert]
+    rows = module.expert_rows(name)  # past the routed experts: LongCat-Flash's zero experts, never routed here
     for lora_A, lora_B, scaling in module.lora_factors(name):
-        low = run_with_weight(lora_A, _lora_A_grouped, x, routing)
-        delta = run_with_weight(lora_B, _lora_B_grouped, low, routing)
+        low = run_with_weight(lora_A, _lora_A_grouped, x, routing, rows)
+        delta = run_with_weight(lora_B, _lora_B_grouped, low, routing, rows)
         out = out + scaling * delta.to(out.dtype)
     return out
 
@@ -151,16 +152,16 @@ def _rank_padding(rank: int, dtype: torch.dtype) -> int:
     return -rank % per_row
 
 
-def _lora_A_grouped(weight, x, routing):
+def _lora_A_grouped(weight, x, routing, rows):
     # peft's lora_A for [E, out, in] is [r*E, in]: expert e's rows are e*r .. e*r+r-1, i.e. weight viewed [E, r, in].
-    per_expert = weight.unflatten(0, (routing.num_experts, -1))
+    per_expert = weight.unflatten(0, (rows, -1))[: routing.num_experts]
     per_expert = torch.nn.functional.pad(per_expert, (0, 0, 0, _rank_padding(per_expert.shape[1], weight.dtype)))
     return _grouped_mm(x.to(weight.dtype), per_expert.transpose(-2, -1), routing.all_offsets)
 
 
-def _lora_B_grouped(weight, low, routing):
+def _lora_B_grouped(weight, low, routing, rows):
     # peft's lora_B is [out, r*E] read as [out, r, E]: expert e's columns are e, E+e, 2E+e, ...; low is padded.
-    per_expert = weight.unflatten(1, (-1, routing.num_experts)).permute(2, 0, 1)
+    per_expert = weight.unflatten(1, (-1, rows)).permute(2, 0, 1)[: routing.num_experts]
     per_expert = torch.nn.functional.pad(per_expert, (0, low.shape[1] - per_expert.shape[2])).contiguous()
     return _grouped_mm(low.to(weight.dtype), per_expert.transpose(-2, -1), routing.all_offsets)
 

@@ -25,6 +25,7 @@ from ..dtypes import PACKED_EXPERTS_ATTR
 from ..errors import UnsupportedSetupError
 from ..expert_layouts import (
     EXPERT_LAYOUTS,
+    EXPERT_REFUSALS,
     ExpertLayout,
     expert_layout,
     experts_tensors,
@@ -99,8 +100,10 @@ class QuantizedExperts(nn.Module):
             self.add_module(key, child)
         # The family's gate (concatenated or interleaved gate/up, its own activation), or without one its act_fn.
         self._family_gate = getattr(type(experts), "_apply_gate", None) if layout.gated else None
-        self.num_experts = getattr(experts, "num_experts", getattr(experts, layout.weights[0]).shape[0])
+        # The routed experts: the last weight's (LongCat-Flash's first weight also holds its zero experts' rows).
+        self.num_experts = getattr(experts, "num_experts", getattr(experts, layout.weights[-1]).shape[0])
         self._meta = {}
+        self._rows = {name: getattr(experts, name).shape[0] for name in layout.weights}  # experts stored per weight
         self._lora = {}  # weight name -> [(lora_A, lora_B, scaling)], set by peft's wrappers while they run
         device = torch.device(device) if device is not None else getattr(experts, layout.weights[0]).device
         for name in layout.weights:
@@ -155,7 +158,7 @@ class QuantizedExperts(nn.Module):
         """A stand-in for the 16-bit weight `name`: its shape, dtype and device, zero bytes (every element one 0)."""
         packed = self._parameters[f"{name}_4bit"]
         zero = torch.zeros((), dtype=self.dtype, device=packed.device)
-        return zero.expand(self.num_experts, *self._meta[name][0])
+        return zero.expand(self._rows[name], *self._meta[name][0])
 
     @contextmanager
     def lora_active(self, name: str, factors: list):
@@ -180,6 +183,10 @@ class QuantizedExperts(nn.Module):
         return out if self.layout.post_norm is None else getattr(self, self.layout.post_norm)(out)
 
     apply_gate = _apply_gate  # the family's gate, for the grouped path
+
+    def expert_rows(self, name: str) -> int:
+        """How many experts the weight `name` stores (peft's LoRA on it has that many rank blocks)."""
+        return self._rows[name]
 
     def quant_meta(self, name: str) -> tuple:
         """(stored shape of one expert's weight `name`, blocksize, nested blocksize or None)."""
@@ -225,15 +232,16 @@ class QuantizedExperts(nn.Module):
     def _project_routed(self, x: torch.Tensor, index: int, experts: list[int], counts: list[int]) -> torch.Tensor:
         """Rows of `x` grouped by expert (`counts` rows for each of `experts`) through weight `index`, with LoRA."""
         out = torch.cat([self._project(c, index, e) for c, e in zip(x.split(counts), experts)])
+        rows = self._rows[self.layout.weights[index]]
         for lora_A, lora_B, scaling in self._lora.get(self.layout.weights[index], ()):
             # Through the adapters' own forwards: under FSDP1 each is its own unit and its weight is whole only there.
             if self.layout.transposed and not self.layout.lora_transposed:
                 # peft added B_e @ A_e to the stored [in, out] matrix as is (Llama 4): x @ B_e @ A_e
-                low = run_with_weight(lora_B, _lora_B_rows_stored, x, experts, counts, self.num_experts)
-                delta = run_with_weight(lora_A, _lora_A_rows_stored, low, experts, counts, self.num_experts)
+                low = run_with_weight(lora_B, _lora_B_rows_stored, x, experts, counts, rows)
+                delta = run_with_weight(lora_A, _lora_A_rows_stored, low, experts, counts, rows)
             else:
-                low = run_with_weight(lora_A, _lora_A_rows, x, experts, counts, self.num_experts)
-                delta = run_with_weight(lora_B, _lora_B_rows, low, experts, counts, self.num_experts)
+                low = run_with_weight(lora_A, _lora_A_rows, x, experts, counts, rows)
+                delta = run_with_weight(lora_B, _lora_B_rows, low, experts, counts, rows)
             out = out + scaling * delta.to(out.dtype)
         return out
 
@@ -248,7 +256,17 @@ class QuantizedExperts(nn.Module):
             counts = [int(c) for c in top_k_index]
             rows = hidden_states.to(self.dtype)
             return self._project_routed(rows, 0, list(range(self.num_experts)), counts).to(input_dtype)
+        if self.layout.zero_experts:
+            return self._forward_with_zero_experts(hidden_states, top_k_index, top_k_weights).to(input_dtype)
         return self._forward(hidden_states.to(self.dtype), top_k_index, top_k_weights).to(input_dtype)
+
+    def _forward_with_zero_experts(self, hidden_states, top_k_index, top_k_weights):
+        """LongCat-Flash: an index past the routed experts is an identity expert (its input times its routing weight);
+        those slots are marked dropped (index num_experts, which both paths skip) for the routed experts."""
+        zero = top_k_index >= self.num_experts
+        identity = hidden_states * (top_k_weights * zero).sum(-1, keepdim=True).to(hidden_states.dtype)
+        routed = top_k_index.masked_fill(zero, self.num_experts)
+        return self._forward(hidden_states.to(self.dtype), routed, top_k_weights) + identity.to(self.dtype)
 
     def _dense_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """Every expert on its own slice of `rows` (``[E * T, H]``, Llama 4's call), expert by expert."""
@@ -368,13 +386,14 @@ _MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
 
 def _refusal(name: str, module: nn.Module) -> str:
     """Why the experts module `module` at `name` cannot be quantized: where it is, what it holds, what to do."""
+    why = EXPERT_REFUSALS.get(type(module).__name__)  # what in this class's layout stands in the way
     return (
         f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer "
         f"({', '.join(experts_tensors(module)) or 'no tensors'}) in a layout hf_fsdp_qlora cannot quantize "
         "to 4 bits: the class neither declares its layout through transformers' use_experts_implementation nor has "
         "a named entry in hf_fsdp_qlora.expert_layouts.EXPERT_LAYOUTS. Pass quantize_experts=False to "
         "load_qlora_model to keep these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit "
-        "experts)."
+        f"experts).{f' {why}.' if why else ''}"
     )
 
 
