@@ -11,7 +11,7 @@ from .causal_lm import causal_lm_fix, causal_lm_problem, refused_family
 from .errors import SetupInputError
 from .hub_config import fetch_config, looks_like_hub_id
 
-__all__ = ["load_model_config"]
+__all__ = ["config_value", "from_parts", "load_model_config", "position_limit"]
 
 
 def load_model_config(model, trust_remote_code: bool = False):
@@ -74,3 +74,27 @@ def _check_causal_lm(config, path) -> None:
     refused = refused_family(config)
     if refused is not None:
         raise SetupInputError(f"{path}: {refused}")
+
+
+def position_limit(text) -> int | None:
+    """max_position_embeddings (n_positions); None where there is none, or -1 (XLNet: no limit)."""
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def from_parts(text, name: str, combine) -> int | None:
+    """`name` of `text`, else `combine` of it over the sub-configs that have it (BLT: no width of its own, but a
+    local encoder, a global transformer, a local decoder and a patcher, each with theirs); None where none has it."""
+    value = getattr(text, name, None)
+    if value is not None:
+        return value
+    parts = [getattr(v, name, None) for v in vars(text).values() if hasattr(v, "to_dict") and hasattr(v, name)]
+    parts = [int(p) for p in parts if isinstance(p, int)]
+    return combine(parts) if parts else None
+
+
+def config_value(config, name: str):
+    try:  # None where the config has only per-layer values (Gemma 4 refuses a global read of those)
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error: no single global value
+        return None

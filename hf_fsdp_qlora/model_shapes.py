@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 from .errors import SetupInputError
 from .loss_paths import LOGIT_TRANSFORMS
+from .model_config import config_value as _config_value
+from .model_config import from_parts as _from_parts
 from .model_config import load_model_config
+from .model_config import position_limit as _position_limit
 from .moe_routers import router_layers
 from .sp_rules import local_attention_kinds, router_aux_kind
 from .towers import auto_class_for, meta_model, tower_modules
@@ -280,23 +283,6 @@ def _layer_prefixes(module, layer_classes: list[str]) -> list[str]:
     )
 
 
-def _position_limit(text) -> int | None:
-    """max_position_embeddings (n_positions); None where there is none, or -1 (XLNet: no limit)."""
-    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    return limit if isinstance(limit, int) and limit > 0 else None
-
-
-def _from_parts(text, name: str, combine) -> int | None:
-    """`name` of `text`, else `combine` of it over the sub-configs that have it (BLT: no width of its own, but a
-    local encoder, a global transformer, a local decoder and a patcher, each with theirs); None where none has it."""
-    value = getattr(text, name, None)
-    if value is not None:
-        return value
-    parts = [getattr(v, name, None) for v in vars(text).values() if hasattr(v, "to_dict") and hasattr(v, name)]
-    parts = [int(p) for p in parts if isinstance(p, int)]
-    return combine(parts) if parts else None
-
-
 def _sizes(config, text, module, layer_classes: list[str]) -> ModelShape:
     """A shape with the config's sizes (no parameters counted yet)."""
     hidden = int(_from_parts(text, "hidden_size", max))  # the widest part plans the peak
@@ -418,10 +404,3 @@ def _per_expert(param, count: int) -> tuple[int, ...]:
     if param.dim() >= 3:
         return tuple(int(d) for d in param.shape[1:])
     return (int(param.shape[0]) // count, int(param.shape[1]))
-
-
-def _config_value(config, name: str):
-    try:  # None where the config has only per-layer values (Gemma 4 refuses a global read of those)
-        return getattr(config, name, None)
-    except Exception:  # noqa: BLE001 - transformers' per-layer attribute error: no single global value
-        return None

@@ -121,7 +121,7 @@ def _peft_merge(base32, adapter: Path, replace: dict) -> dict:
     # our adapter as our loader attached it, with that remap kept off (as load_qlora_model(adapter=...) does).
     from types import SimpleNamespace
 
-    from hf_fsdp_qlora.loading.experts import keep_linear_targets
+    from hf_fsdp_qlora.loading.moe_targets import keep_linear_targets
 
     with keep_linear_targets(SimpleNamespace(hf_fsdp_qlora_linear_targets=True)):
         return PeftModel.from_pretrained(model, adapter).merge_and_unload().state_dict()

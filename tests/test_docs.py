@@ -218,7 +218,7 @@ def test_inline_script_commands_exist():
 def test_doctor_page_names_every_training_config_key_with_its_option():
     """docs/doctor.md's table of the --training-config keys is the doctor's own: each key it reads, with the option
     whose value it sets (an option's dest is its name, dashes as underscores)."""
-    from hf_fsdp_qlora.training_config import DOCTOR_KEYS
+    from hf_fsdp_qlora.train.training_config import DOCTOR_KEYS
 
     text = (DOCS / "doctor.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| `(\w+)(?:: false)?` \| `--([\w-]+)` \|$", text, flags=re.MULTILINE)

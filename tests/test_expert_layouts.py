@@ -200,7 +200,7 @@ def _peft_merge_of(model, base32) -> dict:
 
     from peft import get_peft_model
 
-    from hf_fsdp_qlora.loading.experts import keep_linear_targets
+    from hf_fsdp_qlora.loading.moe_targets import keep_linear_targets
 
     config = copy.deepcopy(model.peft_config["default"])
     with keep_linear_targets(SimpleNamespace(hf_fsdp_qlora_linear_targets=True)):

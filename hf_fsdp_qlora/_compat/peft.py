@@ -68,7 +68,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "dropout fails in ParamWrapper (DeepSeek-V2/V3, GLM-4-MoE, Qwen3-Next, Qwen3-MoE mlp_only_layers); it runs on "
         "every config peft loads, so saved adapters name those layers' weights in target_parameters (never remapped)",
         where=(
-            "hf_fsdp_qlora.loading.experts.keep_linear_targets",
+            "hf_fsdp_qlora.loading.moe_targets.keep_linear_targets",
             "hf_fsdp_qlora.loading.stock_reload.stock_form",
             "hf_fsdp_qlora.loading.stock_reload.linear_weights_as_modules",
         ),

@@ -272,8 +272,22 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "PreTrainedModel._from_config builds without loading)",
         works_around="the loader and the doctor need the concrete class an auto class picks, and the model's "
         "module tree on the meta device, to find the towers before anything is loaded",
-        where=("hf_fsdp_qlora.towers.concrete_class", "hf_fsdp_qlora.towers.meta_model"),
+        where=(
+            "hf_fsdp_qlora.towers.concrete_class",
+            "hf_fsdp_qlora.towers.meta_model",
+            "hf_fsdp_qlora.loading.family_targets.frozen_by_model",
+        ),
         remove_when="never (a dependency): the canary watches both",
         canary="tests/test_multimodal.py::test_doctor_plans_the_towers_16bit",
+    ),
+    Workaround(
+        key="input_require_grads_in_place",
+        upstream="transformers <= 5.24 (PreTrainedModel.enable_input_require_grads: the hook makes the embedding "
+        "output a leaf that requires grad, kept in _require_grads_hook)",
+        works_around="a model that adds to its embedding output in place (BLT) raises 'a leaf Variable that requires "
+        "grad is being used in an in-place operation' with a frozen base",
+        where=("hf_fsdp_qlora.loading._adapter_steps.enable_input_grads",),
+        remove_when="transformers' hook returns a non-leaf output",
+        canary="tests/test_family_targets.py::test_input_grad_hook_lets_the_model_add_to_the_embedding_output_in_place",
     ),
 )

@@ -17,7 +17,7 @@ from .expert_lora import (
     peft_adapts_4bit_experts,
     peft_sees_expert_weights,
 )
-from .experts import keep_linear_targets, lora_config_for_experts
+from .moe_targets import keep_linear_targets, lora_config_for_experts
 from .family_targets import lora_config_for_family
 from .stock_reload import save_stock_form, stock_form
 

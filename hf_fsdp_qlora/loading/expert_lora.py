@@ -27,17 +27,8 @@ from torch import nn
 
 from ..errors import UnsupportedSetupError
 from ._script_stream import experts_quantization, stream_experts_of_script_loads
-from .experts import (
-    _MAMBA_REFUSED,
-    _MAMBA_TYPES,
-    ON_BUILD,
-    QuantizedExperts,
-    expert_layout,
-    has_fused_experts,
-    keep_linear_targets,
-    lora_config_for_experts,
-    quantize_experts,
-)
+from .experts import ON_BUILD, QuantizedExperts, expert_layout, has_fused_experts, quantize_experts
+from .moe_targets import MAMBA_REFUSED, MAMBA_TYPES, keep_linear_targets, lora_config_for_experts
 from .stock_reload import MARK, linear_weights_as_modules_within, save_stock_form, stock_form
 
 __all__ = [
@@ -162,14 +153,14 @@ def linear_layer_names(model: nn.Module) -> list[str]:
 
 def lora_config_for_mamba(model: nn.Module, lora_config):
     """`lora_config` with ``"all-linear"`` spelled out as the linear layers peft accepts on a Mamba-based model."""
-    if lora_config.target_modules != "all-linear" or getattr(model.config, "model_type", None) not in _MAMBA_TYPES:
+    if lora_config.target_modules != "all-linear" or getattr(model.config, "model_type", None) not in MAMBA_TYPES:
         return lora_config
     import copy
 
     head = model.get_output_embeddings()
     names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
     lora_config = copy.deepcopy(lora_config)
-    lora_config.target_modules = sorted(names - _MAMBA_REFUSED)
+    lora_config.target_modules = sorted(names - MAMBA_REFUSED)
     logger.info(
         "hf_fsdp_qlora: all-linear on this Mamba-based model (peft refuses out_proj, conv1d): %s",
         lora_config.target_modules,

@@ -13,4 +13,8 @@ def __getattr__(name: str):
         from .pipeline import merge_adapters
 
         return merge_adapters
+    if name == "quantize_roundtrip":  # the NF4/FP4 round trip training saw (merge --dequantize, vLLM's base sync)
+        from ._lora_math import quantize_roundtrip
+
+        return quantize_roundtrip
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -140,7 +140,7 @@ def vllm_base_weights(checkpoint: str | os.PathLike, record, device, dtype, load
     block maxima depend on it), the others as stored. `record` None: everything as stored."""
     from safetensors import safe_open
 
-    from ..merge._lora_math import quantize_roundtrip
+    from ..merge import quantize_roundtrip
 
     quantized = set(record.linear) if record is not None else set()
     files = sorted(Path(checkpoint).glob("*.safetensors"))
