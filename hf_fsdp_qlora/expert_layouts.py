@@ -93,7 +93,8 @@ EXPERT_REFUSALS: dict[str, str] = {
 }
 # The 16-bit weight names any layout uses (a saved 4-bit experts checkpoint is recognised by them).
 EXPERT_WEIGHT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
-_FLAGS = ("has_gate", "is_transposed", "has_bias", "is_concatenated", "has_post_expert_norm")
+# transformers 5.17 (our floor) sets the first four; has_post_expert_norm came later (absent: no such norm)
+_FLAGS = ("has_gate", "is_transposed", "has_bias", "is_concatenated")
 
 
 def declared_layout(module: nn.Module) -> ExpertLayout | None:
@@ -107,7 +108,7 @@ def declared_layout(module: nn.Module) -> ExpertLayout | None:
         biases=tuple(f"{w}_bias" for w in weights) if module.has_bias else (),
         transposed=bool(module.is_transposed),
         gated=bool(module.has_gate),
-        post_norm="post_expert_norm" if module.has_post_expert_norm else None,
+        post_norm="post_expert_norm" if getattr(module, "has_post_expert_norm", False) else None,
     )
 
 
