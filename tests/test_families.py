@@ -25,16 +25,16 @@ OTHER_FAILURES: dict[str, str] = {
     # loaded since experts by declared layout (issue 48), failing outside their experts:
     "deepseek_v4": "all-linear LoRA on its sparse attention's compressor (kv_proj, ...) gets no gradient on short "
                    "sequences",
-    "inkling2_text": "its router multiplies float32 hidden states by a bf16 router weight: 'expected m1 and m2 to have "
-                     "the same dtype, but got: float != c10::BFloat16'",
+    "inkling2_text": "merge: peft 0.21 runs a saved adapter's keys through transformers' Inkling 2 renaming "
+                     "'(convolution|sconv).weight_proj' -> '.weight_proj.weight', so the sconv weight_proj LoRA loads "
+                     "nowhere through PeftModel.from_pretrained (the oracle); merge_nf4: the base stores its experts "
+                     "interleaved in the original format (w13_weight, transformers' Interleave)",
     "kimi_linear": "merge-adapters: the base stores its experts per expert in the original format "
                    "(block_sparse_moe.experts.N.w1): 'cannot tell which expert the base's tensor ... holds'",
     "zaya": "all-linear LoRA on its CCA projection's q_proj/k_proj gets no gradient",
     "laguna": "peft 0.21 runs a saved adapter's keys through transformers' Laguna renaming 'mlp.shared_expert.' "
               "(an unescaped regex dot) which also matches 'mlp.shared_experts': the shared-expert LoRA loads "
               "nowhere (PeftModel.from_pretrained, the oracle here, and load_qlora_model(adapter=...))",
-    "hy_v4": "merge_nf4: the indexer's weights_proj (kept float32 by _keep_in_fp32_modules_strict, yet quantized) "
-             "is written back in bf16; training saw its float32 dequantization (2.7e-05 off)",
 }  # fmt: skip
 
 
