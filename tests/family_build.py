@@ -157,7 +157,13 @@ class NotBuilt(Exception):
 # dynamic mask is exp(A * softplus(dt_proj(v))): A = 0 leaves dt_proj, and its LoRA, without effect or gradient).
 # Gemma 3n's AltUp scales the corrected stream by correct_output_scale (zero at init) before the per-layer-input gate:
 # at zero, per_layer_input_gate / per_layer_projection / per_layer_model_projection and their LoRA do nothing.
-FAMILY_PARAMS = {"doge": ("self_attn.A",), "gemma3n_text": ("altup.correct_output_scale",)}
+# ZAYA's QK norm scales the keys by a per-head `temp` (zero at init): every key is zero, the attention uniform, and
+# the CCA projection's q_proj / k_proj (and their LoRA) get no gradient.
+FAMILY_PARAMS = {
+    "doge": ("self_attn.A",),
+    "gemma3n_text": ("altup.correct_output_scale",),
+    "zaya": ("qk_norm.temp",),
+}
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 

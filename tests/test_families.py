@@ -31,7 +31,6 @@ OTHER_FAILURES: dict[str, str] = {
                      "interleaved in the original format (w13_weight, transformers' Interleave)",
     "kimi_linear": "merge-adapters: the base stores its experts per expert in the original format "
                    "(block_sparse_moe.experts.N.w1): 'cannot tell which expert the base's tensor ... holds'",
-    "zaya": "all-linear LoRA on its CCA projection's q_proj/k_proj gets no gradient",
     "laguna": "peft 0.21 runs a saved adapter's keys through transformers' Laguna renaming 'mlp.shared_expert.' "
               "(an unescaped regex dot) which also matches 'mlp.shared_experts': the shared-expert LoRA loads "
               "nowhere (PeftModel.from_pretrained, the oracle here, and load_qlora_model(adapter=...))",
