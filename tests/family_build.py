@@ -79,7 +79,13 @@ FAMILY_SIZES = {
         "pronunciation_embed_dim": 32,
     },  # its glyph-shape and pronunciation tables
     "longcat_flash": {"zero_expert_num": 2},  # 256 identity ("zero") experts beside the routed ones
-    "deepseek_v4": {"o_lora_rank": 16, "o_groups": 2},  # grouped low-rank output projection
+    # grouped low-rank output projection; compression windows the sweep's 8 tokens fill (4 and 128 by default: the
+    # heavily compressed attention's compressor, and its LoRA, would see no complete window, so no gradient)
+    "deepseek_v4": {
+        "o_lora_rank": 16,
+        "o_groups": 2,
+        "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    },
     # Size fields None by default (the modelling code reads them; a released config.json sets them)
     "hunyuan_v1_dense": {"head_dim": HEAD_DIM},
     "hunyuan_v1_moe": {"head_dim": HEAD_DIM},

@@ -23,8 +23,8 @@ PENDING_FIX: dict[str, str] = {}
 # the error: each is in the loader or merge code, not in the sweep, and passes (XPASS: remove it here) once fixed.
 OTHER_FAILURES: dict[str, str] = {
     # loaded since experts by declared layout (issue 48), failing outside their experts:
-    "deepseek_v4": "all-linear LoRA on its sparse attention's compressor (kv_proj, ...) gets no gradient on short "
-                   "sequences",
+    "deepseek_v4": "merge_nf4: the base stores its experts per expert in the original format (ffn.experts.N.w1): "
+                   "'cannot tell which expert the base's tensor ... holds'",
     "inkling2_text": "merge: peft 0.21 runs a saved adapter's keys through transformers' Inkling 2 renaming "
                      "'(convolution|sconv).weight_proj' -> '.weight_proj.weight', so the sconv weight_proj LoRA loads "
                      "nowhere through PeftModel.from_pretrained (the oracle); merge_nf4: the base stores its experts "
