@@ -23,13 +23,8 @@ PENDING_FIX: dict[str, str] = {}
 # the error: each is in the loader or merge code, not in the sweep, and passes (XPASS: remove it here) once fixed.
 OTHER_FAILURES: dict[str, str] = {
     # loaded since experts by declared layout (issue 48), failing outside their experts:
-    "inkling2_text": "merge: peft 0.21 runs a saved adapter's keys through transformers' Inkling 2 renaming "
-                     "'(convolution|sconv).weight_proj' -> '.weight_proj.weight', so the sconv weight_proj LoRA loads "
-                     "nowhere through PeftModel.from_pretrained (the oracle); merge_nf4: the base stores its experts "
-                     "interleaved in the original format (w13_weight, transformers' Interleave)",
-    "laguna": "peft 0.21 runs a saved adapter's keys through transformers' Laguna renaming 'mlp.shared_expert.' "
-              "(an unescaped regex dot) which also matches 'mlp.shared_experts': the shared-expert LoRA loads "
-              "nowhere (PeftModel.from_pretrained, the oracle here, and load_qlora_model(adapter=...))",
+    "inkling2_text": "merge_nf4: the base stores its experts fused and interleaved in the original format "
+                     "(w13_weight, transformers' Interleave), which merge-adapters does not map",
 }  # fmt: skip
 
 
