@@ -224,7 +224,7 @@ def keep_float32_compute(model, dtype: torch.dtype) -> list[str]:
             continue
         kept = tuple(n for n, p in own.items() if p.dtype == torch.float32 and not p.requires_grad)
         if kept:
-            linear = isinstance(module, torch.nn.Linear)
+            linear = isinstance(module, torch.nn.Linear) and "weight" in kept
             module.register_forward_pre_hook(lambda m, args, kept=kept, linear=linear: _upcast(m, kept, args, linear))
             module.register_forward_hook(lambda m, args, output: _put_back(m), always_call=True)
             names += [f"{module_name}.{n}" if module_name else n for n in kept]
@@ -233,7 +233,8 @@ def keep_float32_compute(model, dtype: torch.dtype) -> list[str]:
 
 def _upcast(module, kept: tuple[str, ...], args: tuple, linear: bool) -> tuple | None:
     # read at each forward, so the tensor FSDP has put in place (the gathered one) is the one upcast
-    saved = {n: module._parameters[n] for n in kept}
+    # (a wrapper that holds the tensor outside the slot, FSDP1 without use_orig_params: left as it is)
+    saved = {n: module._parameters[n] for n in kept if module._parameters.get(n) is not None}
     setattr(module, _FLOAT32_SAVED, saved)
     for n, param in saved.items():
         module._parameters[n] = param.float()  # a plain tensor in the slot for this forward only
