@@ -28,6 +28,10 @@ parameters only, and under FSDP1 every trainable leaf module is a unit of its ow
 The saved adapter is peft's format in the adapter dtype (float32 by default, as stock peft's).
 
 Buffers (rotary ``inv_freq``) are not parameters and keep their dtype.
+
+A frozen parameter that transformers loads in float32 into a 16-bit model (``_keep_in_fp32_modules_strict``:
+Inkling 2's router weight, which its forward multiplies by float32 hidden states uncast) is stored in the training
+dtype like the rest, and upcast for its module's forward only (:func:`keep_float32_compute`), as the class computes it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ __all__ = [
     "quant_storage_dtype",
     "training_dtype",
     "harmonize_dtypes",
+    "keep_float32_compute",
     "view_packed_storage_as",
 ]
 
@@ -197,6 +202,50 @@ def harmonize_dtypes(model, dtype: torch.dtype, trainable_dtype: torch.dtype | N
         if type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and hasattr(module, "compute_dtype"):
             module.compute_dtype = dtype
     return changed
+
+
+_FLOAT32_SAVED = "_hf_fsdp_qlora_float32_saved"
+
+
+def keep_float32_compute(model, dtype: torch.dtype) -> list[str]:
+    """Before :func:`harmonize_dtypes` casts them to the 16-bit `dtype`: for every frozen float32 parameter of
+    `model` (one transformers kept in float32, ``_keep_in_fp32_modules(_strict)``), hooks on its module that upcast
+    it to float32 for that module's forward (as the class computes it), and put the stored one back after it (it
+    stays `dtype` at rest: one dtype for FSDP). A linear layer's input is upcast too: its caller may cast it to the
+    weight's dtype it reads outside the forward (HY-V4's ``lm_head(h.to(lm_head.weight.dtype))``), which is `dtype`
+    at rest; other modules (norms) get their input as the class gives it. Modules holding 4-bit bytes are left as
+    they are. Returns the parameters' names."""
+    if dtype == torch.float32:
+        return []
+    names = []
+    for module_name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if any(is_params4bit(p) or is_packed_experts(p) for p in own.values()):
+            continue
+        kept = tuple(n for n, p in own.items() if p.dtype == torch.float32 and not p.requires_grad)
+        if kept:
+            linear = isinstance(module, torch.nn.Linear) and "weight" in kept
+            module.register_forward_pre_hook(lambda m, args, kept=kept, linear=linear: _upcast(m, kept, args, linear))
+            module.register_forward_hook(lambda m, args, output: _put_back(m), always_call=True)
+            names += [f"{module_name}.{n}" if module_name else n for n in kept]
+    return names
+
+
+def _upcast(module, kept: tuple[str, ...], args: tuple, linear: bool) -> tuple | None:
+    # read at each forward, so the tensor FSDP has put in place (the gathered one) is the one upcast
+    # (a wrapper that holds the tensor outside the slot, FSDP1 without use_orig_params: left as it is)
+    saved = {n: module._parameters[n] for n in kept if module._parameters.get(n) is not None}
+    setattr(module, _FLOAT32_SAVED, saved)
+    for n, param in saved.items():
+        module._parameters[n] = param.float()  # a plain tensor in the slot for this forward only
+    if not linear:
+        return None  # the inputs as given
+    return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def _put_back(module) -> None:
+    module._parameters.update(getattr(module, _FLOAT32_SAVED, None) or {})
+    setattr(module, _FLOAT32_SAVED, None)
 
 
 @torch.no_grad()

@@ -63,7 +63,7 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
                 "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE, save_original_format=False), and "
                 "pass that as `base`."
             )
-        expert = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), disk_key)
+        expert = _expert_index(pattern, disk_key)
         if expert is None:
             raise MergeError(
                 f"cannot tell which expert the base's tensor {disk_key} holds (transformers converts it with the "
@@ -72,7 +72,7 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
             )
         index = converter.source_patterns.index(pattern)
         dim = ops[1].dim - 1 if len(ops) == 2 else None
-        found.setdefault(model_key, []).append((ExpertSlice(disk_key, int(expert[1]), dim), index, tuple(entry.shape)))
+        found.setdefault(model_key, []).append((ExpertSlice(disk_key, expert, dim), index, tuple(entry.shape)))
     out = {}
     for key in params:
         pieces = found.get(key)
@@ -88,3 +88,12 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
                 piece.stop = piece.start + shape[piece.dim]
         out[key] = [piece for piece, _, _ in pieces]
     return out
+
+
+def _expert_index(pattern: str, disk_key: str) -> int | None:
+    """The expert number in `disk_key`, where `pattern` (a converter's source) has its ``*``. transformers reads a
+    source as a regex whose ``*`` stands for ``.*`` (core_model_loading's glob alternation): a glob
+    (``mlp.experts.*.gate_proj.weight``) and a regex (Kimi-Linear's ``\\.experts.*.w1.weight``) alike."""
+    found = re.search(pattern.replace("*", "(.*)"), disk_key)
+    numbers = [g for g in (found.groups() if found else ()) if g is not None and g.isdigit()]
+    return int(numbers[0]) if numbers else None

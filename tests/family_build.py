@@ -79,7 +79,13 @@ FAMILY_SIZES = {
         "pronunciation_embed_dim": 32,
     },  # its glyph-shape and pronunciation tables
     "longcat_flash": {"zero_expert_num": 2},  # 256 identity ("zero") experts beside the routed ones
-    "deepseek_v4": {"o_lora_rank": 16, "o_groups": 2},  # grouped low-rank output projection
+    # grouped low-rank output projection; compression windows the sweep's 8 tokens fill (4 and 128 by default: the
+    # heavily compressed attention's compressor, and its LoRA, would see no complete window, so no gradient)
+    "deepseek_v4": {
+        "o_lora_rank": 16,
+        "o_groups": 2,
+        "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    },
     # Size fields None by default (the modelling code reads them; a released config.json sets them)
     "hunyuan_v1_dense": {"head_dim": HEAD_DIM},
     "hunyuan_v1_moe": {"head_dim": HEAD_DIM},
@@ -157,7 +163,13 @@ class NotBuilt(Exception):
 # dynamic mask is exp(A * softplus(dt_proj(v))): A = 0 leaves dt_proj, and its LoRA, without effect or gradient).
 # Gemma 3n's AltUp scales the corrected stream by correct_output_scale (zero at init) before the per-layer-input gate:
 # at zero, per_layer_input_gate / per_layer_projection / per_layer_model_projection and their LoRA do nothing.
-FAMILY_PARAMS = {"doge": ("self_attn.A",), "gemma3n_text": ("altup.correct_output_scale",)}
+# ZAYA's QK norm scales the keys by a per-head `temp` (zero at init): every key is zero, the attention uniform, and
+# the CCA projection's q_proj / k_proj (and their LoRA) get no gradient.
+FAMILY_PARAMS = {
+    "doge": ("self_attn.A",),
+    "gemma3n_text": ("altup.correct_output_scale",),
+    "zaya": ("qk_norm.temp",),
+}
 LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 

@@ -122,8 +122,11 @@ def _peft_merge(base32, adapter: Path, replace: dict) -> dict:
     from types import SimpleNamespace
 
     from hf_fsdp_qlora.loading.moe_targets import keep_linear_targets
+    from hf_fsdp_qlora.loading.stock_reload import keep_adapter_keys
 
-    with keep_linear_targets(SimpleNamespace(hf_fsdp_qlora_linear_targets=True)):
+    # And peft 0.21 renames an adapter's keys as if from the family's original checkpoint, which on Laguna and
+    # Inkling 2 moves some of them off the model's names (stock_reload.keep_adapter_keys): kept as our loader keeps them.
+    with keep_linear_targets(SimpleNamespace(hf_fsdp_qlora_linear_targets=True)), keep_adapter_keys():
         return PeftModel.from_pretrained(model, adapter).merge_and_unload().state_dict()
 
 

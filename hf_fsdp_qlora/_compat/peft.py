@@ -76,6 +76,17 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         canary="tests/test_families_defects.py::test_stock_peft_moves_linear_targets_onto_experts",
     ),
     Workaround(
+        key="peft_adapter_key_renames",
+        upstream="peft <= 0.21 (utils/transformers_weight_conversion.convert_peft_adapter_state_dict_for_transformers, "
+        "run by every adapter load on a model type transformers 5 converts)",
+        works_around="a saved adapter's keys, already in the model's names, go through transformers' renamings of the "
+        "original checkpoint names: Laguna's 'mlp.shared_expert.' (unescaped dot) and Inkling 2's 'sconv.weight_proj' "
+        "move shared-expert / weight_proj LoRA keys off the model, and those tensors load nowhere, silently",
+        where=("hf_fsdp_qlora.loading.stock_reload.keep_adapter_keys",),
+        remove_when="peft converts only adapter keys that do not already name the model's tensors",
+        canary="tests/test_adapter_key_renames.py::test_stock_peft_renames_laguna_shared_expert_keys",
+    ),
+    Workaround(
         key="script_lora_limited_to_language_model",
         upstream="peft <= 0.21 (BaseTuner.inject_adapter; a script's LoraConfig cannot exclude modules by path)",
         works_around="trl's scripts put all-linear LoRA on a multimodal model's vision/audio towers too",

@@ -9,6 +9,16 @@ __all__ = ["WORKAROUNDS"]
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
+        key="module_parameter_slot_swap",
+        upstream="torch 2.13 (nn.Module._parameters)",
+        works_around="a frozen parameter transformers keeps in float32 is stored in the training dtype (one dtype for "
+        "FSDP) and computed in float32: a plain float32 tensor sits in its module's parameter slot for that "
+        "module's forward only (nn.Module.__setattr__ accepts only Parameters there)",
+        where=("hf_fsdp_qlora.dtypes._upcast", "hf_fsdp_qlora.dtypes._put_back"),
+        remove_when="never (a dependency): the test watches the slot's swap and restore",
+        canary="tests/test_float32_kept.py::test_a_float32_router_trains_in_float32_on_a_bf16_base",
+    ),
+    Workaround(
         key="fsdp2_uniform_dtype_among_trainable",
         upstream="torch 2.13 FSDP2 (_fsdp_param_group.FSDPParamGroup._init_mp_dtypes)",
         works_around="fp32 adapters share their decoder layer's fully_shard group with the bf16 base: FSDP2 asks one "

@@ -9,6 +9,16 @@ __all__ = ["WORKAROUNDS"]
 
 WORKAROUNDS: tuple[Workaround, ...] = (
     Workaround(
+        key="dtype_plan_float32_layers",
+        upstream="transformers 5.24 (PreTrainedModel._get_dtype_plan; the bitsandbytes 4-bit quantizer skips "
+        "_keep_in_fp32_modules but not _keep_in_fp32_modules_strict)",
+        works_around="linear layers transformers loads in float32 into a 16-bit model (HY-V4's indexer weights_proj) "
+        "were quantized to 4 bits, and merged back round-tripped through NF4",
+        where=("hf_fsdp_qlora.loading.family_targets.float32_linear_layers",),
+        remove_when="transformers' bitsandbytes quantizer skips _keep_in_fp32_modules_strict too",
+        canary="tests/test_float32_kept.py::test_a_linear_layer_kept_float32_stays_out_of_4_bits",
+    ),
+    Workaround(
         key="num_input_tokens_under_sequence_parallelism",
         upstream="transformers <= 5.24 (Trainer._track_num_input_tokens sums every rank's batch)",
         works_around="under sp_size a group's ranks share each batch, so num_input_tokens_seen counted it sp_size times",

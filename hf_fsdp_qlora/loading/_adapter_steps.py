@@ -19,7 +19,7 @@ from .expert_lora import (
 )
 from .moe_targets import keep_linear_targets, lora_config_for_experts
 from .family_targets import lora_config_for_family
-from .stock_reload import save_stock_form, stock_form
+from .stock_reload import keep_adapter_keys, save_stock_form, stock_form
 
 __all__ = [
     "attach_adapter",
@@ -150,7 +150,8 @@ def continue_adapter(load) -> None:
     # routed experts as if they were written for transformers 4 (keep_linear_targets, as when they were attached).
     ours = SimpleNamespace(hf_fsdp_qlora_linear_targets=(Path(load.adapter) / RECORD_NAME).is_file())
     peft_adapts_4bit_experts()  # target_parameters naming linear weights (stock_reload.py) go onto the layers
-    with peft_sees_expert_weights(load.model), keep_linear_targets(ours):
+    # keep_adapter_keys: keys already in the model's names are not renamed as if from the original checkpoint.
+    with peft_sees_expert_weights(load.model), keep_linear_targets(ours), keep_adapter_keys():
         # autocast_adapter_dtype=False: the adapters keep the run's one dtype (harmonize_dtypes casts the rest).
         load.model = PeftModel.from_pretrained(
             load.model, str(load.adapter), is_trainable=load.is_trainable, autocast_adapter_dtype=False

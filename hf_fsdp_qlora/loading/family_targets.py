@@ -32,6 +32,7 @@ __all__ = [
     "READ_AS_WEIGHT",
     "cross_attention_modules",
     "family_skip_modules",
+    "float32_linear_layers",
     "frozen_by_model",
     "lora_config_for_family",
     "no_grad_linear_layers",
@@ -117,6 +118,24 @@ def frozen_by_model(model: nn.Module) -> list[str]:
 def family_skip_modules(config) -> tuple[str, ...]:
     """The layers of this family that must stay 16-bit (its forward reads their weight directly)."""
     return READ_AS_WEIGHT.get(getattr(config, "model_type", None), ())
+
+
+def float32_linear_layers(model: nn.Module | None, dtype) -> list[str]:
+    """The full names of `model`'s linear layers whose weight transformers loads in float32 into a `dtype` model
+    (``_keep_in_fp32_modules_strict``, and ``_keep_in_fp32_modules`` under float16: its dtype plan, matched as it
+    matches it): kept out of 4-bit quantization, as their class computes them in float32 (HY-V4's indexer
+    ``weights_proj``). `model`: built on the meta device (None: nothing is known)."""
+    import torch
+
+    plan = getattr(model, "_get_dtype_plan", None)
+    try:
+        keys = [k for k, v in (plan(dtype) if plan else {}).items() if v == torch.float32]
+    except Exception:  # noqa: BLE001 - a transformers without the plan: its bitsandbytes rules alone apply
+        return []
+    if not keys:
+        return []
+    pattern = re.compile("|".join(f"(?:{k.replace('*', '.*')})" for k in keys))  # transformers' glob alternation
+    return sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and pattern.search(f"{n}.weight"))
 
 
 def lora_config_for_family(model: nn.Module, lora_config):

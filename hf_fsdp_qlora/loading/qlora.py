@@ -10,7 +10,7 @@ import torch
 
 from .._bnb_cpu import disable_cpu_repack_in_model
 from ..cpu_rehearsal import enable_cpu_fsdp
-from ..dtypes import harmonize_dtypes, resolve_dtype, view_packed_storage_as
+from ..dtypes import harmonize_dtypes, keep_float32_compute, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
 from ..expert_layouts import EXPERT_WEIGHT_NAMES
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
@@ -26,7 +26,7 @@ from ._checkpoint import (
 from ._experts_map import release_experts_dispatch
 from ._towers import refuse_low_ram_class, towers_of
 from .experts import quantize_experts as quantize_expert_weights
-from .family_targets import family_skip_modules
+from .family_targets import family_skip_modules, float32_linear_layers
 from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
 
 __all__ = ["load_qlora_model", "default_lora_config"]
@@ -188,7 +188,9 @@ def load_qlora_model(
     continue_adapter(load)
     _convert_int8(load)
     _record_quantization(load)  # after every quantizing step; load.model is the PeftModel
-    # One floating dtype among the frozen tensors (norms, heads) and one among the trainable ones (the adapters).
+    # One floating dtype among the frozen tensors (norms, heads) and one among the trainable ones (the adapters);
+    # those transformers keeps in float32 are upcast for their module's forward, as the class computes them.
+    keep_float32_compute(load.model, load.dtype)
     harmonize_dtypes(load.model, load.dtype, trainable_dtype=load.adapter_dtype)
     return load.model
 
@@ -284,10 +286,11 @@ def _decide_quantization(load: _Load) -> None:
 
 def _skips(load: _Load) -> dict:
     """``llm_int8_skip_modules`` (used by 4-bit and 8-bit loading alike) for the caller's `skip_modules` and the
-    family's own (layers its forward reads as a weight: family_targets.py; a multimodal model's towers and projectors:
-    hf_fsdp_qlora.towers), or nothing."""
+    family's own (layers its forward reads as a weight, or computes in float32: family_targets.py; a multimodal
+    model's towers and projectors: hf_fsdp_qlora.towers), or nothing."""
     meta, towers = towers_of(load.config, load.model_class, load.dtype, load.trust_remote_code)
     own = (*family_skip_modules(load.config), *towers)  # towers: 16-bit, hf_fsdp_qlora.towers
+    own += tuple(float32_linear_layers(meta, load.dtype))  # the class computes them in float32
     skip = (*load.skip_modules, *(m for m in own if m not in load.skip_modules))
     if not skip:
         return {}

@@ -20,11 +20,19 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from contextlib import contextmanager
 
 from torch import nn
 
-__all__ = ["MARK", "linear_weights_as_modules", "linear_weights_as_modules_within", "save_stock_form", "stock_form"]
+__all__ = [
+    "MARK",
+    "keep_adapter_keys",
+    "linear_weights_as_modules",
+    "linear_weights_as_modules_within",
+    "save_stock_form",
+    "stock_form",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +138,32 @@ def linear_weights_as_modules_within(model: nn.Module, configs: dict):
         for name, form in saved.items():
             for key, value in (form or {}).items():
                 setattr(configs[name], key, value)
+
+
+@contextmanager
+def keep_adapter_keys():
+    """Within (peft loading a saved adapter): an adapter whose every LoRA key already names one of the model's LoRA
+    tensors, as peft saves them, loads under those names. peft 0.21 runs every adapter's keys through transformers'
+    renamings of the family's original checkpoint names, and some of those also match the model's own names:
+    Laguna's ``mlp.shared_expert.`` (an unescaped dot) turns ``mlp.shared_experts.gate_proj`` into
+    ``mlp.shared_experts..gate_proj``, Inkling 2's ``sconv.weight_proj`` gains a ``.weight``; those LoRA tensors
+    then load nowhere, silently (stock peft on the 16-bit model too). Other adapters are converted as peft does."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_adapter_state_dict_for_transformers
+
+    def convert(model, peft_config, adapter_state_dict, adapter_name="default"):
+        names = {name for name, _ in model.named_parameters()}
+        lora = [key for key in adapter_state_dict if ".lora_" in key]
+        # peft's own step after this one: the adapter's name after each lora_* part of the key
+        if lora and all(re.sub(r"(lora_[^.]*)", rf"\1.{adapter_name}", key) in names for key in lora):
+            return adapter_state_dict
+        return original(
+            model=model, peft_config=peft_config, adapter_state_dict=adapter_state_dict, adapter_name=adapter_name
+        )
+
+    conversion.convert_peft_adapter_state_dict_for_transformers = convert
+    try:
+        yield
+    finally:
+        conversion.convert_peft_adapter_state_dict_for_transformers = original
