@@ -215,11 +215,16 @@ def keep_float32_compute(model, dtype: torch.dtype) -> list[str]:
     weight's dtype it reads outside the forward (HY-V4's ``lm_head(h.to(lm_head.weight.dtype))``), which is `dtype`
     at rest; other modules (norms) get their input as the class gives it. Modules holding 4-bit bytes are left as
     they are. Returns the parameters' names."""
-    if dtype == torch.float32:
+    kept_modules = _kept_in_float32(model)
+    if dtype == torch.float32 or not kept_modules:
         return []
     names = []
     for module_name, module in model.named_modules():
-        own = dict(module.named_parameters(recurse=False))
+        own = {  # float32 by accident of loading (XLNet's q/k/v) is not kept: harmonize_dtypes casts it, as before
+            n: p
+            for n, p in module.named_parameters(recurse=False)
+            if any(k in (f"{module_name}.{n}" if module_name else n) for k in kept_modules)
+        }
         if any(is_params4bit(p) or is_packed_experts(p) for p in own.values()):
             continue
         kept = tuple(n for n, p in own.items() if p.dtype == torch.float32 and not p.requires_grad)
@@ -229,6 +234,15 @@ def keep_float32_compute(model, dtype: torch.dtype) -> list[str]:
             module.register_forward_hook(lambda m, args, output: _put_back(m), always_call=True)
             names += [f"{module_name}.{n}" if module_name else n for n in kept]
     return names
+
+
+def _kept_in_float32(model) -> set[str]:
+    """The module names the model's class keeps in float32 (``_keep_in_fp32_modules`` and ``..._strict``, read as
+    transformers reads them: a part of the parameter's full name, "mlp.gate.weight")."""
+    kept = set()
+    for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        kept |= set(getattr(model, attr, None) or [])
+    return kept
 
 
 def _upcast(module, kept: tuple[str, ...], args: tuple, linear: bool) -> tuple | None:
