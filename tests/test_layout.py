@@ -42,7 +42,7 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 def test_readme_names_resolve():
     """Every dotted ``hf_fsdp_qlora.X`` the README shows imports (modules) or resolves (attributes)."""
     names = sorted(set(re.findall(r"\bhf_fsdp_qlora(?:\.\w+)+", (REPO / "README.md").read_text())))
-    assert len(names) >= 5, names
+    assert len(names) >= 3, names  # the README shows the API, the run module and the data helpers
     for name in names:
         resolve_name(name)  # AttributeError names what the README shows but the package lacks
 
