@@ -117,6 +117,23 @@ def test_load_qlora_model_continues_from_an_adapter(moe, trained_expert_adapter)
         load_qlora_model(str(moe), adapter=folder, lora_config=_lora())
 
 
+def test_a_float32_adapter_continues_unrounded_in_a_bf16_run(moe, trained_expert_adapter):
+    """What our trainer saves (float32 LoRA) trains on in a bf16 run with its saved values. Before: peft built the
+    LoRA layers in bf16 first (autocast_adapter_dtype=False) and every value was rounded to bf16 before the trainer
+    upcast them again (lora_A off by up to 2**-9 relative)."""
+    from safetensors.torch import load_file
+
+    folder, _, _ = trained_expert_adapter
+    saved = load_file(f"{folder}/adapter_model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in saved.values())  # rounding would show
+    model = load_qlora_model(str(moe), adapter=folder, dtype=torch.bfloat16, gradient_checkpointing=False)
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(lora) == len(saved) and {p.dtype for p in lora.values()} == {torch.float32}
+    by_key = {n.replace(".default", ""): p for n, p in lora.items()}
+    assert [k for k, t in saved.items() if not torch.equal(by_key[k], t)] == []
+
+
 def test_unmatched_expert_targets_of_a_saved_adapter_are_an_error(moe, trained_expert_adapter, tmp_path):
     """An adapter whose target_parameters match no weight of the 4-bit model is refused, not dropped with a warning."""
     import json

@@ -151,9 +151,24 @@ def continue_adapter(load) -> None:
     ours = SimpleNamespace(hf_fsdp_qlora_linear_targets=(Path(load.adapter) / RECORD_NAME).is_file())
     peft_adapts_4bit_experts()  # target_parameters naming linear weights (stock_reload.py) go onto the layers
     # keep_adapter_keys: keys already in the model's names are not renamed as if from the original checkpoint.
+    # A float32 adapter that trains on (what our trainer saves) is read into float32 LoRA layers, as the trainer
+    # keeps them: built in the run's dtype first, its values would be rounded to bf16 before training resumed.
+    # Otherwise the adapters keep the run's one dtype (harmonize_dtypes casts the rest).
+    upcast = load.is_trainable and _saved_in_float32(Path(load.adapter))
     with peft_sees_expert_weights(load.model), keep_linear_targets(ours), keep_adapter_keys():
-        # autocast_adapter_dtype=False: the adapters keep the run's one dtype (harmonize_dtypes casts the rest).
         load.model = PeftModel.from_pretrained(
-            load.model, str(load.adapter), is_trainable=load.is_trainable, autocast_adapter_dtype=False
+            load.model, str(load.adapter), is_trainable=load.is_trainable, autocast_adapter_dtype=upcast
         )
     logger.info("hf_fsdp_qlora: continuing from the adapter %s (trainable: %s)", load.adapter, load.is_trainable)
+
+
+def _saved_in_float32(folder: Path) -> bool:
+    """Whether every floating-point tensor of the saved adapter (``adapter_model.safetensors``) is float32."""
+    from ..safetensors_io import read_header
+
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        return False  # a .bin adapter: read as before, in the run's dtype
+    entries, _ = read_header(path)
+    floats = [e.dtype for e in entries.values() if e.dtype in ("F32", "BF16", "F16", "F64")]
+    return bool(floats) and all(d == "F32" for d in floats)
