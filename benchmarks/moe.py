@@ -12,7 +12,7 @@ locally from a config (random weights, saved in bf16 to a temporary folder; noth
 quantization, bf16, LoRA r=16 on the attention (q/k/v/o), the same data, sequence length and per-device batch.
 
     ours   load_qlora_model + FSDPQLoRATrainer: the linear layers AND the fused experts in 4 bits
-           (hf_fsdp_qlora/loading/experts.py, one routed expert dequantized at a time).
+           (hf_fsdp_qlora/experts/quantized.py, one routed expert dequantized at a time).
     stock  transformers + bitsandbytes + peft, as peft's FSDP-QLoRA guide loads: BitsAndBytesConfig(load_in_4bit,
            nf4, double quant, bnb_4bit_quant_storage=bf16) + get_peft_model, transformers.Trainer under accelerate's
            FSDP2 plugin. bitsandbytes only replaces nn.Linear, so the experts stay bf16 (transformers' default

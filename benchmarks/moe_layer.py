@@ -6,7 +6,7 @@
 Qwen3-30B-A3B's experts (hidden 2048, 128 experts, width 768, top 8) built locally from a config, random weights
 (nothing downloaded), bf16, NF4 with double quantization, random top-k routing. One process, one thread by default.
 
-    grouped   our 4-bit experts, grouped compute (hf_fsdp_qlora/loading/_grouped.py)
+    grouped   our 4-bit experts, grouped compute (hf_fsdp_qlora/experts/grouped.py)
     loop      the same module, the per-expert loop (compute="loop": the reference)
     stock     transformers' bf16 experts (Qwen3MoeExperts, experts_implementation="grouped_mm") holding our
               dequantized weights, so its output is the oracle of ours
@@ -35,8 +35,8 @@ def build(shape: dict, dtype, seed: int = 0):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from hf_fsdp_qlora.loading._grouped import dequantize_routed
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts, expert_layout
+    from hf_fsdp_qlora.experts.grouped import dequantize_routed
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts, expert_layout
 
     config = Qwen3MoeConfig(**shape, experts_implementation="grouped_mm")
     torch.manual_seed(seed)

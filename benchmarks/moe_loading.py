@@ -9,14 +9,14 @@ layer by layer, so the writer never holds the model) and deleted afterwards. Eac
 process (or a 2-rank ``accelerate launch`` with ``low_cpu_ram=True``):
 
     streamed  ``load_qlora_model(path)``: the experts go from the shards into 4 bits one layer at a time
-              (hf_fsdp_qlora/loading/_expert_stream.py).
+              (hf_fsdp_qlora/experts/stream.py).
     today     the same call with ``use_safetensors=True``, a from_pretrained argument the stream plan does not follow:
               the experts load as before this change (all of them 16-bit, then packed).
     trl       trl's route: this worker run under ``python -m hf_fsdp_qlora.run`` (the launcher's hooks installed), the
               base loaded as trl's SFTTrainer loads it for ``sft.py --load_in_4bit --dtype bfloat16`` (trl's
               ``create_model_from_path`` with sft.py's arguments and ``get_quantization_config``), then
               ``get_peft_model``: the launcher's from_pretrained hook streams the experts
-              (hf_fsdp_qlora/loading/_script_stream.py). One process only (each rank streams its own on this route).
+              (hf_fsdp_qlora/experts/script_stream.py). One process only (each rank streams its own on this route).
     trl_today the same with ``use_safetensors=True``: the stream does not follow, the experts load 16-bit and the
               launcher's peft hook packs them at ``get_peft_model`` (trl's route before the from_pretrained hook).
 
@@ -155,7 +155,7 @@ def worker(name: str, model: str, out: Path, low_cpu_ram: bool) -> None:
     from peft import LoraConfig
 
     from hf_fsdp_qlora import load_qlora_model
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts, packed_expert_bytes
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts, packed_expert_bytes
 
     if name.startswith("trl"):
         import trl.trainer.utils  # noqa: F401 - imported before the baseline: the runtime, as the load's own imports

@@ -81,7 +81,7 @@ def is_params4bit(param) -> bool:
     return type(param).__name__ == "Params4bit"
 
 
-# Set on the packed expert bytes of loading/experts.py: they are bytes, not values, like a Params4bit's.
+# Set on the packed expert bytes of experts/quantized.py: they are bytes, not values, like a Params4bit's.
 PACKED_EXPERTS_ATTR = "_hf_fsdp_qlora_packed_experts"
 
 
@@ -189,7 +189,7 @@ def harmonize_dtypes(model, dtype: torch.dtype, trainable_dtype: torch.dtype | N
     """
     changed = []
     for name, param in model.named_parameters():
-        # Packed 4-bit expert bytes (loading/experts.py) are not values either: a float cast corrupts them.
+        # Packed 4-bit expert bytes (experts/quantized.py) are not values either: a float cast corrupts them.
         if is_params4bit(param) or is_int8(param) or not param.is_floating_point() or is_packed_experts(param):
             continue
         if is_int8_bytes(param):  # 8-bit weight bytes (loading/int8.py): a float cast corrupts them too

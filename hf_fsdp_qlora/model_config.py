@@ -11,7 +11,7 @@ from .causal_lm import causal_lm_fix, causal_lm_problem, refused_family
 from .errors import SetupInputError
 from .hub_config import fetch_config, looks_like_hub_id
 
-__all__ = ["config_value", "from_parts", "load_model_config", "position_limit"]
+__all__ = ["config_value", "from_parts", "load_config", "load_model_config", "position_limit"]
 
 
 def load_model_config(model, trust_remote_code: bool = False):
@@ -56,6 +56,30 @@ def load_model_config(model, trust_remote_code: bool = False):
         raise SetupInputError(f"transformers cannot read {path}: {reason}.") from err
     _check_causal_lm(config, path)
     return config
+
+
+def load_config(model_name_or_path, trust_remote_code: bool):
+    """The checkpoint's config; a path that is no saved transformers model is refused with what to pass instead."""
+    from transformers import AutoConfig
+
+    path = os.fspath(model_name_or_path)
+    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+    if looks_local:
+        local = os.path.expanduser(path)
+        if not os.path.isdir(local):
+            raise FileNotFoundError(
+                f"Model path {path!r} does not exist. Pass the directory written by save_pretrained (it holds "
+                "config.json and *.safetensors) or a model id on the Hugging Face Hub."
+            )
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise FileNotFoundError(
+                f"{path!r} has no config.json, so it is not a saved transformers model. Pass the directory "
+                "written by model.save_pretrained(...)."
+            )
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        raise FileNotFoundError(f"Could not read a model config from {path!r}: {err}") from err
 
 
 def _special_float(obj: dict):

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import SetupInputError
+from .experts.routers import router_layers
 from .loss_paths import LOGIT_TRANSFORMS
 from .model_config import config_value as _config_value
 from .model_config import from_parts as _from_parts
 from .model_config import load_model_config
 from .model_config import position_limit as _position_limit
-from .moe_routers import router_layers
 from .sp_rules import local_attention_kinds, router_aux_kind
 from .towers import auto_class_for, meta_model, tower_modules
 
@@ -55,7 +55,7 @@ class ExpertsShape:
     num_experts: int
     weights: dict[str, tuple[int, int]]  # weight name -> one expert's (rows, columns) as stored
     bias_numel: int  # the biases of every expert (gpt-oss), kept in the model's dtype
-    quantizable: bool  # a layout hf_fsdp_qlora.loading.experts quantizes to 4 bits
+    quantizable: bool  # a layout hf_fsdp_qlora.experts.quantized quantizes to 4 bits
 
     def expert_numel(self, name: str) -> int:
         rows, cols = self.weights[name]
@@ -227,7 +227,7 @@ def model_shape(model, lora_target_modules="all-linear") -> ModelShape:
     """The shapes of `model` (a path, config.json, config object or an ``nn.Module``), built on the meta device.
 
     LoRA targets follow peft's rule for ``"all-linear"`` (every linear layer but the output head), routers aside
-    (``load_qlora_model``'s all-linear never adapts them: :mod:`hf_fsdp_qlora.moe_routers`); bitsandbytes
+    (``load_qlora_model``'s all-linear never adapts them: :mod:`hf_fsdp_qlora.experts.routers`); bitsandbytes
     quantizes every linear layer but the output head (transformers' ``modules_to_not_convert``).
 
     Raises:
@@ -360,7 +360,7 @@ def _count_other_parameters(shape: ModelShape, module, layer_prefixes: list[str]
 def _add_experts(shape: ModelShape, module, text, layer_prefixes: list[str], counted: set) -> None:
     """The experts modules of `module` (by class: ``is_experts_module``, never a Conv1d's 3-D weight) into `shape`
     (their parameters' ids into `counted`)."""
-    from .expert_layouts import expert_layout, is_experts_module
+    from .experts.layouts import expert_layout, is_experts_module
 
     for name, sub in module.named_modules():
         if not is_experts_module(sub):

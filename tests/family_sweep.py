@@ -55,7 +55,7 @@ def _quantized_weights(model) -> dict[str, torch.Tensor]:
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnb_f
 
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
     seen = {}
     for name, module in model.named_modules():
@@ -121,8 +121,8 @@ def _peft_merge(base32, adapter: Path, replace: dict) -> dict:
     # our adapter as our loader attached it, with that remap kept off (as load_qlora_model(adapter=...) does).
     from types import SimpleNamespace
 
-    from hf_fsdp_qlora.loading.moe_targets import keep_linear_targets
-    from hf_fsdp_qlora.loading.stock_reload import keep_adapter_keys
+    from hf_fsdp_qlora.experts.stock_reload import keep_adapter_keys
+    from hf_fsdp_qlora.experts.targets import keep_linear_targets
 
     # And peft 0.21 renames an adapter's keys as if from the family's original checkpoint, which on Laguna and
     # Inkling 2 moves some of them off the model's names (stock_reload.keep_adapter_keys): kept as our loader keeps them.

@@ -13,7 +13,7 @@ from tiny_models import build_tiny_model, sgd_step, tiny_config
 
 from hf_fsdp_qlora import load_qlora_model
 from hf_fsdp_qlora.errors import UnsupportedSetupError
-from hf_fsdp_qlora.loading.experts import QuantizedExperts
+from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
 EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 IDS = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -75,7 +75,7 @@ def test_peft_from_pretrained_after_quantize_experts(moe, trained_expert_adapter
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from hf_fsdp_qlora.loading.experts import quantize_experts
+    from hf_fsdp_qlora.experts.quantized import quantize_experts
 
     folder, logits, _ = trained_expert_adapter
     quant = BitsAndBytesConfig(
@@ -161,7 +161,7 @@ def test_launcher_hook_casts_as_linear4bit(moe, model_dtype, compute, experts_dt
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from hf_fsdp_qlora.loading.expert_lora import _quantize_experts_of_4bit_model
+    from hf_fsdp_qlora.experts.lora import _quantize_experts_of_4bit_model
 
     quant = BitsAndBytesConfig(load_in_4bit=True, **({"bnb_4bit_compute_dtype": compute} if compute else {}))
     base = AutoModelForCausalLM.from_pretrained(str(moe), quantization_config=quant, dtype=model_dtype)

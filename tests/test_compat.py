@@ -189,7 +189,7 @@ def find_upstream_internals(source: str, module: str, trainer_methods=frozenset(
 # Assignments the guard sees that touch our own objects, not upstream's.
 NOT_UPSTREAM = {
     "hf_fsdp_qlora.doctor.setup._settings_from_launch",  # fills our FsdpSettings dataclass
-    "hf_fsdp_qlora.quant_record._live_settings",  # reads our QuantizedExperts' own block sizes (loading/experts.py)
+    "hf_fsdp_qlora.quant_record._live_settings",  # reads our QuantizedExperts' own block sizes (experts/quantized.py)
 }
 
 
@@ -340,7 +340,7 @@ def test_torch_internals():
 
 
 def test_torch_grouped_mm():
-    """What loading/_grouped.py relies on and works around in torch's grouped matmul on CPU: equal to a per-group
+    """What experts/grouped.py relies on and works around in torch's grouped matmul on CPU: equal to a per-group
     matmul forward and backward; an expanded incoming gradient and 8-byte rows are refused (the hook makes the
     gradient contiguous, LoRA ranks are padded to 16-byte rows)."""
     grouped = torch._grouped_mm

@@ -194,7 +194,7 @@ def test_moe_experts_stream_onto_the_gpu(tmp_path, prequantized, monkeypatch, ca
     from tiny_models import build_prequantized, build_tiny_model
 
     from hf_fsdp_qlora import load_qlora_model
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
     path = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
     if prequantized:

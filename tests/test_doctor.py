@@ -540,7 +540,7 @@ def test_moe_plan_matches_a_loaded_model(tiny_moe, arch):
     absmax, offsets, code tables), 16-bit router, norms, embeddings and gpt-oss' expert biases, LoRA - equal the
     bytes load_qlora_model really holds (oracle)."""
     from hf_fsdp_qlora import load_qlora_model
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
     model = load_qlora_model(str(tiny_moe[arch]), gradient_checkpointing=False)
     real = dict.fromkeys(("params_quantized", "quant_state", "params_other", "params_trainable"), 0)
@@ -711,7 +711,7 @@ def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe, compute):
     from hf_fsdp_qlora import load_qlora_model
     from hf_fsdp_qlora.doctor import model_shape
     from hf_fsdp_qlora.doctor.experts_plan import expert_bytes
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
     model = load_qlora_model(str(tiny_moe["qwen3_moe"]), gradient_checkpointing=False)
     experts = next(m for m in model.modules() if isinstance(m, QuantizedExperts))

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 def test_experts_stored_per_expert_under_a_regex_source_map_to_the_loaded_tensors(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hf_fsdp_qlora.expert_files import expert_file_slices
+    from hf_fsdp_qlora.experts.files import expert_file_slices
     from hf_fsdp_qlora.merge._base_model import meta_model
 
     path = build("kimi_linear", tmp_path / "m")

@@ -28,7 +28,7 @@ from family_sweep import _compare, _load16, families
 from family_variants import expert_targets
 
 from hf_fsdp_qlora import load_qlora_model
-from hf_fsdp_qlora.loading.experts import QuantizedExperts
+from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
 # bf16 grouped vs loop, as max |difference| / max |value| (tests/test_moe.py GROUPED_TOLERANCE).
 GROUPED = {"rtol": 2**-6, "atol": 2**-6}
@@ -113,7 +113,7 @@ def _check_against_family_forward(quantized: dict, base32) -> None:
             dequantized = torch.stack([ours.dequantize_expert(weight, e) for e in range(rows)])
             getattr(stock, weight).copy_(dequantized)
         first = ours.quant_meta(ours.layout.weights[0])[0]  # [out, in], or [in, out] transposed
-        call = getattr(ours.layout, "call", "routed")  # how the family calls its experts (expert_layouts.py)
+        call = getattr(ours.layout, "call", "routed")  # how the family calls its experts (experts/layouts.py)
         rows = 3 * ours.num_experts if call == "dense" else 12
         hidden = torch.randn(rows, first[0] if ours.layout.transposed else first[1], generator=generator)
         routable = getattr(ours, "total_experts", ours.num_experts)  # LongCat-Flash: its zero experts too
@@ -181,7 +181,7 @@ def _check_one_step_moves_expert_lora(model, ids, quantized: dict) -> int:
 def _check_doctor_plans_4bit_experts(path: Path, model) -> None:
     """The doctor plans the experts 4-bit, their packed bytes exactly those the loader holds."""
     from hf_fsdp_qlora.doctor.checks import diagnose
-    from hf_fsdp_qlora.loading.experts import packed_expert_bytes
+    from hf_fsdp_qlora.experts.quantized import packed_expert_bytes
 
     diag = diagnose(str(path), quantization="4bit", lora_dropout=0.0, lora_r=4, seq_len=128)
     assert not diag.errors, [f"[{f.id}] {f.message}" for f in diag.errors]
@@ -200,7 +200,7 @@ def _peft_merge_of(model, base32) -> dict:
 
     from peft import get_peft_model
 
-    from hf_fsdp_qlora.loading.moe_targets import keep_linear_targets
+    from hf_fsdp_qlora.experts.targets import keep_linear_targets
 
     config = copy.deepcopy(model.peft_config["default"])
     with keep_linear_targets(SimpleNamespace(hf_fsdp_qlora_linear_targets=True)):
@@ -311,7 +311,7 @@ def test_declared_flags_against_transformers_dispatch(flags, compute):
     """Flags no causal-LM family here combines (a post-expert norm: transformers 5.24's MuseSpark) on a class the
     decorator declares: our 4-bit experts (loop and grouped) against transformers' own ``batched_mm`` forward
     (ExpertsInterface) on the dequantized weights."""
-    from hf_fsdp_qlora.loading.experts import quantize_experts
+    from hf_fsdp_qlora.experts.quantized import quantize_experts
 
     stock = _synthetic_experts(flags)
     holder = torch.nn.ModuleDict({"experts": copy.deepcopy(stock)})

@@ -108,7 +108,7 @@ def test_a_conv1d_is_no_experts(families, family):
     Conv1d. Now the dense families load with no experts swapped, the MoE ones with their experts in 4 bits, and
     every Conv1d is still a 16-bit Conv1d."""
     from hf_fsdp_qlora import load_qlora_model
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
     # q/v only: peft itself refuses LoRA on a Mamba mixer's out_proj ("incompatible with Mamba-based models").
     lora = _lora(target_modules=["q_proj", "v_proj"])
@@ -140,7 +140,7 @@ def test_declared_experts_class_is_quantized_beside_conv1d(families):
     """Jamba's experts (JambaExperts: refused by class name before issue 48, declared through transformers'
     use_experts_implementation) load in 4 bits; its Mamba Conv1d is no expert and stays as it was."""
     from hf_fsdp_qlora import load_qlora_model
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
     model = load_qlora_model(str(families("jamba")), lora_config=_lora(lora_dropout=0.0))
     quantized = [n for n, m in model.named_modules() if isinstance(m, QuantizedExperts)]

@@ -77,13 +77,15 @@ _FRONT_DOORS = {"hf_fsdp_qlora", "hf_fsdp_qlora.run"}
 
 
 def test_lower_layers_never_import_upward():
-    """loading/, merge/ and the top-level modules (shapes, dtypes, I/O) sit below doctor/, train/ and cli/: none of
+    """loading/, merge/, experts/ and the top-level modules (shapes, dtypes, I/O) sit below doctor/, train/ and cli/: none of
     them imports those (the doctor and the loader both read model shapes from a module below them)."""
     problems = []
     for path in SOURCES:
         me = _module_name(path)
         parts = me.split(".")
-        lower = parts[1:2] in (["loading"], ["merge"]) or (len(parts) == 2 and not (PACKAGE / parts[1]).is_dir())
+        lower = parts[1:2] in (["loading"], ["merge"], ["experts"]) or (
+            len(parts) == 2 and not (PACKAGE / parts[1]).is_dir()
+        )
         if not lower or me in _FRONT_DOORS:
             continue
         for target in _imports(path):
@@ -215,8 +217,75 @@ def test_cycle_finder_finds_every_cycle():
 def test_no_import_cycle():
     """No module of the package imports (at module level or inside a function) a module that imports it back."""
     graph = _import_graph()
-    assert "hf_fsdp_qlora.loading.experts" in graph["hf_fsdp_qlora.loading.expert_lora"], "the graph lost its edges"
+    assert "hf_fsdp_qlora.experts.quantized" in graph["hf_fsdp_qlora.experts.lora"], "the graph lost its edges"
     cycles = _cycles(graph)
     assert not cycles, "import cycles (one path per knot of modules that reach each other):\n" + "\n".join(
         " -> ".join(cycle) for cycle in cycles
     )
+
+
+# experts/, bottom first: each module imports (at module level or inside a function) only experts/ modules before it.
+EXPERTS_LAYERS = (
+    "layouts",  # where each family keeps its fused expert weights
+    "routers",  # the routers' linear layers
+    "files",  # where a checkpoint's files hold them
+    "detect",  # whether a config builds fused experts
+    "lora_rows",  # one routed expert's LoRA rows
+    "grouped",  # grouped compute
+    "quantized",  # the 4-bit experts module and the swap
+    "placement",  # onto a GPU without the 16-bit experts there whole
+    "stream",  # from the shards into 4 bits one layer at a time
+    "script_stream",  # the stream under unchanged scripts' from_pretrained
+    "targets",  # "all-linear" on a mixture of experts
+    "stock_reload",  # adapters stock peft reloads as trained
+    "lora",  # LoRA on 4-bit experts (peft's target_parameters)
+)
+
+
+def _experts_layer_problems(graph: dict[str, set[str]], layers: tuple[str, ...]) -> list[str]:
+    prefix = "hf_fsdp_qlora.experts."
+    rank = {f"{prefix}{name}": i for i, name in enumerate(layers)}
+    problems = [f"{m} is in no layer of EXPERTS_LAYERS" for m in graph if m.startswith(prefix) and m not in rank]
+    for module, position in rank.items():
+        for target in sorted(graph.get(module, ())):
+            if target.startswith(prefix) and rank.get(target, len(layers)) >= position:
+                problems.append(f"{module} imports {target}, not below it")
+    # Below loading/, merge/, train/, doctor/ and cli/: not even through a top-level module it imports.
+    seen, todo = set(), [m for m in graph if m.startswith("hf_fsdp_qlora.experts")]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph.get(module, ()))
+    upward = ("loading", "merge", "train", "doctor", "cli")
+    problems += [f"experts/ reaches {m}" for m in sorted(seen) if m.count(".") and m.split(".")[1] in upward]
+    return problems
+
+
+def test_experts_layer_checker_finds_each_breach():
+    """The oracle for the test below, on made-up graphs: an import upward, a module left out of the order, and a
+    path to loading/ through a top-level module are each reported; a downward chain is not."""
+    e = "hf_fsdp_qlora.experts."
+    clean = {f"{e}a": set(), f"{e}b": {f"{e}a", "hf_fsdp_qlora.errors"}, "hf_fsdp_qlora.errors": set()}
+    assert _experts_layer_problems(clean, ("a", "b")) == []
+    upward = {f"{e}a": {f"{e}b"}, f"{e}b": set()}
+    assert _experts_layer_problems(upward, ("a", "b")) == [f"{e}a imports {e}b, not below it"]
+    assert _experts_layer_problems(clean, ("b",)) == [
+        f"{e}a is in no layer of EXPERTS_LAYERS",
+        f"{e}b imports {e}a, not below it",
+    ]
+    through = {f"{e}a": {"hf_fsdp_qlora.towers"}, "hf_fsdp_qlora.towers": {"hf_fsdp_qlora.loading.qlora"}}
+    through["hf_fsdp_qlora.loading.qlora"] = set()
+    assert _experts_layer_problems(through, ("a",)) == ["experts/ reaches hf_fsdp_qlora.loading.qlora"]
+
+
+def test_experts_import_only_downward():
+    """experts/ is one package in layers (EXPERTS_LAYERS): each module imports only the modules below it, and
+    nothing in it reaches loading/, merge/, train/, doctor/ or cli/, directly or through a top-level module. Its
+    __init__ imports only the top layer (to register expert LoRA's peft hook)."""
+    graph = _import_graph()
+    init = {t for t in graph["hf_fsdp_qlora.experts"] if t.startswith("hf_fsdp_qlora.")}
+    assert init == {"hf_fsdp_qlora.experts.lora"}, init
+    without_init = {m: t for m, t in graph.items() if m != "hf_fsdp_qlora.experts"}
+    problems = _experts_layer_problems(without_init, EXPERTS_LAYERS)
+    assert not problems, "\n".join(problems)

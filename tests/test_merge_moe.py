@@ -202,7 +202,7 @@ def test_dequantize_nf4_round_trips_experts_as_load_qlora_model(moe_bases, tmp_p
     from peft import PeftModel
     from peft.tuners.lora.layer import ParamWrapper
 
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts, quantize_experts
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts, quantize_experts
 
     base = moe_bases[name]
     adapter = _make_adapter(

@@ -165,7 +165,7 @@ def test_the_live_record_names_the_4bit_experts_or_none(tmp_path, experts_double
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from hf_fsdp_qlora.loading.experts import quantize_experts
+    from hf_fsdp_qlora.experts.quantized import quantize_experts
     from hf_fsdp_qlora.quant_record import RECORD_ATTR, keep_live_record
 
     base = build_tiny_model(tmp_path / "moe", "qwen3_moe")

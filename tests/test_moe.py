@@ -1,4 +1,4 @@
-"""Mixture of experts: 4-bit experts at load time (hf_fsdp_qlora/loading/experts.py), their forward, FSDP sharding.
+"""Mixture of experts: 4-bit experts at load time (hf_fsdp_qlora/experts/quantized.py), their forward, FSDP sharding.
 
 Single process: tiny Qwen3-MoE, Mixtral and gpt-oss (transposed experts with biases) built locally. Oracle: the
 family's own 16-bit experts module holding the dequantized weights. Two ranks: a tiny Qwen3-MoE with attention LoRA
@@ -18,7 +18,7 @@ from tiny_models import MOE_ARCHS, build_tiny_model
 from hf_fsdp_qlora import load_qlora_model
 from hf_fsdp_qlora.error_index import find_known_errors, is_certain
 from hf_fsdp_qlora.errors import UnsupportedSetupError
-from hf_fsdp_qlora.loading.experts import QuantizedExperts, quantize_experts
+from hf_fsdp_qlora.experts.quantized import QuantizedExperts, quantize_experts
 
 # The 2-rank part runs in the suite's shared FSDP1/FSDP2 launches: scenario key -> (tiny model, worker kind).
 _SCENARIOS = {
@@ -237,7 +237,7 @@ GROUPED_TOLERANCE = {torch.bfloat16: {"rtol": 2**-6, "atol": 2**-6}, torch.float
 def test_grouped_equals_loop_with_expert_lora(moe_models, arch, dtype, monkeypatch):
     """The grouped path (one dequantization and one grouped_mm per projection, LoRA grouped too) against the
     per-expert loop on the same model: logits, input gradients and every LoRA gradient (experts' and attention's)."""
-    from hf_fsdp_qlora.loading import _grouped
+    from hf_fsdp_qlora.experts import grouped as _grouped
 
     config = _lora(target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_TARGETS, init_lora_weights=False)
     model = _load(moe_models[arch], lora_config=config, dtype=dtype)
@@ -270,7 +270,7 @@ GROUPED_FORWARD = None
 @pytest.fixture(autouse=True, scope="module")
 def _grouped_forward():
     global GROUPED_FORWARD
-    from hf_fsdp_qlora.loading import _grouped
+    from hf_fsdp_qlora.experts import grouped as _grouped
 
     GROUPED_FORWARD = _grouped.grouped_forward
 
@@ -282,7 +282,7 @@ def test_routed_experts_dequantize_in_one_step(moe_models, arch, double_quant, m
     expert's weight does not fill whole (nested) blocks each expert fills its slice instead: counted here."""
     import bitsandbytes.functional as bnbf
 
-    from hf_fsdp_qlora.loading._grouped import dequantize_routed
+    from hf_fsdp_qlora.experts.grouped import dequantize_routed
 
     model = load_qlora_model(str(moe_models[arch]), lora_config=None, double_quant=double_quant)
     (_, module), *_ = _experts(model, QuantizedExperts)
@@ -306,7 +306,7 @@ def test_grouped_falls_back_to_the_loop_and_says_so(moe_models, monkeypatch, cap
     compute='grouped' then is a clear error."""
     import logging
 
-    from hf_fsdp_qlora.loading import _grouped
+    from hf_fsdp_qlora.experts import grouped as _grouped
 
     model = _load(moe_models["qwen3_moe"])
     ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -429,7 +429,7 @@ def test_router_aux_loss_kept_by_the_chunked_loss(moe_models, tmp_path):
 
 
 def test_stock_peft_param_wrapper_contract(moe_models, monkeypatch):
-    """Canary (hf_fsdp_qlora/_compat/peft.py `peft_expert_param_wrapper`): what expert_lora.py relies on in stock peft.
+    """Canary (hf_fsdp_qlora/_compat/peft.py `peft_expert_param_wrapper`): what experts/lora.py relies on in stock peft.
 
     peft matches `target_parameters` against registered parameters only (a 4-bit experts module without our
     stand-ins matches nothing), its wrapper is a class named ParamWrapper whose forward adapts the weight through
@@ -441,7 +441,7 @@ def test_stock_peft_param_wrapper_contract(moe_models, monkeypatch):
     from peft.tuners.tuners_utils import BaseTuner
 
     model = load_qlora_model(str(moe_models["qwen3_moe"]), lora_config=None, gradient_checkpointing=False).unload()
-    # Stock peft: without the injection hook that 4-bit experts install (expert_lora.peft_adapts_4bit_experts).
+    # Stock peft: without the injection hook that 4-bit experts install (experts/lora.py peft_adapts_4bit_experts).
     monkeypatch.setattr(BaseTuner, "inject_adapter", inspect.unwrap(BaseTuner.inject_adapter))
     with pytest.raises(ValueError, match="no `target_parameters` found|no parameter was matched"):
         get_peft_model(model, _lora(target_modules=[], target_parameters=EXPERT_TARGETS))
@@ -505,14 +505,14 @@ def test_fsdp_trains_lora_on_4bit_experts(moe_models, shared_launch, version, na
 
 def test_launcher_switch_quantizes_experts_before_peft(moe_models, monkeypatch):
     """`-m hf_fsdp_qlora.run`'s hooks: a 4-bit from_pretrained (as trl's --load_in_4bit does) streams the experts into
-    4 bits before it returns (hf_fsdp_qlora/loading/_script_stream.py); a load the stream cannot follow keeps them
+    4 bits before it returns (hf_fsdp_qlora/experts/script_stream.py); a load the stream cannot follow keeps them
     16-bit and get_peft_model quantizes them, before FSDP; HF_FSDP_QLORA_QUANTIZE_EXPERTS=0 leaves them 16-bit."""
     from peft import get_peft_model
     from peft.tuners.tuners_utils import BaseTuner
     from train_scenarios import bnb_config
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
-    from hf_fsdp_qlora.loading.expert_lora import quantize_experts_before_peft
+    from hf_fsdp_qlora.experts.lora import quantize_experts_before_peft
     from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV, quantize_experts_from_env
 
     assert quantize_experts_from_env({}) and quantize_experts_from_env({QUANTIZE_EXPERTS_ENV: "1"})

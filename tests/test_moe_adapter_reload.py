@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from family_build import build
-from tiny_models import sgd_step
 from peft import LoraConfig
+from tiny_models import sgd_step
 
 from hf_fsdp_qlora import load_qlora_model
 
@@ -110,7 +110,7 @@ def test_loaders_after_quantize_experts(trained, loader):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from hf_fsdp_qlora.loading.experts import quantize_experts
+    from hf_fsdp_qlora.experts.quantized import quantize_experts
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32)  # fmt: skip
@@ -206,7 +206,7 @@ def test_scripts_all_linear_under_the_launcher(trained, monkeypatch, tmp_path):
     from peft.tuners.tuners_utils import BaseTuner
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-    from hf_fsdp_qlora.loading.expert_lora import quantize_experts_before_peft
+    from hf_fsdp_qlora.experts.lora import quantize_experts_before_peft
     from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV
 
     if trained.experts:

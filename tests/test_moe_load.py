@@ -1,4 +1,4 @@
-"""Loading an MoE model on a GPU without its 16-bit experts on the GPU (hf_fsdp_qlora/loading/_experts_map.py).
+"""Loading an MoE model on a GPU without its 16-bit experts on the GPU (hf_fsdp_qlora/experts/placement.py).
 
 No GPU here: the device map is built on real configs with ``torch.cuda`` mocked (the only mock; it is what makes
 the loader pick a GPU), the quantize-onto-a-device path runs with "cpu" as the target, and the dispatch cleanup runs
@@ -48,7 +48,7 @@ def test_device_map_puts_every_experts_module_on_cpu(source, tiny_moe, monkeypat
     from transformers.integrations.accelerate import expand_device_map
 
     from hf_fsdp_qlora.doctor import model_shape
-    from hf_fsdp_qlora.loading._experts_map import experts_on_cpu_kwargs
+    from hf_fsdp_qlora.experts.placement import experts_on_cpu_kwargs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -85,7 +85,7 @@ def test_dispatch_keeps_the_experts_off_the_gpu(tiny_moe):
     from accelerate import dispatch_model
     from transformers import AutoModelForCausalLM
 
-    from hf_fsdp_qlora.loading._experts_map import experts_device_map, release_experts_dispatch
+    from hf_fsdp_qlora.experts.placement import experts_device_map, release_experts_dispatch
 
     for good in (True, False):
         model = AutoModelForCausalLM.from_pretrained(tiny_moe["qwen3_moe"], dtype=torch.bfloat16)
@@ -112,7 +112,7 @@ def test_quantize_onto_a_target_device_is_bit_identical(arch, tiny_moe):
     from bitsandbytes.functional import quantize_4bit
     from transformers import AutoModelForCausalLM
 
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts, expert_layout
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts, expert_layout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_moe[arch], dtype=torch.bfloat16)
     experts = next(m for m in model.modules() if expert_layout(m) is not None)
@@ -144,8 +144,8 @@ def test_release_experts_dispatch_after_a_real_load(tiny_moe):
     from accelerate import cpu_offload, dispatch_model
     from transformers import AutoModelForCausalLM
 
-    from hf_fsdp_qlora.loading._experts_map import experts_device_map, experts_on_cpu_kwargs, release_experts_dispatch
-    from hf_fsdp_qlora.loading.experts import quantize_experts
+    from hf_fsdp_qlora.experts.placement import experts_device_map, experts_on_cpu_kwargs, release_experts_dispatch
+    from hf_fsdp_qlora.experts.quantized import quantize_experts
 
     path = tiny_moe["qwen3_moe"]
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=_bnb())
@@ -186,7 +186,7 @@ def test_release_leaves_other_device_maps_alone(tiny_moe):
     """A device map that is not ours (a user's own, non-expert module on "cpu") is not touched."""
     from transformers import AutoModelForCausalLM
 
-    from hf_fsdp_qlora.loading._experts_map import release_experts_dispatch
+    from hf_fsdp_qlora.experts.placement import release_experts_dispatch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_moe["qwen3_moe"], dtype=torch.bfloat16)
     model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0.self_attn": "cpu"}
@@ -194,9 +194,9 @@ def test_release_leaves_other_device_maps_alone(tiny_moe):
 
 
 def test_experts_module_alone_makes_peft_adapt_4bit_experts():
-    """In a fresh process that imports only ``hf_fsdp_qlora.loading.experts`` (never expert_lora by name), the first
-    4-bit experts module built installs the peft hook (experts.ON_BUILD, registered by expert_lora through
-    loading/__init__.py): peft's own loaders then adapt 4-bit experts, as docs/moe.md says after quantize_experts."""
+    """In a fresh process that imports only ``hf_fsdp_qlora.experts.quantized`` (never experts.lora by name), the first
+    4-bit experts module built installs the peft hook (experts.ON_BUILD, registered by experts/lora.py through
+    experts/__init__.py): peft's own loaders then adapt 4-bit experts, as docs/moe.md says after quantize_experts."""
     import subprocess
     import sys
 
@@ -204,7 +204,7 @@ def test_experts_module_alone_makes_peft_adapt_4bit_experts():
         "import torch\n"
         "from peft.tuners.tuners_utils import BaseTuner\n"
         "from transformers import AutoModelForCausalLM, Qwen3MoeConfig\n"
-        "from hf_fsdp_qlora.loading.experts import quantize_experts\n"
+        "from hf_fsdp_qlora.experts.quantized import quantize_experts\n"
         "config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,\n"
         "    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)\n"
         "model = AutoModelForCausalLM.from_config(config)\n"

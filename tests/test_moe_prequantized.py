@@ -19,7 +19,7 @@ from tiny_models import build_prequantized, build_tiny_model
 
 from hf_fsdp_qlora import load_qlora_model
 from hf_fsdp_qlora.errors import UnsupportedSetupError
-from hf_fsdp_qlora.loading.experts import QuantizedExperts, quantize_experts
+from hf_fsdp_qlora.experts.quantized import QuantizedExperts, quantize_experts
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 

@@ -16,7 +16,7 @@ from family_build import build
 from peft import LoraConfig
 
 from hf_fsdp_qlora import load_qlora_model
-from hf_fsdp_qlora.moe_routers import router_layers
+from hf_fsdp_qlora.experts.routers import router_layers
 
 IDS = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
 ROUTERS = {
@@ -102,7 +102,7 @@ def test_scripts_all_linear_under_the_launcher(bases, family, monkeypatch):
     from peft.tuners.tuners_utils import BaseTuner
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PreTrainedModel
 
-    from hf_fsdp_qlora.loading.expert_lora import quantize_experts_before_peft
+    from hf_fsdp_qlora.experts.lora import quantize_experts_before_peft
     from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV
 
     # The launcher's hooks are process-wide: both are restored after the test.

@@ -1,11 +1,11 @@
-"""Streamed expert loading (hf_fsdp_qlora/loading/_expert_stream.py): experts from the files into 4 bits, one layer
+"""Streamed expert loading (hf_fsdp_qlora/experts/stream.py): experts from the files into 4 bits, one layer
 at a time.
 
 Oracle: today's path, transformers' own ``from_pretrained`` (every expert 16-bit) + ``quantize_experts``, on tiny
 Qwen3-MoE and Mixtral checkpoints saved per expert (as ``save_pretrained`` writes them) and gpt-oss and Qwen3-MoE saved
 fused. The 2-rank part (``low_cpu_ram=True``: rank 0 streams, the other receives packed bytes) runs in the suite's
 shared FSDP1/FSDP2 launches (tests/test_moe.py, scenario ``moe_lowram``). trl's route (the launcher's
-``from_pretrained`` hook, hf_fsdp_qlora/loading/_script_stream.py): oracle, the same load where the stream does not
+``from_pretrained`` hook, hf_fsdp_qlora/experts/script_stream.py): oracle, the same load where the stream does not
 follow, packed by the launcher's peft hook as before; trl's sft.py itself runs in tests/test_moe.py. Host RAM:
 benchmarks/moe_loading.py on a small synthetic checkpoint, each contestant in its own process (VmHWM, anonymous RSS
 sampled).
@@ -25,7 +25,7 @@ from dist_utils import REPO
 from tiny_models import MOE_ARCHS, build_tiny_model
 
 from hf_fsdp_qlora import load_qlora_model
-from hf_fsdp_qlora.loading.experts import QuantizedExperts, quantize_experts
+from hf_fsdp_qlora.experts.quantized import QuantizedExperts, quantize_experts
 
 CASES = [*MOE_ARCHS, "qwen3_moe_fused"]
 
@@ -127,7 +127,7 @@ def test_stream_plan_maps_each_expert_slice(checkpoints):
     """The plan of a per-expert checkpoint: every expert's gate and up rows and down matrix, nothing else hidden."""
     from transformers import AutoConfig
 
-    from hf_fsdp_qlora.loading._expert_stream import plan_expert_stream
+    from hf_fsdp_qlora.experts.stream import plan_expert_stream
 
     path = checkpoints["qwen3_moe"]
     config = AutoConfig.from_pretrained(path)
@@ -150,7 +150,7 @@ def test_transformers_leaves_hidden_experts_unread(checkpoints):
     them again and the experts load as transformers loads them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_fsdp_qlora.loading._expert_stream import experts_left_unread, plan_expert_stream
+    from hf_fsdp_qlora.experts.stream import experts_left_unread, plan_expert_stream
 
     path = checkpoints["qwen3_moe"]
     stream, _ = plan_expert_stream(path, AutoConfig.from_pretrained(path), torch.bfloat16, False, {})
@@ -185,7 +185,7 @@ ONE_DEVICE_MAPS = {"qwen3_moe": [{"": "cpu"}, "auto"], "gpt_oss": ["cpu"]}
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
 def test_script_from_pretrained_streams_what_the_peft_hook_packed(checkpoints, case, monkeypatch, caplog):
-    """`-m hf_fsdp_qlora.run`'s from_pretrained hook (hf_fsdp_qlora/loading/_script_stream.py), loaded as trl loads
+    """`-m hf_fsdp_qlora.run`'s from_pretrained hook (hf_fsdp_qlora/experts/script_stream.py), loaded as trl loads
     (device_map=None on the CPU) and with device maps of one device a script passes (`{"": "cpu"}`, `"cpu"`, and
     `"auto"`, which on a machine without an accelerator is the CPU): transformers leaves the experts unread and they
     stream into 4 bits before from_pretrained returns (the log says both). Oracle: the same load where the stream does
@@ -209,7 +209,7 @@ def _trl_peft_loads(path, loads: dict, monkeypatch, caplog):
     from peft.tuners.tuners_utils import BaseTuner
     from transformers import PreTrainedModel
 
-    from hf_fsdp_qlora.loading.expert_lora import quantize_experts_before_peft
+    from hf_fsdp_qlora.experts.lora import quantize_experts_before_peft
     from hf_fsdp_qlora.train.launcher import QUANTIZE_EXPERTS_ENV
 
     monkeypatch.setattr(BaseTuner, "inject_adapter", BaseTuner.inject_adapter)  # both hooks restored afterwards
@@ -263,7 +263,7 @@ def test_script_from_pretrained_streams_a_stock_4bit_checkpoint_with_its_quantiz
     from tiny_models import build_prequantized
     from transformers import Qwen3MoeForCausalLM
 
-    from hf_fsdp_qlora.loading import _script_stream
+    from hf_fsdp_qlora.experts import script_stream as _script_stream
 
     path = build_prequantized(tmp_path / "bnb4", "fp4", False, source=checkpoints["qwen3_moe"])
     models, logs = _trl_peft_loads(path, {"oracle": {"use_safetensors": True}, "streamed": {}}, monkeypatch, caplog)
@@ -332,7 +332,7 @@ def assert_transformers_accepts_the_placement(path, placement: dict, user_kwargs
     from transformers import AutoConfig
     from transformers.quantizers.auto import get_hf_quantizer
 
-    from hf_fsdp_qlora.loading._experts_map import placed_kwargs
+    from hf_fsdp_qlora.experts.placement import placed_kwargs
 
     merged = placed_kwargs(dict(user_kwargs, dtype=torch.bfloat16), placement)
     assert not set(user_kwargs) & set(merged) and merged["dtype"] == torch.bfloat16
@@ -356,7 +356,7 @@ def _packed_layers(quantizer, config, device_map) -> list[str]:
     """The layers transformers' quantizer turns into bitsandbytes 4-bit layers in a meta model under `device_map`."""
     import bitsandbytes as bnb
 
-    from hf_fsdp_qlora.loading._experts_map import _meta_model
+    from hf_fsdp_qlora.experts.placement import _meta_model
 
     model = _meta_model(config, torch.bfloat16, False)
     quantizer.preprocess_model(model=model, dtype=torch.bfloat16, device_map=device_map, checkpoint_files=None)
@@ -370,7 +370,7 @@ def _train_mode_logits(model, ids):
 
 
 def test_script_device_map_of_one_gpu_streams_onto_it(checkpoints, monkeypatch, caplog):
-    """Which script device maps stream on a GPU (the hook's plan, hf_fsdp_qlora/loading/_script_stream.py). CUDA is
+    """Which script device maps stream on a GPU (the hook's plan, hf_fsdp_qlora/experts/script_stream.py). CUDA is
     mocked (torch.cuda.is_available/device_count/current_device): this machine has none, and the decision is taken
     before anything touches a GPU. A map that puts the model on one CUDA device gets load_qlora_model's placement
     there - every experts module of the meta model on "cpu", everything else on that device (each parameter under one
@@ -379,8 +379,8 @@ def test_script_device_map_of_one_gpu_streams_onto_it(checkpoints, monkeypatch, 
     a per-module map and "auto" with max_memory do."""
     from transformers import AutoConfig, Qwen3MoeForCausalLM
 
-    from hf_fsdp_qlora.loading import _script_stream
-    from hf_fsdp_qlora.loading._experts_map import _meta_model
+    from hf_fsdp_qlora.experts import script_stream as _script_stream
+    from hf_fsdp_qlora.experts.placement import _meta_model
 
     path, quant = checkpoints["qwen3_moe"], _bnb()
     meta = _meta_model(AutoConfig.from_pretrained(path), torch.bfloat16, False)

@@ -198,7 +198,7 @@ def test_merged_checkpoint_reloads_in_its_class_with_towers_byte_identical(check
 def test_qwen3_5_moe_image_text_class_has_4bit_experts(checkpoints):
     """The experts stream follows AutoModelForCausalLM's module names; the image-text class nests them under
     ``language_model``, so its experts are quantized after the load instead: 4-bit either way."""
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
     for image_text in (False, True):
         model = _load(checkpoints("qwen3_5_moe"), "qwen3_5_moe", image_text)

@@ -35,10 +35,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "wrappers' forward replaced per instance; under FSDP1 peft's own expert LoRA reads lora_A.weight as a flat "
         "shard: \"RuntimeError: shape '[8, -1, 2048]' is invalid for input of size 2048\"",
         where=(
-            "hf_fsdp_qlora.loading.expert_lora.attach_expert_lora",
-            "hf_fsdp_qlora.loading.expert_lora.peft_sees_expert_weights",
-            "hf_fsdp_qlora.loading.expert_lora.quantize_experts_before_peft",
-            "hf_fsdp_qlora.loading._lora_rows.run_with_weight",
+            "hf_fsdp_qlora.experts.lora.attach_expert_lora",
+            "hf_fsdp_qlora.experts.lora.peft_sees_expert_weights",
+            "hf_fsdp_qlora.experts.lora.quantize_experts_before_peft",
+            "hf_fsdp_qlora.experts.lora_rows.run_with_weight",
         ),
         remove_when="peft adapts quantized expert modules itself and reads adapter weights inside their FSDP1 units",
         canary="tests/test_moe.py::test_stock_peft_param_wrapper_contract",
@@ -68,9 +68,9 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "dropout fails in ParamWrapper (DeepSeek-V2/V3, GLM-4-MoE, Qwen3-Next, Qwen3-MoE mlp_only_layers); it runs on "
         "every config peft loads, so saved adapters name those layers' weights in target_parameters (never remapped)",
         where=(
-            "hf_fsdp_qlora.loading.moe_targets.keep_linear_targets",
-            "hf_fsdp_qlora.loading.stock_reload.stock_form",
-            "hf_fsdp_qlora.loading.stock_reload.linear_weights_as_modules",
+            "hf_fsdp_qlora.experts.targets.keep_linear_targets",
+            "hf_fsdp_qlora.experts.stock_reload.stock_form",
+            "hf_fsdp_qlora.experts.stock_reload.linear_weights_as_modules",
         ),
         remove_when="peft converts only adapters written for transformers 4 (or lets a config opt out)",
         canary="tests/test_families_defects.py::test_stock_peft_moves_linear_targets_onto_experts",
@@ -82,7 +82,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         works_around="a saved adapter's keys, already in the model's names, go through transformers' renamings of the "
         "original checkpoint names: Laguna's 'mlp.shared_expert.' (unescaped dot) and Inkling 2's 'sconv.weight_proj' "
         "move shared-expert / weight_proj LoRA keys off the model, and those tensors load nowhere, silently",
-        where=("hf_fsdp_qlora.loading.stock_reload.keep_adapter_keys",),
+        where=("hf_fsdp_qlora.experts.stock_reload.keep_adapter_keys",),
         remove_when="peft converts only adapter keys that do not already name the model's tensors",
         canary="tests/test_adapter_key_renames.py::test_stock_peft_renames_laguna_shared_expert_keys",
     ),

@@ -135,7 +135,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "hf_fsdp_qlora.loading.low_ram",
             "hf_fsdp_qlora.loading._stream",
             "hf_fsdp_qlora.loading._transfer",
-            "hf_fsdp_qlora.loading._expert_stream",
+            "hf_fsdp_qlora.experts.stream",
         ),
         remove_when="never (a dependency): the canary watches the private dicts and the flag",
         canary=CANARIES + "test_torch_internals",
@@ -146,10 +146,10 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         works_around="grouped 4-bit experts: its backward refuses an expanded gradient ('Invalid strides/sizes', "
         "as .sum() gives) and rows not a multiple of 16 bytes (LoRA ranks padded); older torch lacks it (loop)",
         where=(
-            "hf_fsdp_qlora.loading._grouped.grouped_mm_function",
-            "hf_fsdp_qlora.loading._grouped._grouped_mm",
-            "hf_fsdp_qlora.loading._grouped.unavailable_reason",
-            "hf_fsdp_qlora.loading._grouped._rank_padding",
+            "hf_fsdp_qlora.experts.grouped.grouped_mm_function",
+            "hf_fsdp_qlora.experts.grouped._grouped_mm",
+            "hf_fsdp_qlora.experts.grouped.unavailable_reason",
+            "hf_fsdp_qlora.experts.grouped._rank_padding",
         ),
         remove_when="grouped_mm is public in every supported torch and takes any stride and an expanded gradient",
         canary=CANARIES + "test_torch_grouped_mm",

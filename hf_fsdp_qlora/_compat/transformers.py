@@ -202,7 +202,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         upstream="transformers 5.23 (PreTrainedModel._initialize_weights skips a module with _is_hf_initialized; "
         "_keys_to_ignore_on_load_missing / _unexpected; from_pretrained's key_mapping)",
         works_around="from_pretrained would read every expert tensor 16-bit and draw random values for hidden ones",
-        where=("hf_fsdp_qlora.loading._expert_stream.experts_left_unread",),
+        where=("hf_fsdp_qlora.experts.stream.experts_left_unread",),
         remove_when="transformers can load a model leaving chosen parameters unread (or quantizes fused experts)",
         canary="tests/test_moe_stream.py::test_transformers_leaves_hidden_experts_unread",
     ),
@@ -212,7 +212,7 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         "packs nn.Linear only) as trl 1.16's SFTTrainer calls it (create_model_from_path)",
         works_around="an unchanged script's 4-bit load of an MoE checkpoint holds every expert 16-bit before the "
         "launcher's peft hook packs them (Qwen3-30B-A3B: ~54 GiB per process)",
-        where=("hf_fsdp_qlora.loading._script_stream.stream_experts_of_script_loads",),
+        where=("hf_fsdp_qlora.experts.script_stream.stream_experts_of_script_loads",),
         remove_when="transformers quantizes fused experts while loading (or loads chosen parameters unread)",
         canary="tests/test_moe_stream.py::test_script_from_pretrained_streams_what_the_peft_hook_packed",
     ),
@@ -236,8 +236,8 @@ WORKAROUNDS: tuple[Workaround, ...] = (
             "dequantized gate_up and down projections; no public hook exposes it"
         ),
         where=(
-            "hf_fsdp_qlora.expert_layouts._fits",
-            "hf_fsdp_qlora.loading.experts.QuantizedExperts.__init__",
+            "hf_fsdp_qlora.experts.layouts._fits",
+            "hf_fsdp_qlora.experts.quantized.QuantizedExperts.__init__",
         ),
         remove_when="transformers exposes the experts' activation publicly (or ships quantized experts itself)",
         canary="tests/test_moe.py::test_forward_and_gradients_match_dequantized_oracle",

@@ -148,7 +148,7 @@ def experts_rule(ctx: Context):
         return
     unknown = sorted({e.family for e in shape.experts if not e.quantizable})
     if unknown:
-        from ..expert_layouts import EXPERT_REFUSALS
+        from ..experts.layouts import EXPERT_REFUSALS
 
         why = "".join(f" {EXPERT_REFUSALS[f]}." for f in unknown if f in EXPERT_REFUSALS)
         yield _finding(

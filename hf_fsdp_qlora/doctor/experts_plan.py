@@ -1,6 +1,6 @@
 """The mixture-of-experts part of the memory plan: fused expert weights in 4 or 16 bits, and top-k activations.
 
-:func:`hf_fsdp_qlora.load_qlora_model` quantizes the fused 3-D experts to 4 bits (:mod:`hf_fsdp_qlora.loading.experts`):
+:func:`hf_fsdp_qlora.load_qlora_model` quantizes the fused 3-D experts to 4 bits (:mod:`hf_fsdp_qlora.experts.quantized`):
 per expert and weight, the packed bytes (a frozen parameter ``[experts, packed]`` that FSDP shards like the linear
 layers' bytes) and the quantization constants - absmax per 64 weights (uint8 with double quant, else fp32), with
 double quant the nested absmax per 256 blocks and an offset, and the code tables - as buffers, whole on every
@@ -55,7 +55,7 @@ def _state_bytes(num_experts: int, numel: int, double_quant: bool) -> int:
 
 
 def _grouped_extra(num_experts: int, hit: int, numel: int, double_quant: bool) -> int:
-    """What dequantizing `hit` routed experts' weight in one call reads beside its output (loading/_grouped.py)."""
+    """What dequantizing `hit` routed experts' weight in one call reads beside its output (experts/grouped.py)."""
     blocks = math.ceil(numel / BLOCKSIZE)
     extra = hit * blocks * 4 if double_quant else 0  # the nested absmax dequantized to fp32
     if hit < num_experts:  # only some experts routed: their rows are copied out of the stored stacks

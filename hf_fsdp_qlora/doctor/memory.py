@@ -222,7 +222,7 @@ def _loading(ctx: PlanContext) -> tuple[float, int | None]:
     load_peak = full_model + largest * dtype_bytes(s.dtype) + RUNTIME_OVERHEAD
     if experts.quantized_numel and s.trainer == "hf_fsdp_qlora":
         # load_qlora_model streams the experts from the checkpoint into 4 bits one layer at a time
-        # (loading/_expert_stream.py): the GPU adds one layer's packed experts while they are stacked. Host RAM per
+        # (experts/stream.py): the GPU adds one layer's packed experts while they are stacked. Host RAM per
         # process, with or without low_cpu_ram: at most the 4-bit model (where it stays on the host: a CPU run, or
         # before it moves to the GPU), one layer's 16-bit experts and their packed bytes being stacked, and the
         # process's own runtime (Python, torch, CUDA host state).

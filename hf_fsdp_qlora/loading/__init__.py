@@ -4,9 +4,9 @@ loading, where only rank 0 reads the checkpoint and the other ranks receive thei
 The public names are exported from :mod:`hf_fsdp_qlora`; ``hf_fsdp_qlora.loading.load_qlora_model`` works too.
 """
 
-# Registers expert LoRA's peft hook with the 4-bit experts module (experts.ON_BUILD) before anything here can build
-# one: importing any module of loading/ runs this first. expert_lora imports only modules below it.
-from . import expert_lora  # noqa: F401
+# Registers expert LoRA's peft hook with the 4-bit experts module (experts/quantized.py's ON_BUILD) before anything
+# here can build one: importing any module of loading/ runs this first (experts/__init__.py does the same).
+from ..experts import lora  # noqa: F401
 
 
 def __getattr__(name: str):

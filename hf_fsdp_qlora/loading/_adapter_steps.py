@@ -7,9 +7,7 @@ import logging
 from pathlib import Path
 
 from ..errors import UnsupportedSetupError
-from ..towers import lora_config_for_towers
-from ._checkpoint import check_checkpointing, supports_checkpointing
-from .expert_lora import (
+from ..experts.lora import (
     check_target_modules,
     check_target_parameters,
     linear_layer_names,
@@ -17,9 +15,11 @@ from .expert_lora import (
     peft_adapts_4bit_experts,
     peft_sees_expert_weights,
 )
-from .moe_targets import keep_linear_targets, lora_config_for_experts
+from ..experts.stock_reload import keep_adapter_keys, save_stock_form, stock_form
+from ..experts.targets import keep_linear_targets, lora_config_for_experts
+from ..towers import lora_config_for_towers
+from ._checkpoint import check_checkpointing, supports_checkpointing
 from .family_targets import lora_config_for_family
-from .stock_reload import keep_adapter_keys, save_stock_form, stock_form
 
 __all__ = [
     "attach_adapter",
@@ -101,7 +101,7 @@ def default_lora_config(**overrides):
 
 
 def attach_adapter(load, lora_config) -> None:
-    """peft's LoRA on the frozen base (and on 4-bit experts, through our wrappers: expert_lora.py)."""
+    """peft's LoRA on the frozen base (and on 4-bit experts, through our wrappers: experts/lora.py)."""
     if load.adapter is not None:
         return  # _continue_adapter loads it
     if lora_config is None:
@@ -137,7 +137,7 @@ def _apply_lora(model, lora_config):
 
 
 def continue_adapter(load) -> None:
-    """A saved adapter through peft's own loader, its expert LoRA onto the 4-bit experts (expert_lora.py)."""
+    """A saved adapter through peft's own loader, its expert LoRA onto the 4-bit experts (experts/lora.py)."""
     if load.adapter is None:
         return
     from types import SimpleNamespace

@@ -3,14 +3,13 @@ and whether it has fused MoE experts. The loader refuses what it cannot use here
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..causal_lm import causal_lm_fix, causal_lm_problem, refused_family
 from ..errors import UnsupportedSetupError
+from ..experts.detect import config_has_fused_experts
+from ..model_config import load_config
 from ..prequantized import checkpoint_quantization, quantized_bits, refuse_unviewable_storage
-from .experts import has_fused_experts
 
 __all__ = [
     "load_config",
@@ -20,30 +19,6 @@ __all__ = [
     "config_has_fused_experts",
     "supports_checkpointing",
 ]
-
-
-def load_config(model_name_or_path, trust_remote_code: bool):
-    """The checkpoint's config; a path that is no saved transformers model is refused with what to pass instead."""
-    from transformers import AutoConfig
-
-    path = os.fspath(model_name_or_path)
-    looks_local = os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
-    if looks_local:
-        local = os.path.expanduser(path)
-        if not os.path.isdir(local):
-            raise FileNotFoundError(
-                f"Model path {path!r} does not exist. Pass the directory written by save_pretrained (it holds "
-                "config.json and *.safetensors) or a model id on the Hugging Face Hub."
-            )
-        if not os.path.isfile(os.path.join(local, "config.json")):
-            raise FileNotFoundError(
-                f"{path!r} has no config.json, so it is not a saved transformers model. Pass the directory "
-                "written by model.save_pretrained(...)."
-            )
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except OSError as err:
-        raise FileNotFoundError(f"Could not read a model config from {path!r}: {err}") from err
 
 
 def check_causal_lm(config) -> None:
@@ -108,14 +83,3 @@ def prequantized_check(config, dtype: torch.dtype, bits: int):
             return quant
         refuse_unviewable_storage(quant, str(dtype), weights)
     return quant
-
-
-def config_has_fused_experts(config, trust_remote_code: bool) -> bool:
-    """Whether the model `config` builds (on meta) has fused 3-D expert weights; False when it cannot be built."""
-    from ..towers import auto_class_for, meta_model  # an image-text-only family (Qwen3-VL-MoE): its own auto class
-
-    try:
-        skeleton = meta_model(config, auto_class_for(config), None, trust_remote_code)
-    except Exception:  # noqa: BLE001 - no meta build from this config: nothing to decide here
-        return False
-    return has_fused_experts(skeleton)

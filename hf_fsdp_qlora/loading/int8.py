@@ -156,7 +156,7 @@ def modules_kept_16bit(config, skip_modules, dtype, trust_remote_code: bool = Fa
     """
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    from ._experts_map import _meta_model
+    from ..experts.placement import _meta_model
 
     defaults = get_keys_to_not_convert(model if model is not None else _meta_model(config, dtype, trust_remote_code))
     return sorted(set(defaults)) + [name for name in skip_modules if name not in defaults]

@@ -39,8 +39,9 @@ from ..distributed import (
     parallelism_config_requested,
 )
 from ..dtypes import is_params4bit
+from ..experts.placement import release_experts_dispatch
+from ..experts.quantized import has_fused_experts
 from ..rank_sync import agree_on_failure
-from ._experts_map import release_experts_dispatch
 from ._transfer import (
     _FLAG_ATTR,
     _ROWS_ATTR,
@@ -50,7 +51,6 @@ from ._transfer import (
     _slots,
     params4bit_fields,
 )
-from .experts import has_fused_experts
 
 __all__ = ["load_base_low_ram", "materialize_from_rank0", "verify_partial_rows"]
 
@@ -297,7 +297,7 @@ def load_base_low_ram(
             tensor moves (an 8-bit base: :func:`~hf_fsdp_qlora.loading.int8.keep_int8_scales`, since bitsandbytes
             keeps the int8 row scales outside parameters and buffers, where no transfer sees them). Rank 0 then
             loads the whole checkpoint (no streaming: it quantizes 4-bit weights only).
-        streamed: a :class:`~hf_fsdp_qlora.loading._expert_stream.StreamedExperts`: rank 0 streams the experts from the
+        streamed: a :class:`~hf_fsdp_qlora.experts.stream.StreamedExperts`: rank 0 streams the experts from the
             files into 4 bits after its load (the caller hides them from ``from_pretrained``), and the other ranks
             receive the packed bytes and quantization constants, never 16-bit experts.
         **kwargs: passed to ``from_pretrained`` on rank 0 (``attn_implementation`` is honoured on every rank).
@@ -335,7 +335,7 @@ def _load_whole(model_name_or_path, quantization_config, dtype, trust_remote_cod
     model = AutoModelForCausalLM.from_pretrained(
         model_name_or_path, dtype=dtype, trust_remote_code=trust_remote_code, **quant, **kwargs
     )
-    release_experts_dispatch(model)  # experts loaded on the CPU (_experts_map): real tensors before broadcasting
+    release_experts_dispatch(model)  # experts loaded on the CPU (placement.py): real tensors before broadcasting
     return model
 
 
@@ -357,7 +357,7 @@ def _skeleton_and_plan(
         if prepare is not None:
             prepare(model)
         if shard_world and whole_experts and has_fused_experts(model):
-            # Each rank quantizes the experts itself after the load (loading/experts.py), and every rank needs the
+            # Each rank quantizes the experts itself after the load (experts/quantized.py), and every rank needs the
             # quant states of all experts: it must hold all of their 16-bit rows, not only its own.
             logger.info("hf_fsdp_qlora: MoE experts to quantize: every rank receives whole tensors, not its rows")
             shard_world = None

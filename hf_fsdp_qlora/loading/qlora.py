@@ -12,7 +12,9 @@ from .._bnb_cpu import disable_cpu_repack_in_model
 from ..cpu_rehearsal import enable_cpu_fsdp
 from ..dtypes import harmonize_dtypes, keep_float32_compute, resolve_dtype, view_packed_storage_as
 from ..errors import UnsupportedSetupError
-from ..expert_layouts import EXPERT_WEIGHT_NAMES
+from ..experts.layouts import EXPERT_WEIGHT_NAMES
+from ..experts.placement import release_experts_dispatch
+from ..experts.quantized import quantize_experts as quantize_expert_weights
 from ..prequantized import quantized_bits, refuse_saved_quantized_experts
 from ..towers import auto_class_for, concrete_class, keep_present_layer_classes
 from ._adapter_steps import attach_adapter, continue_adapter, default_lora_config, freeze_for_kbit_training
@@ -23,9 +25,7 @@ from ._checkpoint import (
     load_config,
     prequantized_check,
 )
-from ._experts_map import release_experts_dispatch
 from ._towers import refuse_low_ram_class, towers_of
-from .experts import quantize_experts as quantize_expert_weights
 from .family_targets import family_skip_modules, float32_linear_layers
 from .int8 import convert_int8_layers, keep_int8_scales, modules_kept_16bit
 
@@ -111,12 +111,12 @@ def load_qlora_model(
             ranks receive its tensors and quant states (:mod:`hf_fsdp_qlora.loading.low_ram`). Collective: call on
             every rank. A single process loads normally.
         quantize_experts: quantize the fused 3-D expert weights of a mixture-of-experts model to 4 bits too
-            (:mod:`hf_fsdp_qlora.loading.experts`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
+            (:mod:`hf_fsdp_qlora.experts.quantized`; bitsandbytes alone leaves them 16-bit). False keeps them 16-bit.
             They stream from a local safetensors checkpoint into 4 bits one layer at a time
-            (:mod:`hf_fsdp_qlora.loading._expert_stream`): host RAM per process holds at most one layer's 16-bit
+            (:mod:`hf_fsdp_qlora.experts.stream`): host RAM per process holds at most one layer's 16-bit
             experts beside the 4-bit model, with or without `low_cpu_ram` (a checkpoint the stream cannot follow loads
             them all 16-bit first, with a log line). On a GPU the experts modules stay on the CPU and are packed
-            onto the GPU (:mod:`hf_fsdp_qlora.loading._experts_map`; a pre-quantized checkpoint's too): the GPU never
+            onto the GPU (:mod:`hf_fsdp_qlora.experts.placement`; a pre-quantized checkpoint's too): the GPU never
             holds them 16-bit. The same with a `device_map` that puts the whole model on one device (``{"": d}``,
             ``"cuda:d"``, ``d``, ``"cpu"``, ``"auto"`` with one visible GPU); a map over several devices or module
             by module is left to transformers, and the experts load 16-bit first (with a log line).
@@ -243,7 +243,7 @@ def _refuse_8bit_experts(load: _Load) -> None:
     if load.bits == 8 and load.quantize_experts and config_has_fused_experts(load.config, load.trust_remote_code):
         raise UnsupportedSetupError(
             "bits=8 on a mixture-of-experts model: its fused expert weights are quantized in 4 bits only "
-            "(hf_fsdp_qlora.loading.experts) and bitsandbytes' 8-bit loading leaves them 16-bit. Pass "
+            "(hf_fsdp_qlora.experts.quantized) and bitsandbytes' 8-bit loading leaves them 16-bit. Pass "
             "quantize_experts=False to train with 16-bit experts knowingly, or bits=4."
         )
 
@@ -299,14 +299,14 @@ def _skips(load: _Load) -> dict:
 
 
 def _place_experts(load: _Load) -> None:
-    """On a GPU the 16-bit experts load on the CPU and are packed one expert at a time onto the GPU (_experts_map),
+    """On a GPU the 16-bit experts load on the CPU and are packed one expert at a time onto the GPU (experts/placement.py),
     with no `device_map` or one of the caller's that puts the whole model on one device; the CPU keeps its load."""
     kwargs = load.from_pretrained_kwargs
     if not load.quantize_experts:
         return
     from transformers import PretrainedConfig
 
-    from ._experts_map import accelerator_device, experts_on_cpu_kwargs, one_device, placed_kwargs
+    from ..experts.placement import accelerator_device, experts_on_cpu_kwargs, one_device, placed_kwargs
 
     if "device_map" in kwargs:
         device, _ = one_device(kwargs["device_map"], kwargs.get("max_memory"))
@@ -333,10 +333,10 @@ def _place_experts(load: _Load) -> None:
 
 def _plan_expert_stream(load: _Load) -> None:
     """Where the experts lie in a local safetensors checkpoint: they then go from the files into 4 bits one layer at
-    a time (_expert_stream), never all in 16 bits; otherwise (and with a log line saying why) as before."""
+    a time (experts/stream.py), never all in 16 bits; otherwise (and with a log line saying why) as before."""
     if not load.quantize_experts or load.bits != 4:
         return
-    from ._expert_stream import StreamedExperts, expert_stream_or_say_why
+    from ..experts.stream import StreamedExperts, expert_stream_or_say_why
 
     user_kwargs = {k: v for k, v in load.from_pretrained_kwargs.items() if k not in load.placed}
     stream = expert_stream_or_say_why(load.source, load.config, load.dtype, load.trust_remote_code, user_kwargs)
@@ -350,8 +350,8 @@ def _plan_expert_stream(load: _Load) -> None:
 
 def _build_base(load: _Load, low_cpu_ram: bool) -> None:
     """The quantized base model: from_pretrained, or read by rank 0 only and sent to the other ranks."""
-    from ._expert_stream import experts_left_unread
-    from ._script_stream import script_loads_untouched
+    from ..experts.script_stream import script_loads_untouched
+    from ..experts.stream import experts_left_unread
 
     # script_loads_untouched: the launcher's from_pretrained hook leaves this load (and its choices) to us.
     with experts_left_unread(load.streamed and load.streamed.stream) as hide_experts, script_loads_untouched():

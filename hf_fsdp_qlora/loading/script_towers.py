@@ -55,7 +55,7 @@ def keep_towers_of_script_loads() -> None:
 def _with_towers_kept(cls, source, kwargs: dict) -> dict:
     """`kwargs` with the towers of the model `cls` builds added to the quantization's skip list (a copy); `kwargs`
     itself for any load without towers or without bitsandbytes quantization."""
-    from ._script_stream import loads_untouched
+    from ..experts.script_stream import loads_untouched
 
     quant = kwargs.get("quantization_config")
     if loads_untouched() or not (getattr(quant, "load_in_4bit", False) or getattr(quant, "load_in_8bit", False)):

@@ -192,7 +192,7 @@ def quantized_keys(base: Path, experts: bool = True, skip_modules=()) -> set[str
         if (type(module) is torch.nn.Linear or type(module).__name__ == "Conv1D") and should_convert_module(name, skip)
     }
     if experts:  # by the experts table, never by a tensor's rank (a Conv1d's weight is 3-D too)
-        from hf_fsdp_qlora.expert_layouts import expert_layout
+        from hf_fsdp_qlora.experts.layouts import expert_layout
 
         for name, module in model.named_modules():
             layout = expert_layout(module)

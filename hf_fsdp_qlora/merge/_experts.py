@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from hf_fsdp_qlora.errors import MergeError
-from hf_fsdp_qlora.expert_files import ExpertSlice as _Slice
-from hf_fsdp_qlora.expert_files import expert_file_slices as _per_expert_files
+from hf_fsdp_qlora.experts.files import ExpertSlice as _Slice
+from hf_fsdp_qlora.experts.files import expert_file_slices as _per_expert_files
 from hf_fsdp_qlora.merge._lora_math import _pattern_value
 
 __all__ = ["ParamTargets", "quantized_files", "read_param_targets"]

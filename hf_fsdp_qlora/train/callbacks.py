@@ -60,7 +60,7 @@ def engagement_summary(model, version: int, found: dict) -> str:
             size = param.element_size()
             total += param.numel() * size
             local += (param.to_local().numel() if hasattr(param, "to_local") else param.numel()) * size
-    from ..loading.experts import packed_expert_bytes
+    from ..experts.quantized import packed_expert_bytes
 
     experts_local, experts_full = packed_expert_bytes(model)
     experts = (

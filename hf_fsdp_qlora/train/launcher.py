@@ -194,7 +194,7 @@ def _apply_launch_settings() -> None:
 def _install_hooks() -> None:
     """FSDP on CPU processes, our behaviour for every Trainer the script builds, and its experts packed in 4 bits."""
     from ..cpu_rehearsal import enable_cpu_fsdp
-    from ..loading.expert_lora import quantize_experts_before_peft
+    from ..experts.lora import quantize_experts_before_peft
     from ..loading.script_towers import keep_towers_of_script_loads, limit_script_lora_to_language_model
     from .trainer_hook import install_trainer_hook
 

@@ -182,7 +182,7 @@ def trainable_snapshot(model):
 
 
 def expert_bytes(model, dtensor_only=False):
-    """Bytes of 4-bit expert weights (loading/experts.py) this rank holds: FSDP2 local shards, FSDP1 sharded views."""
+    """Bytes of 4-bit expert weights (experts/quantized.py) this rank holds: FSDP2 local shards, FSDP1 sharded views."""
     total = 0
     for name, p in model.named_parameters():
         if name.endswith("_proj_4bit") and (not dtensor_only or hasattr(p, "to_local")):

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..dtypes import PACKED_EXPERTS_ATTR
 from ..errors import UnsupportedSetupError
-from ..expert_layouts import (
+from .layouts import (
     EXPERT_LAYOUTS,
     EXPERT_REFUSALS,
     ExpertLayout,
@@ -32,7 +32,7 @@ from ..expert_layouts import (
     has_fused_experts,
     is_experts_module,
 )
-from ._lora_rows import (
+from .lora_rows import (
     _lora_A_rows,
     _lora_A_rows_stored,
     _lora_B_rows,
@@ -273,7 +273,7 @@ class QuantizedExperts(nn.Module):
         )
 
     def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        from . import _grouped
+        from . import grouped as _grouped
 
         reason = "compute='loop' was asked" if self.compute == "loop" else None
         reason = reason or _grouped.unavailable_reason(self, hidden_states.device)
@@ -381,7 +381,7 @@ def _refusal(name: str, module: nn.Module) -> str:
         f"{type(module).__name__} at {name!r} holds the experts of a mixture-of-experts layer "
         f"({', '.join(experts_tensors(module)) or 'no tensors'}) in a layout hf_fsdp_qlora cannot quantize "
         "to 4 bits: the class neither declares its layout through transformers' use_experts_implementation nor has "
-        "a named entry in hf_fsdp_qlora.expert_layouts.EXPERT_LAYOUTS. Pass quantize_experts=False to "
+        "a named entry in hf_fsdp_qlora.experts.layouts.EXPERT_LAYOUTS. Pass quantize_experts=False to "
         "load_qlora_model to keep these experts in 16 bits knowingly (they then take about 4x the memory of 4-bit "
         f"experts).{f' {why}.' if why else ''}"
     )

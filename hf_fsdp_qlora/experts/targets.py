@@ -8,9 +8,9 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from ..expert_layouts import is_experts_module
-from ..moe_routers import router_layers
-from .experts import QuantizedExperts
+from .layouts import is_experts_module
+from .quantized import QuantizedExperts
+from .routers import router_layers
 
 __all__ = ["MAMBA_REFUSED", "MAMBA_TYPES", "keep_linear_targets", "lora_config_for_experts"]
 

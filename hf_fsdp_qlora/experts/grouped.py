@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ._lora_rows import run_with_weight
+from .lora_rows import run_with_weight
 
 __all__ = ["dequantize_routed", "grouped_forward", "grouped_mm_function", "log_path_once", "unavailable_reason"]
 

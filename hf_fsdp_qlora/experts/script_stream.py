@@ -93,9 +93,10 @@ def _plan(cls, source, kwargs: dict):
     the stream can follow, onto one device; None for any other load (with a log line saying why, for an MoE load)."""
     from transformers import PretrainedConfig
 
-    from ._checkpoint import config_has_fused_experts, load_config
-    from ._expert_stream import expert_stream_or_say_why
-    from ._experts_map import one_device, placement_kwargs
+    from ..model_config import load_config
+    from .detect import config_has_fused_experts
+    from .placement import one_device, placement_kwargs
+    from .stream import expert_stream_or_say_why
 
     quantization_config = kwargs.get("quantization_config")
     if not getattr(quantization_config, "load_in_4bit", False):
@@ -156,8 +157,8 @@ def experts_quantization(model: torch.nn.Module) -> dict:
 
 def _load_streamed(from_pretrained, cls, source, kwargs: dict, stream, placement: dict, device):
     """transformers' load with the experts left unread, then the experts streamed into 4 bits layer by layer."""
-    from ._expert_stream import StreamedExperts, experts_left_unread
-    from ._experts_map import placed_kwargs, release_experts_dispatch
+    from .placement import placed_kwargs, release_experts_dispatch
+    from .stream import StreamedExperts, experts_left_unread
 
     logger.info("hf_fsdp_qlora: %s.from_pretrained leaves the experts of %d MoE layers unread (%d checkpoint "
                 "tensors); they stream into 4 bits one layer at a time", cls.__name__, len(stream.modules),

@@ -26,10 +26,10 @@ from contextlib import contextmanager
 from torch import nn
 
 from ..errors import UnsupportedSetupError
-from ._script_stream import experts_quantization, stream_experts_of_script_loads
-from .experts import ON_BUILD, QuantizedExperts, expert_layout, has_fused_experts, quantize_experts
-from .moe_targets import MAMBA_REFUSED, MAMBA_TYPES, keep_linear_targets, lora_config_for_experts
+from .quantized import ON_BUILD, QuantizedExperts, expert_layout, has_fused_experts, quantize_experts
+from .script_stream import experts_quantization, stream_experts_of_script_loads
 from .stock_reload import MARK, linear_weights_as_modules_within, save_stock_form, stock_form
+from .targets import MAMBA_REFUSED, MAMBA_TYPES, keep_linear_targets, lora_config_for_experts
 
 __all__ = [
     "attach_expert_lora",

@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from .experts import expert_layout
+from .quantized import expert_layout
 
 __all__ = [
     "accelerator_device",

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ..dtypes import PACKED_EXPERTS_ATTR
-from ..expert_layouts import expert_layout
-from .experts import QuantizedExperts
+from .layouts import expert_layout
+from .quantized import QuantizedExperts
 
 __all__ = ["ExpertStream", "StreamedExperts", "expert_stream_or_say_why", "experts_left_unread", "plan_expert_stream"]
 
@@ -81,7 +81,7 @@ def plan_expert_stream(
     """The stream plan of checkpoint `source` (None and why not, when its experts cannot be streamed)."""
     from ..errors import MergeError, MergeUsageError
     from ..safetensors_io import checkpoint_shards, read_header
-    from ._experts_map import _meta_model
+    from .placement import _meta_model
 
     blocked = sorted(set(kwargs) & set(_NOT_STREAMED_WITH))
     if blocked:
@@ -136,7 +136,7 @@ def _params(module) -> tuple[str, ...]:
 def _slices(meta, wanted: dict, entries: dict) -> tuple[dict | None, str]:
     """{expert parameter: [slices]}, read with transformers' conversion mapping (as the merge reads it)."""
     from ..errors import MergeError
-    from ..expert_files import ExpertSlice, expert_file_slices
+    from .files import ExpertSlice, expert_file_slices
 
     slices = {k: [ExpertSlice(k)] for k in wanted if k in entries}
     converted = [k for k in wanted if k not in entries]

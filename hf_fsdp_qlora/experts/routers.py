@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .expert_layouts import is_experts_module
+from .layouts import is_experts_module
 
 __all__ = ["router_layers"]
 
