@@ -100,6 +100,9 @@ def plan_expert_stream(
     modules = {n: m for n, m in meta.named_modules() if expert_layout(m) is not None}
     if not modules:
         return None, "no fused experts"
+    if any(getattr(m, "intermediate_dim", None) and type(m).__name__ == "DbrxFusedExperts" for m in modules.values()):
+        # from_pretrained builds DbrxExperts, which quantize_experts fuses into transformers' layout after loading
+        return None, "DBRX's experts are read 16-bit into DbrxExperts, then fused and packed (no streamed loading)"
     wanted = {f"{n}.{p}": tuple(getattr(m, p).shape) for n, m in modules.items() for p in _params(m)}
     slices, reason = _slices(meta, wanted, entries)
     if slices is None:
