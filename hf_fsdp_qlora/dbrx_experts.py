@@ -29,6 +29,7 @@ __all__ = [
     "block_factors",
     "file_slices",
     "fuse_dbrx_experts",
+    "fused_experts",
     "roundtrip_group",
     "to_stored",
 ]
@@ -129,13 +130,24 @@ def _copy_stored(experts: nn.Module, glu: nn.Module) -> None:
     experts.down_proj.requires_grad_(glu.w2.requires_grad)
 
 
-def to_stored(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fused_experts(model: nn.Module) -> list[str]:
+    """The names of `model`'s fused DBRX experts modules (16-bit, or our 4-bit ones built from them), as in the base
+    model (without peft's prefixes)."""
+    return [
+        name.removeprefix("base_model.model.").replace(".base_layer", "")
+        for name, module in model.named_modules()
+        if type(module).__name__ in FUSED_CLASSES or getattr(module, "family", None) in FUSED_CLASSES
+    ]
+
+
+def to_stored(state: dict[str, torch.Tensor], experts) -> dict[str, torch.Tensor]:
     """A state dict of a fused model (or any ``{name: tensor}``) under DBRX's own names and shapes: each
-    ``...ffn.experts.gate_up_proj`` / ``down_proj`` becomes ``...ffn.experts.mlp.w1`` / ``v1`` / ``w2``."""
-    out = {}
+    ``<experts>.gate_up_proj`` / ``down_proj`` (`experts`: :func:`fused_experts`) becomes ``<experts>.mlp.w1`` /
+    ``v1`` / ``w2``."""
+    experts, out = set(experts), {}
     for key, value in state.items():
         prefix, _, param = key.rpartition(".")
-        if not prefix.endswith("ffn.experts") or param not in ("gate_up_proj", "down_proj"):
+        if prefix not in experts or param not in ("gate_up_proj", "down_proj"):
             out[key] = value
         elif param == "gate_up_proj":
             inner = value.shape[1] // 2
