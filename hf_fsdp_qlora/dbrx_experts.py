@@ -31,6 +31,7 @@ __all__ = [
     "fuse_dbrx_experts",
     "fused_experts",
     "roundtrip_group",
+    "stock_stream_names",
     "to_stored",
 ]
 
@@ -187,6 +188,18 @@ def file_slices(model: nn.Module, params: list[str], entries: dict, slice_class)
                     pieces.append(slice_class(disk_key, e, dim=0, start=start, stop=start + inner, rows=rows))
         out[key] = pieces
     return out or None
+
+
+def stock_stream_names(modules: dict) -> tuple[list[str], tuple] | None:
+    """For streamed loading (loading/_expert_stream.py), when `modules` (name -> experts module of a fused meta
+    model) are DBRX's: the stock parameter names ``from_pretrained`` leaves unread (``<experts>.mlp.w1`` / ``v1`` /
+    ``w2``) and the stock classes whose initialisation it must skip; None for any other family."""
+    names = [n for n, m in modules.items() if type(m).__name__ in FUSED_CLASSES]
+    if not names:
+        return None
+    from transformers.models.dbrx.modeling_dbrx import DbrxExpertGLU, DbrxExperts
+
+    return sorted(f"{n}.mlp.{w}" for n in names for w in _STORED), (DbrxExperts, DbrxExpertGLU)
 
 
 def block_factors(pieces: list, left: torch.Tensor, right: torch.Tensor) -> list[tuple[str, tuple]]:
