@@ -195,10 +195,15 @@ def meta_model(config, model_class, dtype, trust_remote_code: bool = False):
     """`model_class` (an auto class or a model class) built from `config` on the meta device: nothing allocated."""
     import torch
 
+    from .dbrx_experts import fuse_dbrx_experts
+
     with torch.device("meta"):
         if hasattr(model_class, "from_config"):
-            return model_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-        return model_class._from_config(config, dtype=dtype)
+            model = model_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        else:
+            model = model_class._from_config(config, dtype=dtype)
+    fuse_dbrx_experts(model)  # the experts as the loader holds them (DBRX's in transformers' layout)
+    return model
 
 
 def lora_config_for_towers(model: nn.Module, lora_config, lora_on_towers: bool = False):

@@ -65,7 +65,11 @@ def _quantized_weights(model) -> dict[str, torch.Tensor]:
             for param in module.layout.weights:
                 stacked = [module.dequantize_expert(param, e) for e in range(module.expert_rows(param))]
                 seen[f"{_base_name(name)}.{param}"] = torch.stack(stacked)
-    return seen
+    from hf_fsdp_qlora.dbrx_experts import fused_experts, to_stored
+
+    return to_stored(
+        seen, fused_experts(model)
+    )  # under the checkpoint's names: DBRX stores its fused experts as 2-D mlp.w1 / v1 / w2
 
 
 def _train_step(model, vocab: int) -> str:

@@ -742,29 +742,49 @@ def test_moe_plan_counts_the_expert_weights_autograd_keeps(tiny_moe, compute):
     assert 0 < planned.grouped_numel < planned.saved_numel
 
 
-def test_moe_family_we_cannot_quantize_is_an_error(tmp_path):
-    """DBRX's experts (DbrxExperts: w1/v1/w2 of every expert stacked as 2-D matrices one module deeper) neither declare
-    a layout through transformers' use_experts_implementation nor have a named entry: load_qlora_model refuses them
-    (the real loader, the oracle) naming the module path and the tensors, and the doctor says so with the fix; with
-    --no-quantize-experts it plans them 16-bit."""
+def _tiny_dbrx(path):
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hf_fsdp_qlora import load_qlora_model
-    from hf_fsdp_qlora.errors import UnsupportedSetupError
 
     attention = {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}  # DBRX's defaults fail in transformers 5.23
     config = AutoConfig.for_model("dbrx", d_model=64, n_heads=4, n_layers=2, vocab_size=256, max_seq_len=256,
                                   attn_config=attention,
                                   ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2})  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def test_dbrx_experts_are_planned_and_loaded_4bit(tmp_path):
+    """DBRX's experts (w1/v1/w2 of every expert stacked as 2-D matrices one module deeper) were refused; now the
+    loader fuses them into transformers' layout (hf_fsdp_qlora/dbrx_experts.py) and packs them: the doctor plans
+    them 4-bit, the packed bytes the loader holds (the oracle) within its plan."""
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.loading.experts import QuantizedExperts, packed_expert_bytes
+
+    _tiny_dbrx(tmp_path)
+    d = diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit")
+    assert not d.errors, [f.problem for f in d.errors]
+    planned = d.plan.parameters
+    model = load_qlora_model(str(tmp_path))
+    families = {m.family for m in model.modules() if isinstance(m, QuantizedExperts)}
+    assert families == {"DbrxFusedExperts"}
+    assert 0 < packed_expert_bytes(model)[1] <= planned["experts_bytes"] < planned["experts_bytes_16bit"] / 3
+
+
+def test_moe_family_we_cannot_quantize_is_an_error(tmp_path, monkeypatch):
+    """An experts class that neither declares a layout through transformers' use_experts_implementation nor has a
+    named entry (DBRX's own DbrxExperts, with the loader's fusing switched off): load_qlora_model refuses it (the
+    real loader, the oracle) naming the module path and the tensors, and the doctor says so with the fix; with
+    --no-quantize-experts it plans them 16-bit."""
+    from hf_fsdp_qlora import dbrx_experts, load_qlora_model
+    from hf_fsdp_qlora.errors import UnsupportedSetupError
+
+    _tiny_dbrx(tmp_path)
+    monkeypatch.setattr(dbrx_experts, "fuse_dbrx_experts", lambda model, copy_weights=True: [])
     with pytest.raises(UnsupportedSetupError, match=r"DbrxExperts at 'transformer\.blocks\.0\.ffn\.experts'"
-                       r" .*mlp\.w1 \[128, 64\].*quantize_experts=False"
-                       r".*2-D matrices.*peft cannot put LoRA on them"):  # fmt: skip
+                       r" .*mlp\.w1 \[128, 64\].*quantize_experts=False"):  # fmt: skip
         load_qlora_model(str(tmp_path))
     d = diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit")
     assert {f.id for f in d.errors} == {"experts-not-quantizable"}
     assert "DbrxExperts" in d.errors[0].problem and "quantize_experts=False" in d.errors[0].message
-    assert "peft cannot put LoRA on them" in d.errors[0].problem  # why DBRX, by name
     assert d.plan.parameters["experts_bytes"] == d.plan.parameters["experts_bytes_16bit"]
     assert not diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit", quantize_experts=False).errors
 

@@ -13,6 +13,11 @@ the builder's reason: the family sweep lists it as "not built"). Per family, aga
 - peft's ``merge_and_unload`` on the float32 base carrying the trained adapter: ``merge_adapters`` on the saved
   adapter writes the same merged experts (and every other tensor), within two bf16 roundings (tests/family_sweep.py's
   comparison).
+
+DBRX (:data:`FUSED_FAMILIES`) stores its experts as 2-D stacks the loader fuses into a declared class
+(hf_fsdp_qlora/dbrx_experts.py): its float32 base is fused the same way for the oracles (first checked equal to
+DBRX's own forward), and peft's merge is mapped back to DBRX's ``mlp.w1`` / ``v1`` / ``w2`` to compare with the
+checkpoint ``merge_adapters`` writes, which ``DbrxForCausalLM`` loads.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from family_sweep import _compare, _load16, families
 from family_variants import expert_targets
 
 from hf_fsdp_qlora import load_qlora_model
+from hf_fsdp_qlora.experts.dbrx import fuse_dbrx_experts, fused_experts, to_stored
 from hf_fsdp_qlora.experts.quantized import QuantizedExperts
 
 # bf16 grouped vs loop, as max |difference| / max |value| (tests/test_moe.py GROUPED_TOLERANCE).
@@ -57,6 +63,7 @@ def _lora_config(path: Path):
 
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    fuse_dbrx_experts(meta)  # DBRX's experts as the loader holds them (a no-op for the other families)
     # every 3-D weight of every experts module, as `<parent>.<module>.<param>` suffixes (JetMoE's are not "experts")
     targets = expert_targets(meta) + sorted({
         f"{'.'.join(name.split('.')[-2:])}.{param}"
@@ -76,6 +83,20 @@ NAMED_FAMILIES = {
     "jetmoe": "JetMoeParallelExperts",
     "longcat_flash": "LongcatFlashExperts",
 }
+
+
+# Families whose experts the loader first fuses into a declared class of ours (hf_fsdp_qlora/dbrx_experts.py).
+FUSED_FAMILIES = {"dbrx": "DbrxFusedExperts"}
+
+
+def _fused_base(base32, ids):
+    """The float32 base with its experts fused as the loader fuses them; its logits first checked equal to the
+    family's own forward (the stock class), so the fused base is a fair oracle."""
+    stock = base32(input_ids=ids, use_cache=False).logits
+    assert fuse_dbrx_experts(base32), "the family has experts to fuse"
+    fused = base32(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(fused / stock.abs().max(), stock / stock.abs().max(), rtol=1e-5, atol=1e-5)
+    return base32
 
 
 def _declared_experts(model) -> dict[str, torch.nn.Module]:
@@ -216,12 +237,13 @@ def _peft_merge_of(model, base32) -> dict:
 def _check_merge(path: Path, adapter: Path, out: Path, base32, ref: dict, expert_keys: list[str]) -> None:
     from hf_fsdp_qlora.merge.pipeline import merge_adapters
 
-    before = {key: value.to(torch.bfloat16) for key, value in base32.state_dict().items()}
-    merged = merge_adapters(path, adapter, out, progress=False)
-    ours = _load16(merged, torch.bfloat16).state_dict()
-    _compare(ours, ref, before, {})
     unchanged = [k for k in expert_keys if torch.equal(ref[k], base32.state_dict()[k])]
     assert not unchanged, f"peft's merge left expert weights unchanged: {unchanged[:3]}"
+    fused = fused_experts(base32)  # DBRX: the checkpoint's names and shapes (mlp.w1 / v1 / w2); else none
+    before = {key: value.to(torch.bfloat16) for key, value in to_stored(base32.state_dict(), fused).items()}
+    merged = merge_adapters(path, adapter, out, progress=False)
+    ours = _load16(merged, torch.bfloat16).state_dict()
+    _compare(ours, to_stored(ref, fused), before, {})
 
 
 # Families whose 4-bit experts are right but which fail elsewhere (tests/test_families.py OTHER_FAILURES says how).
@@ -235,13 +257,18 @@ def _family_param(family: str):
     return pytest.param(family, marks=[pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
 
 
-@pytest.mark.parametrize("family", [_family_param(f) for f in [*decorated_families(), *NAMED_FAMILIES]])
+@pytest.mark.parametrize(
+    "family", [_family_param(f) for f in [*decorated_families(), *NAMED_FAMILIES, *FUSED_FAMILIES]]
+)
 def test_declared_experts_quantize_train_and_merge(family, tmp_path):
     try:
         path = build(family, tmp_path / "base")
     except Exception as exc:  # noqa: BLE001 - the family sweep owns "not built" and lists the reason
         pytest.skip(f"not built by the generic shrink: {build_error(exc)}")
     base32 = _load16(path, torch.float32)
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    if family in FUSED_FAMILIES:
+        base32 = _fused_base(base32, ids)
     declared = _declared_experts(base32)
     if not declared:  # Gemma 4: experts only where the configuration enables them (its MoE checkpoints)
         pytest.skip("the family's default configuration holds no experts")
@@ -253,7 +280,6 @@ def test_declared_experts_quantize_train_and_merge(family, tmp_path):
     _check_against_family_forward(quantized, base32)
     _check_doctor_plans_4bit_experts(path, model)
     model.train()
-    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     _check_grouped_equals_loop(model, ids)
     _check_one_step_moves_expert_lora(model, ids, quantized)
     model.save_pretrained(tmp_path / "adapter")

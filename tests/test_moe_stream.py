@@ -27,7 +27,8 @@ from tiny_models import MOE_ARCHS, build_tiny_model
 from hf_fsdp_qlora import load_qlora_model
 from hf_fsdp_qlora.experts.quantized import QuantizedExperts, quantize_experts
 
-CASES = [*MOE_ARCHS, "qwen3_moe_fused"]
+# dbrx: 2-D expert stacks (mlp.w1 / v1 / w2) the loader fuses into transformers' layout (hf_fsdp_qlora/dbrx_experts.py)
+CASES = [*MOE_ARCHS, "qwen3_moe_fused", "dbrx"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,9 @@ def checkpoints(tmp_path_factory):
     fused = root / "qwen3_moe_fused"
     AutoModelForCausalLM.from_pretrained(found["qwen3_moe"]).save_pretrained(fused, save_original_format=False)
     found["qwen3_moe_fused"] = fused
+    from family_build import build
+
+    found["dbrx"] = build("dbrx", root / "dbrx")
     return found
 
 
@@ -62,15 +66,15 @@ def _bytes(tensor):
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _lora():
+def _lora(targets=("q_proj", "v_proj")):
     from peft import LoraConfig
 
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets))
 
 
 # A caller's device map of one device streams as no map does (here the CPU): spread over the cases, no extra load.
 ONE_DEVICE = {"qwen3_moe": {}, "mixtral": {"device_map": {"": "cpu"}}, "gpt_oss": {"device_map": "auto"},
-              "qwen3_moe_fused": {"device_map": "cpu"}}  # fmt: skip
+              "qwen3_moe_fused": {"device_map": "cpu"}, "dbrx": {}}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -87,7 +91,8 @@ def test_streamed_experts_equal_todays_bit_for_bit(checkpoints, case, caplog):
     per_expert = any(".experts.0." in k for k in names)
     assert per_expert == (case in ("qwen3_moe", "mixtral")), names[:8]  # the layouts the cases claim
     with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
-        streamed = load_qlora_model(str(path), lora_config=_lora(), gradient_checkpointing=False, **ONE_DEVICE[case])
+        lora = _lora(["Wqkv"] if case == "dbrx" else ["q_proj", "v_proj"])
+        streamed = load_qlora_model(str(path), lora_config=lora, gradient_checkpointing=False, **ONE_DEVICE[case])
     assert any("streamed the experts of 2 MoE layers" in r.message for r in caplog.records)
     assert isinstance(streamed, PeftModel)
     oracle = _today(path)

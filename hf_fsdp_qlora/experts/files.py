@@ -16,13 +16,17 @@ __all__ = ["ExpertSlice", "expert_file_slices"]
 @dataclass
 class ExpertSlice:
     """One tensor of the base's files holding part of a model parameter: expert `expert`, `start:stop` of `dim`
-    of that expert's matrix (the whole matrix when `dim` is None); `expert` None: the whole parameter."""
+    of that expert's matrix (the whole matrix when `dim` is None); `expert` None: the whole parameter. `rows`: the
+    rows of the file tensor holding the piece (None: all of it), `transposed`: the file holds its transpose (DBRX's
+    2-D expert stacks, hf_fsdp_qlora/dbrx_experts.py)."""
 
     disk_key: str
     expert: int | None = None
     dim: int | None = None
     start: int = 0
     stop: int = 0
+    rows: tuple[int, int] | None = None
+    transposed: bool = False
 
 
 def expert_file_slices(model, params: list[str], entries) -> dict[str, list[ExpertSlice]]:
@@ -37,6 +41,12 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
         rename_source_key,
     )
 
+    from hf_fsdp_qlora.dbrx_experts import file_slices
+
+    dbrx = file_slices(model, params, entries, ExpertSlice)  # DBRX's 2-D stacks: no conversion of transformers'
+    if dbrx is not None:
+        rest = [p for p in params if p not in dbrx]
+        return {**dbrx, **(expert_file_slices(model, rest, entries) if rest else {})}
     transforms = get_model_conversion_mapping(model, add_legacy=False)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]

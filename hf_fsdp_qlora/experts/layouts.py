@@ -81,16 +81,9 @@ EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     # an index past the routed experts is an identity expert (the input times its routing weight).
     "LongcatFlashExperts": ExpertLayout(zero_experts=True),
 }
-# Experts classes refused with a reason of their own, beyond "no declared layout and no named entry".
-EXPERT_REFUSALS: dict[str, str] = {
-    "DbrxExperts": (
-        "DBRX stacks every expert's rows in 2-D matrices (mlp.w1 / mlp.v1 / mlp.w2, [experts * ffn_hidden_size, "
-        "hidden_size]) of a child module that DbrxExperts slices per expert itself; peft cannot put LoRA on them "
-        "either (target_parameters on any of them: peft 0.21's ParamWrapper hides the other two from DbrxExperts, "
-        "AttributeError at the first forward). With quantize_experts=False the experts stay 16-bit and frozen, and "
-        "all-linear LoRA (attention: Wqkv, out_proj; never the router) trains and merges"
-    ),
-}
+# Experts classes refused with a reason of their own, beyond "no declared layout and no named entry". (DBRX's
+# DbrxExperts is not refused: the loader swaps it for a declared class first, hf_fsdp_qlora/dbrx_experts.py.)
+EXPERT_REFUSALS: dict[str, str] = {}
 # The 16-bit weight names any layout uses (a saved 4-bit experts checkpoint is recognised by them).
 EXPERT_WEIGHT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
 # transformers 5.17 (our floor) sets the first four; has_post_expert_norm came later (absent: no such norm)
@@ -170,5 +163,6 @@ def is_experts_module(module: nn.Module) -> bool:
 
 
 def has_fused_experts(model: nn.Module) -> bool:
-    """Whether `model` (meta-device skeletons included) has an experts module :func:`quantize_experts` would swap."""
-    return any(expert_layout(m) is not None for m in model.modules())
+    """Whether `model` (meta-device skeletons included) has an experts module :func:`quantize_experts` would swap
+    (DBRX's ``DbrxExperts`` too: quantize_experts first puts them in a declared class, hf_fsdp_qlora/dbrx_experts.py)."""
+    return any(expert_layout(m) is not None or type(m).__name__ == "DbrxExperts" for m in model.modules())

@@ -113,6 +113,7 @@ def plan_expert_stream(
         model_class=type(meta),
         expert_params=sorted(wanted),
     )
+    _stock_names(stream, modules)
     stream.layer_bytes = max(
         sum(getattr(m, p).numel() * getattr(m, p).element_size() for p in _params(m)) for m in modules.values()
     )
@@ -126,6 +127,17 @@ def expert_stream_or_say_why(source, config, dtype, trust_remote_code: bool, kwa
     if stream is None and reason != "no fused experts":
         logger.info("hf_fsdp_qlora: the experts load in 16 bits before they are packed: %s", reason)
     return stream
+
+
+def _stock_names(stream: ExpertStream, modules: dict) -> None:
+    """DBRX: ``from_pretrained`` builds the stock ``DbrxExperts`` (fused after it, hf_fsdp_qlora/dbrx_experts.py):
+    its weights ``mlp.w1`` / ``v1`` / ``w2`` are the ones left unread and unwritten."""
+    from ..dbrx_experts import stock_stream_names
+
+    stock = stock_stream_names(modules)
+    if stock is not None:
+        stream.expert_params, extra = stock
+        stream.classes = (*stream.classes, *extra)
 
 
 def _params(module) -> tuple[str, ...]:
@@ -146,10 +158,15 @@ def _slices(meta, wanted: dict, entries: dict) -> tuple[dict | None, str]:
         except MergeError as err:
             return None, str(err)
     for key, shape in wanted.items():
-        numel = sum(_numel(entries[s.disk_key].shape) for s in slices[key])
+        numel = sum(_numel(_piece_shape(entries[s.disk_key].shape, s)) for s in slices[key])
         if numel != _numel(shape):
             return None, f"the checkpoint's tensors for {key} hold {numel} values, the model's {_numel(shape)}"
     return slices, ""
+
+
+def _piece_shape(shape, piece) -> tuple:
+    """The shape of the part of a file tensor `piece` reads (DBRX: a block of rows)."""
+    return tuple(shape) if piece.rows is None else (piece.rows[1] - piece.rows[0], *shape[1:])
 
 
 def _numel(shape) -> int:
@@ -225,6 +242,9 @@ class StreamedExperts:
         one layer at a time: that layer's 16-bit weights exist only while it is packed."""
         from safetensors import safe_open
 
+        from ..dbrx_experts import fuse_dbrx_experts
+
+        fuse_dbrx_experts(model, copy_weights=False)  # DBRX: the fused modules, filled below from the files
         names = [n for n, m in model.named_modules() if expert_layout(m) is not None]
         handles = {}
         try:
@@ -252,7 +272,9 @@ class StreamedExperts:
             entry = self.stream.entries[piece.disk_key]
             if entry.path not in handles:
                 handles[entry.path] = safe_open(str(entry.path), framework="pt", backend="pread")
-            value = handles[entry.path].get_slice(piece.disk_key)[...].to(like.dtype)
+            found = handles[entry.path].get_slice(piece.disk_key)
+            value = (found[...] if piece.rows is None else found[piece.rows[0] : piece.rows[1]]).to(like.dtype)
+            value = value.T if piece.transposed else value  # DBRX's w2 holds down_proj transposed
             target = out if piece.expert is None else out[piece.expert]
             if piece.dim is not None:
                 target = target.narrow(piece.dim, piece.start, piece.stop - piece.start)
@@ -272,6 +294,9 @@ class StreamedExperts:
         """On a rank that receives rank 0's experts: each experts module of the meta `skeleton` becomes a
         :class:`QuantizedExperts` of the same shapes (quantized from zeros, one expert at a time: no checkpoint read),
         whose every tensor the transfer then overwrites with rank 0's bytes."""
+        from ..dbrx_experts import fuse_dbrx_experts
+
+        fuse_dbrx_experts(skeleton, copy_weights=False)  # DBRX: as rank 0 fuses its experts before packing them
         for name in [n for n, m in skeleton.named_modules() if expert_layout(m) is not None]:
             module = skeleton.get_submodule(name)
             for param in _params(module):

@@ -121,8 +121,12 @@ def _meta_model(base: str, config_text: str):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hf_fsdp_qlora.dbrx_experts import fuse_dbrx_experts
+
     with init_empty_weights():
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    fuse_dbrx_experts(model)  # the experts' names as training held them (DBRX's in transformers' layout)
+    return model
 
 
 def architecture_meta_models(base: Path):
@@ -145,9 +149,13 @@ def _architecture_model(base: str, name: str):
     cls = getattr(transformers, name, None)
     if cls is None:
         return None
+    from hf_fsdp_qlora.dbrx_experts import fuse_dbrx_experts
+
     try:
         with init_empty_weights():
-            return cls._from_config(AutoConfig.from_pretrained(base))
+            model = cls._from_config(AutoConfig.from_pretrained(base))
+        fuse_dbrx_experts(model)
+        return model
     except Exception:  # noqa: BLE001 - a class that cannot be built from the config says nothing here
         return None
 

@@ -97,8 +97,13 @@ class ParamTargets:
             left, right = b3, a3
         if len(shape) == 2:
             left, right = left[0], right[0]
+        pieces = self.on_disk.get(key, [_Slice(key)])
+        if any(piece.rows is not None for piece in pieces):  # DBRX's 2-D stacks: one (a, b) per file tensor
+            from hf_fsdp_qlora.dbrx_experts import block_factors
+
+            return [(disk_key, (a, b, scaling)) for disk_key, (a, b) in block_factors(pieces, left, right)]
         found = []
-        for piece in self.on_disk.get(key, [_Slice(key)]):
+        for piece in pieces:
             lhs, rhs = left, right
             if piece.expert is not None:
                 lhs, rhs = lhs[piece.expert], rhs[piece.expert]
@@ -161,6 +166,12 @@ def quantized_files(base: Path, params: set[str], entries) -> tuple[set[str], di
     if not missing:
         return keys, groups
     for pieces in _per_expert_files(meta_model(base), missing, entries).values():
+        if any(piece.rows is not None for piece in pieces):  # DBRX's 2-D stacks: a round trip of their own
+            from hf_fsdp_qlora.dbrx_experts import roundtrip_group
+
+            keys |= {piece.disk_key for piece in pieces}
+            groups.update(roundtrip_group(pieces, entries))
+            continue
         for piece in pieces:
             keys.add(piece.disk_key)
             if piece.dim is not None:

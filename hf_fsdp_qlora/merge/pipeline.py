@@ -165,6 +165,8 @@ def _roundtrip(item: Item, weight: torch.Tensor, quant) -> torch.Tensor:
     """The quantization round trip training saw: per expert for fused experts (load_qlora_model quantizes each
     expert's matrix on its own), and for a slice of an expert (gate or up stored apart) that slice of its whole
     matrix's round trip."""
+    if callable(item.group):  # DBRX's 2-D expert stacks (hf_fsdp_qlora/dbrx_experts.py)
+        return item.group(weight, quant, quantize_roundtrip, _read_entry)
     if item.group is not None:
         parts, dim, start, stop = item.group
         pieces = []
@@ -183,6 +185,11 @@ def _roundtrip(item: Item, weight: torch.Tensor, quant) -> torch.Tensor:
     if item.transposed:  # a Conv1D weight: bitsandbytes quantized it as the (out, in) Linear4bit weight
         return quantize_roundtrip(weight.T.contiguous(), *quant).T
     return quantize_roundtrip(weight, *quant)
+
+
+def _read_entry(entry) -> torch.Tensor:
+    with open(entry.path, "rb", buffering=0) as fh:
+        return read_tensor(fh, entry)
 
 
 @contextlib.contextmanager
