@@ -195,7 +195,7 @@ def meta_model(config, model_class, dtype, trust_remote_code: bool = False):
     """`model_class` (an auto class or a model class) built from `config` on the meta device: nothing allocated."""
     import torch
 
-    from .dbrx_experts import fuse_dbrx_experts
+    from .experts.dbrx import fuse_dbrx_experts
 
     with torch.device("meta"):
         if hasattr(model_class, "from_config"):

@@ -65,7 +65,7 @@ def _quantized_weights(model) -> dict[str, torch.Tensor]:
             for param in module.layout.weights:
                 stacked = [module.dequantize_expert(param, e) for e in range(module.expert_rows(param))]
                 seen[f"{_base_name(name)}.{param}"] = torch.stack(stacked)
-    from hf_fsdp_qlora.dbrx_experts import fused_experts, to_stored
+    from hf_fsdp_qlora.experts.dbrx import fused_experts, to_stored
 
     return to_stored(
         seen, fused_experts(model)

@@ -754,7 +754,7 @@ def _tiny_dbrx(path):
 
 def test_dbrx_experts_are_planned_and_loaded_4bit(tmp_path):
     """DBRX's experts (w1/v1/w2 of every expert stacked as 2-D matrices one module deeper) were refused; now the
-    loader fuses them into transformers' layout (hf_fsdp_qlora/dbrx_experts.py) and packs them: the doctor plans
+    loader fuses them into transformers' layout (hf_fsdp_qlora/experts/dbrx.py) and packs them: the doctor plans
     them 4-bit, the packed bytes the loader holds (the oracle) within its plan."""
     from hf_fsdp_qlora import load_qlora_model
     from hf_fsdp_qlora.loading.experts import QuantizedExperts, packed_expert_bytes

@@ -15,7 +15,7 @@ the builder's reason: the family sweep lists it as "not built"). Per family, aga
   comparison).
 
 DBRX (:data:`FUSED_FAMILIES`) stores its experts as 2-D stacks the loader fuses into a declared class
-(hf_fsdp_qlora/dbrx_experts.py): its float32 base is fused the same way for the oracles (first checked equal to
+(hf_fsdp_qlora/experts/dbrx.py): its float32 base is fused the same way for the oracles (first checked equal to
 DBRX's own forward), and peft's merge is mapped back to DBRX's ``mlp.w1`` / ``v1`` / ``w2`` to compare with the
 checkpoint ``merge_adapters`` writes, which ``DbrxForCausalLM`` loads.
 """
@@ -85,7 +85,7 @@ NAMED_FAMILIES = {
 }
 
 
-# Families whose experts the loader first fuses into a declared class of ours (hf_fsdp_qlora/dbrx_experts.py).
+# Families whose experts the loader first fuses into a declared class of ours (hf_fsdp_qlora/experts/dbrx.py).
 FUSED_FAMILIES = {"dbrx": "DbrxFusedExperts"}
 
 

@@ -77,7 +77,7 @@ def test_sweep_covers_every_family_and_builds_all_but_the_listed(sweep):
 def test_the_doctor_reads_shapes_the_size_rules_reach(family):
     """DBRX stacks its experts' rows in 2-D weights ([E * ffn, hidden]) and Gemma 3n gives one MLP width per layer:
     the doctor's shape reading crashed on both (ValueError unpacking one expert's shape, TypeError on int(list)).
-    DBRX's experts are read as the loader holds them: fused in transformers' layout (hf_fsdp_qlora/dbrx_experts.py),
+    DBRX's experts are read as the loader holds them: fused in transformers' layout (hf_fsdp_qlora/experts/dbrx.py),
     quantizable, the same parameter count."""
     import torch
     from transformers import AutoModelForCausalLM

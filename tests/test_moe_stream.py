@@ -27,7 +27,7 @@ from tiny_models import MOE_ARCHS, build_tiny_model
 from hf_fsdp_qlora import load_qlora_model
 from hf_fsdp_qlora.experts.quantized import QuantizedExperts, quantize_experts
 
-# dbrx: 2-D expert stacks (mlp.w1 / v1 / w2) the loader fuses into transformers' layout (hf_fsdp_qlora/dbrx_experts.py)
+# dbrx: 2-D expert stacks (mlp.w1 / v1 / w2) the loader fuses into transformers' layout (hf_fsdp_qlora/experts/dbrx.py)
 CASES = [*MOE_ARCHS, "qwen3_moe_fused", "dbrx"]
 
 

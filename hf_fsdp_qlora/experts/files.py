@@ -18,7 +18,7 @@ class ExpertSlice:
     """One tensor of the base's files holding part of a model parameter: expert `expert`, `start:stop` of `dim`
     of that expert's matrix (the whole matrix when `dim` is None); `expert` None: the whole parameter. `rows`: the
     rows of the file tensor holding the piece (None: all of it), `transposed`: the file holds its transpose (DBRX's
-    2-D expert stacks, hf_fsdp_qlora/dbrx_experts.py)."""
+    2-D expert stacks, hf_fsdp_qlora/experts/dbrx.py)."""
 
     disk_key: str
     expert: int | None = None
@@ -41,7 +41,7 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
         rename_source_key,
     )
 
-    from hf_fsdp_qlora.dbrx_experts import file_slices
+    from .dbrx import file_slices
 
     dbrx = file_slices(model, params, entries, ExpertSlice)  # DBRX's 2-D stacks: no conversion of transformers'
     if dbrx is not None:

@@ -82,7 +82,7 @@ EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     "LongcatFlashExperts": ExpertLayout(zero_experts=True),
 }
 # Experts classes refused with a reason of their own, beyond "no declared layout and no named entry". (DBRX's
-# DbrxExperts is not refused: the loader swaps it for a declared class first, hf_fsdp_qlora/dbrx_experts.py.)
+# DbrxExperts is not refused: the loader swaps it for a declared class first, hf_fsdp_qlora/experts/dbrx.py.)
 EXPERT_REFUSALS: dict[str, str] = {}
 # The 16-bit weight names any layout uses (a saved 4-bit experts checkpoint is recognised by them).
 EXPERT_WEIGHT_NAMES = frozenset({"gate_up_proj", "up_proj", "down_proj"})
@@ -164,5 +164,5 @@ def is_experts_module(module: nn.Module) -> bool:
 
 def has_fused_experts(model: nn.Module) -> bool:
     """Whether `model` (meta-device skeletons included) has an experts module :func:`quantize_experts` would swap
-    (DBRX's ``DbrxExperts`` too: quantize_experts first puts them in a declared class, hf_fsdp_qlora/dbrx_experts.py)."""
+    (DBRX's ``DbrxExperts`` too: quantize_experts first puts them in a declared class, hf_fsdp_qlora/experts/dbrx.py)."""
     return any(expert_layout(m) is not None or type(m).__name__ == "DbrxExperts" for m in model.modules())

@@ -347,7 +347,7 @@ def quantize_experts(
             the module path, the tensors found and the way to load it knowingly in 16 bits, instead of leaving the
             experts unquantized silently.
     """
-    from ..dbrx_experts import fuse_dbrx_experts
+    from .dbrx import fuse_dbrx_experts
 
     fuse_dbrx_experts(model)  # DBRX's 2-D expert stacks into transformers' layout first (a declared class)
     found = []

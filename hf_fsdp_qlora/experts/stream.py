@@ -130,9 +130,9 @@ def expert_stream_or_say_why(source, config, dtype, trust_remote_code: bool, kwa
 
 
 def _stock_names(stream: ExpertStream, modules: dict) -> None:
-    """DBRX: ``from_pretrained`` builds the stock ``DbrxExperts`` (fused after it, hf_fsdp_qlora/dbrx_experts.py):
+    """DBRX: ``from_pretrained`` builds the stock ``DbrxExperts`` (fused after it, hf_fsdp_qlora/experts/dbrx.py):
     its weights ``mlp.w1`` / ``v1`` / ``w2`` are the ones left unread and unwritten."""
-    from ..dbrx_experts import stock_stream_names
+    from .dbrx import stock_stream_names
 
     stock = stock_stream_names(modules)
     if stock is not None:
@@ -242,7 +242,7 @@ class StreamedExperts:
         one layer at a time: that layer's 16-bit weights exist only while it is packed."""
         from safetensors import safe_open
 
-        from ..dbrx_experts import fuse_dbrx_experts
+        from .dbrx import fuse_dbrx_experts
 
         fuse_dbrx_experts(model, copy_weights=False)  # DBRX: the fused modules, filled below from the files
         names = [n for n, m in model.named_modules() if expert_layout(m) is not None]
@@ -294,7 +294,7 @@ class StreamedExperts:
         """On a rank that receives rank 0's experts: each experts module of the meta `skeleton` becomes a
         :class:`QuantizedExperts` of the same shapes (quantized from zeros, one expert at a time: no checkpoint read),
         whose every tensor the transfer then overwrites with rank 0's bytes."""
-        from ..dbrx_experts import fuse_dbrx_experts
+        from .dbrx import fuse_dbrx_experts
 
         fuse_dbrx_experts(skeleton, copy_weights=False)  # DBRX: as rank 0 fuses its experts before packing them
         for name in [n for n, m in skeleton.named_modules() if expert_layout(m) is not None]:

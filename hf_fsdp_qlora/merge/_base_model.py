@@ -121,7 +121,7 @@ def _meta_model(base: str, config_text: str):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_fsdp_qlora.dbrx_experts import fuse_dbrx_experts
+    from hf_fsdp_qlora.experts.dbrx import fuse_dbrx_experts
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
@@ -149,7 +149,7 @@ def _architecture_model(base: str, name: str):
     cls = getattr(transformers, name, None)
     if cls is None:
         return None
-    from hf_fsdp_qlora.dbrx_experts import fuse_dbrx_experts
+    from hf_fsdp_qlora.experts.dbrx import fuse_dbrx_experts
 
     try:
         with init_empty_weights():

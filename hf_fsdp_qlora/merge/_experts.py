@@ -99,7 +99,7 @@ class ParamTargets:
             left, right = left[0], right[0]
         pieces = self.on_disk.get(key, [_Slice(key)])
         if any(piece.rows is not None for piece in pieces):  # DBRX's 2-D stacks: one (a, b) per file tensor
-            from hf_fsdp_qlora.dbrx_experts import block_factors
+            from hf_fsdp_qlora.experts.dbrx import block_factors
 
             return [(disk_key, (a, b, scaling)) for disk_key, (a, b) in block_factors(pieces, left, right)]
         found = []
@@ -167,7 +167,7 @@ def quantized_files(base: Path, params: set[str], entries) -> tuple[set[str], di
         return keys, groups
     for pieces in _per_expert_files(meta_model(base), missing, entries).values():
         if any(piece.rows is not None for piece in pieces):  # DBRX's 2-D stacks: a round trip of their own
-            from hf_fsdp_qlora.dbrx_experts import roundtrip_group
+            from hf_fsdp_qlora.experts.dbrx import roundtrip_group
 
             keys |= {piece.disk_key for piece in pieces}
             groups.update(roundtrip_group(pieces, entries))

@@ -165,7 +165,7 @@ def _roundtrip(item: Item, weight: torch.Tensor, quant) -> torch.Tensor:
     """The quantization round trip training saw: per expert for fused experts (load_qlora_model quantizes each
     expert's matrix on its own), and for a slice of an expert (gate or up stored apart) that slice of its whole
     matrix's round trip."""
-    if callable(item.group):  # DBRX's 2-D expert stacks (hf_fsdp_qlora/dbrx_experts.py)
+    if callable(item.group):  # DBRX's 2-D expert stacks (hf_fsdp_qlora/experts/dbrx.py)
         return item.group(weight, quant, quantize_roundtrip, _read_entry)
     if item.group is not None:
         parts, dim, start, stop = item.group
