@@ -112,6 +112,31 @@ def test_streamed_experts_equal_todays_bit_for_bit(checkpoints, case, caplog):
         assert torch.equal(streamed(input_ids=ids).logits, oracle(input_ids=ids).logits)
 
 
+def test_interleaved_experts_stream_equal_todays(tmp_path, caplog):
+    """Inkling 2's original format stores each expert's gate and up rows interleaved (`w13_weight`; transformers
+    de-interleaves them on load): the stream reads them in the model's order, so the packed experts equal today's
+    path (from_pretrained, then packed) to the bit. Before, the plan refused the operation and loaded 16-bit first."""
+    from family_build import build
+
+    from hf_fsdp_qlora.safetensors_io import checkpoint_shards, read_header
+
+    path = build("inkling2_text", tmp_path / "inkling2")
+    names = [k for f in checkpoint_shards(path)[0] for k in read_header(path / f)[0]]
+    assert any(k.endswith("mlp.experts.w13_weight") for k in names)
+    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
+        streamed = load_qlora_model(str(path), lora_config=_lora(), gradient_checkpointing=False)
+    assert any("streamed the experts of" in r.message for r in caplog.records)
+    pairs = list(
+        zip(*[[m for m in model.modules() if isinstance(m, QuantizedExperts)] for model in (streamed, _today(path))])
+    )
+    assert len(pairs) >= 2
+    for mine, expected in pairs:
+        assert mine._meta == expected._meta
+        for (n, a), (m, b) in zip([*mine.named_parameters(), *mine.named_buffers()],
+                                  [*expected.named_parameters(), *expected.named_buffers()]):  # fmt: skip
+            assert n == m and torch.equal(_bytes(a), _bytes(b)), n
+
+
 def test_a_checkpoint_the_plan_cannot_follow_loads_as_before(checkpoints, caplog):
     """A from_pretrained argument that changes which weights are read: not streamed, said once, the same bytes."""
     path = checkpoints["qwen3_moe"]
