@@ -21,7 +21,6 @@ import pytest
 import torch
 from family_build import build
 from safetensors import safe_open
-from test_merge import make_adapter, peft_merged
 from tiny_models import build_tiny_model, tiny_config
 
 from hf_fsdp_qlora.cli.main import merge_adapters_main
@@ -35,9 +34,36 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def _load(path, dtype=torch.bfloat16, **kwargs):
+    """The base as transformers loads it: AutoModelForCausalLM, or the composite class of a checkpoint it does not
+    map (Inkling 2's Inkling2ForConditionalGeneration)."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    architecture = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    composite = architecture.endswith("ForConditionalGeneration") and architecture.startswith("Inkling2")
+    cls = getattr(transformers, architecture) if composite else AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=dtype, **kwargs)
+
+
+def _inkling2_composite(path: Path) -> Path:
+    """A tiny Inkling 2 image-text checkpoint (``Inkling2ForConditionalGeneration``, which AutoModelForCausalLM does
+    not map), the language model of the sweep's tiny `inkling2_text`, saved in the original format."""
+    from family_build import tiny_config
+    from transformers import Inkling2Config, Inkling2ForConditionalGeneration
+
+    text = tiny_config("inkling2_text")
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "patch_size": 8, "posemb_grid_size": 4, "projection_hidden_dim": 32, "text_hidden_size": text.hidden_size}  # fmt: skip
+    torch.manual_seed(0)
+    model = Inkling2ForConditionalGeneration(Inkling2Config(text_config=text.to_dict(), vision_config=vision))
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def peft_merged(base, adapter, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(_load(base, dtype), adapter).merge_and_unload().state_dict()
 
 
 def _disk_keys(path: Path) -> set[str]:
@@ -49,7 +75,19 @@ def _disk_keys(path: Path) -> set[str]:
 
 
 def _make_adapter(base: Path, out: Path, **lora_kwargs) -> Path:
-    return make_adapter(base, out, lora_dropout=0.0, **lora_kwargs)  # peft refuses dropout on parameter targets
+    """A real peft adapter over `base` whose every trainable tensor is non-trivial (test_merge.make_adapter, on
+    the class `_load` picks), saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    # lora_dropout 0: peft refuses dropout on parameter targets
+    model = get_peft_model(_load(base), LoraConfig(lora_dropout=0.0, **lora_kwargs))
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(out)
+    return out
 
 
 def _assert_equals_peft(base: Path, adapter: Path, out: Path, must_change: list[str]) -> dict:
@@ -82,7 +120,9 @@ def moe_bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe_bases")
     out = {arch: build_tiny_model(root / arch, arch) for arch in ("qwen3_moe", "mixtral", "gpt_oss")}
     out["inkling2_text"] = build("inkling2_text", root / "inkling2_text")
-    assert any(k.endswith("mlp.experts.w13_weight") for k in _disk_keys(out["inkling2_text"]))
+    out["inkling2_composite"] = _inkling2_composite(root / "inkling2_composite")
+    for name in ("inkling2_text", "inkling2_composite"):
+        assert any(k.endswith("mlp.experts.w13_weight") for k in _disk_keys(out[name]))
     out["qwen3_moe_fused"] = root / "qwen3_moe_fused"
     _load(out["qwen3_moe"]).save_pretrained(out["qwen3_moe_fused"], save_original_format=False)
     return out
@@ -125,6 +165,11 @@ SCENARIOS = {
     ),
     "inkling2_interleaved": (  # transformers de-interleaves w13_weight into gate_up_proj on load
         "inkling2_text",
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "target_parameters": EXPERTS},
+        ["experts.gate_up_proj", "experts.down_proj", "q_proj.weight"],
+    ),
+    "inkling2_composite_interleaved": (  # the image-text class: its language model's experts, stored alike
+        "inkling2_composite",
         {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "target_parameters": EXPERTS},
         ["experts.gate_up_proj", "experts.down_proj", "q_proj.weight"],
     ),
@@ -205,7 +250,7 @@ def test_bad_expert_adapters_fail_before_writing(moe_bases, tmp_path):
 # ---------------------------------------------------------------- --dequantize nf4 on experts
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_fused", "gpt_oss", "inkling2_text"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_fused", "gpt_oss", "inkling2_text", "inkling2_composite"])
 def test_dequantize_nf4_round_trips_experts_as_load_qlora_model(moe_bases, tmp_path, name):
     """Each expert's matrix is round-tripped as `quantize_experts` (load_qlora_model) quantizes it, also where the
     base stores gate and up of an expert apart; the expert LoRA is added on top of that round trip."""
