@@ -65,7 +65,8 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
             raise MergeError(
                 f"the base stores {model_key} as {disk_key}, converted by transformers with "
                 f"{[type(op).__name__ for op in ops]} when loading; merge-adapters maps only experts stacked (and "
-                "concatenated) from per-expert tensors, or stored whole with rows or columns interleaved or transposed. Save the base with its experts fused, "
+                "concatenated) from per-expert tensors, or stored whole with rows or columns interleaved or "
+                "transposed. Save the base with its experts fused, "
                 "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE, save_original_format=False), and "
                 "pass that as `base`."
             )

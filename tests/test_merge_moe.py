@@ -53,7 +53,8 @@ def _inkling2_composite(path: Path) -> Path:
 
     text = tiny_config("inkling2_text")
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "patch_size": 8, "posemb_grid_size": 4, "projection_hidden_dim": 32, "text_hidden_size": text.hidden_size}  # fmt: skip
+              "patch_size": 8, "posemb_grid_size": 4, "projection_hidden_dim": 32,
+              "text_hidden_size": text.hidden_size}  # fmt: skip
     torch.manual_seed(0)
     model = Inkling2ForConditionalGeneration(Inkling2Config(text_config=text.to_dict(), vision_config=vision))
     model.to(torch.bfloat16).save_pretrained(path)

@@ -16,8 +16,8 @@ ranks receive the packed bytes and quantization constants (:meth:`StreamedExpert
 land in).
 
 A checkpoint that cannot be streamed (not a local safetensors folder, experts converted by operations other than
-stacking, concatenation, interleaving and transposing, a ``from_pretrained`` argument that changes which files or keys are read) loads as
-before, with a log line saying why.
+stacking, concatenation, interleaving and transposing, a ``from_pretrained`` argument that changes which files or
+keys are read) loads as before, with a log line saying why.
 """
 
 from __future__ import annotations
