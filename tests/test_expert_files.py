@@ -37,3 +37,42 @@ def test_experts_stored_per_expert_under_a_regex_source_map_to_the_loaded_tensor
                 target = target.narrow(piece.dim, piece.start, piece.stop - piece.start)
             target.copy_(tensors[piece.disk_key])
         assert torch.equal(rebuilt, loaded[key]), key
+
+
+def test_reordered_expert_tensors_map_both_ways_and_through_lora_factors():
+    """A fused tensor stored in another order (Inkling 2's interleaved gate/up rows, a transposed one): the stored
+    tensor read in the model's order is what transformers' own operation gives, written back it is the stored one,
+    and an update given as low-rank factors, moved to the stored order on its factors, is the stored order of the
+    update (so the merge writes the base's own layout)."""
+    from transformers.core_model_loading import Chunk, Interleave, MergeModulelist, Transpose
+
+    from hf_fsdp_qlora.experts.orders import reorder_of
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [
+        ([Interleave(dim=1)], (3, 8, 6), (3, 8, 6)),  # Inkling 2's w13_weight: rows
+        ([Interleave(dim=2)], (3, 8, 6), (3, 8, 6)),  # columns
+        ([Interleave(dim=0)], (8, 6), (8, 6)),  # a 2-D weight's rows
+        ([Transpose(1, 2)], (3, 6, 8), (3, 8, 6)),  # stored [experts, in, out]
+        ([Interleave(dim=2), Transpose(1, 2)], (3, 6, 8), (3, 8, 6)),
+    ]
+    for ops, disk_shape, model_shape in cases:
+        reorder = reorder_of(ops, disk_shape, model_shape)
+        assert reorder is not None, ops
+        stored = torch.randn(disk_shape, generator=generator)
+        expected = stored
+        for op in ops:
+            expected = next(iter(op.convert({"k": expected}, source_patterns=["k"], target_patterns=["k"]).values()))
+        assert torch.equal(reorder.to_model(stored), expected) and not torch.equal(
+            expected.reshape(-1), stored.reshape(-1)
+        )
+        assert torch.equal(reorder.to_disk(expected), stored)
+        left = torch.randn((*model_shape[:-1], 2), generator=generator)
+        right = torch.randn((*model_shape[:-2], 2, model_shape[-1]), generator=generator)
+        disk_left, disk_right = reorder.factors_to_disk(left, right)
+        torch.testing.assert_close(disk_left @ disk_right, reorder.to_disk(left @ right))
+    # Not a reordering of each expert's matrix: left to the per-expert mapping (or refused)
+    assert reorder_of([Interleave(dim=0)], (4, 8, 6), (4, 8, 6)) is None  # across experts
+    assert reorder_of([Chunk(dim=0)], (8, 6), (4, 6)) is None
+    assert reorder_of([MergeModulelist(dim=0)], (8, 6), (1, 8, 6)) is None
+    assert reorder_of([Transpose(1, 2, check_dims=True)], (3, 8, 6), (3, 8, 6)).ops == ()  # already the model's shape

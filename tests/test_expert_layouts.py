@@ -247,9 +247,7 @@ def _check_merge(path: Path, adapter: Path, out: Path, base32, ref: dict, expert
 
 
 # Families whose 4-bit experts are right but which fail elsewhere (tests/test_families.py OTHER_FAILURES says how).
-OUTSIDE_EXPERTS = {
-    "inkling2_text": "merge_nf4: its base stores the experts interleaved as w13_weight",
-}
+OUTSIDE_EXPERTS: dict[str, str] = {}
 
 
 def _family_param(family: str):

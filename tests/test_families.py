@@ -21,11 +21,7 @@ PENDING_FIX: dict[str, str] = {}
 
 # Failures of families the size rules build since issue 48 (they were "not built" before), as strict xfails with
 # the error: each is in the loader or merge code, not in the sweep, and passes (XPASS: remove it here) once fixed.
-OTHER_FAILURES: dict[str, str] = {
-    # loaded since experts by declared layout (issue 48), failing outside their experts:
-    "inkling2_text": "merge_nf4: the base stores its experts fused and interleaved in the original format "
-                     "(w13_weight, transformers' Interleave), which merge-adapters does not map",
-}  # fmt: skip
+OTHER_FAILURES: dict[str, str] = {}
 
 
 @pytest.fixture(scope="session")

@@ -228,6 +228,7 @@ def test_no_import_cycle():
 EXPERTS_LAYERS = (
     "layouts",  # where each family keeps its fused expert weights
     "routers",  # the routers' linear layers
+    "orders",  # experts stored whole in another order (interleaved, transposed)
     "dbrx",  # DBRX's 2-D expert stacks fused into a declared class
     "files",  # where a checkpoint's files hold them
     "detect",  # whether a config builds fused experts

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_build import build
 from safetensors import safe_open
-from test_merge import make_adapter, peft_merged
 from tiny_models import build_tiny_model, tiny_config
 
 from hf_fsdp_qlora.cli.main import merge_adapters_main
@@ -34,9 +34,37 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def _load(path, dtype=torch.bfloat16, **kwargs):
+    """The base as transformers loads it: AutoModelForCausalLM, or the composite class of a checkpoint it does not
+    map (Inkling 2's Inkling2ForConditionalGeneration)."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    architecture = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    composite = architecture.endswith("ForConditionalGeneration") and architecture.startswith("Inkling2")
+    cls = getattr(transformers, architecture) if composite else AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=dtype, **kwargs)
+
+
+def _inkling2_composite(path: Path) -> Path:
+    """A tiny Inkling 2 image-text checkpoint (``Inkling2ForConditionalGeneration``, which AutoModelForCausalLM does
+    not map), the language model of the sweep's tiny `inkling2_text`, saved in the original format."""
+    from family_build import tiny_config
+    from transformers import Inkling2Config, Inkling2ForConditionalGeneration
+
+    text = tiny_config("inkling2_text")
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "patch_size": 8, "posemb_grid_size": 4, "projection_hidden_dim": 32,
+              "text_hidden_size": text.hidden_size}  # fmt: skip
+    torch.manual_seed(0)
+    model = Inkling2ForConditionalGeneration(Inkling2Config(text_config=text.to_dict(), vision_config=vision))
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def peft_merged(base, adapter, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(_load(base, dtype), adapter).merge_and_unload().state_dict()
 
 
 def _disk_keys(path: Path) -> set[str]:
@@ -48,7 +76,19 @@ def _disk_keys(path: Path) -> set[str]:
 
 
 def _make_adapter(base: Path, out: Path, **lora_kwargs) -> Path:
-    return make_adapter(base, out, lora_dropout=0.0, **lora_kwargs)  # peft refuses dropout on parameter targets
+    """A real peft adapter over `base` whose every trainable tensor is non-trivial (test_merge.make_adapter, on
+    the class `_load` picks), saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    # lora_dropout 0: peft refuses dropout on parameter targets
+    model = get_peft_model(_load(base), LoraConfig(lora_dropout=0.0, **lora_kwargs))
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(out)
+    return out
 
 
 def _assert_equals_peft(base: Path, adapter: Path, out: Path, must_change: list[str]) -> dict:
@@ -76,9 +116,14 @@ def _assert_equals_peft(base: Path, adapter: Path, out: Path, must_change: list[
 
 @pytest.fixture(scope="module")
 def moe_bases(tmp_path_factory):
-    """{name: path}: Qwen3-MoE and Mixtral as save_pretrained writes them (per expert), Qwen3-MoE fused, gpt-oss."""
+    """{name: path}: Qwen3-MoE and Mixtral as save_pretrained writes them (per expert), Qwen3-MoE fused, gpt-oss, and
+    Inkling 2 in its original format (each expert's gate and up rows interleaved in one `w13_weight`)."""
     root = tmp_path_factory.mktemp("moe_bases")
     out = {arch: build_tiny_model(root / arch, arch) for arch in ("qwen3_moe", "mixtral", "gpt_oss")}
+    out["inkling2_text"] = build("inkling2_text", root / "inkling2_text")
+    out["inkling2_composite"] = _inkling2_composite(root / "inkling2_composite")
+    for name in ("inkling2_text", "inkling2_composite"):
+        assert any(k.endswith("mlp.experts.w13_weight") for k in _disk_keys(out[name]))
     out["qwen3_moe_fused"] = root / "qwen3_moe_fused"
     _load(out["qwen3_moe"]).save_pretrained(out["qwen3_moe_fused"], save_original_format=False)
     return out
@@ -119,6 +164,16 @@ SCENARIOS = {
         {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "target_parameters": EXPERTS},
         ["experts.gate_up_proj", "experts.down_proj", "q_proj.weight"],
     ),
+    "inkling2_interleaved": (  # transformers de-interleaves w13_weight into gate_up_proj on load
+        "inkling2_text",
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "target_parameters": EXPERTS},
+        ["experts.gate_up_proj", "experts.down_proj", "q_proj.weight"],
+    ),
+    "inkling2_composite_interleaved": (  # the image-text class: its language model's experts, stored alike
+        "inkling2_composite",
+        {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "target_parameters": EXPERTS},
+        ["experts.gate_up_proj", "experts.down_proj", "q_proj.weight"],
+    ),
 }
 
 
@@ -134,11 +189,12 @@ def test_expert_and_attention_lora_equal_peft_merge(moe_bases, tmp_path, name):
     _assert_equals_peft(base, adapter, out, must_change)
 
 
-def test_merged_logits_equal_unmerged_peft_and_cli(moe_bases, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["qwen3_moe", "inkling2_text"])
+def test_merged_logits_equal_unmerged_peft_and_cli(moe_bases, tmp_path, capsys, name):
     """Through the command (progress bars on), in float32: the merged model computes what the adapter did."""
     from peft import PeftModel
 
-    base = moe_bases["qwen3_moe"]
+    base = moe_bases[name]
     adapter = _make_adapter(base, tmp_path / "adapter", r=4, target_modules=["q_proj"], target_parameters=EXPERTS)
     out = tmp_path / "merged"
     argv = ["--base", str(base), "--adapter", str(adapter), "--output", str(out), "--dtype", "float32"]
@@ -195,7 +251,7 @@ def test_bad_expert_adapters_fail_before_writing(moe_bases, tmp_path):
 # ---------------------------------------------------------------- --dequantize nf4 on experts
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_fused", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_fused", "gpt_oss", "inkling2_text", "inkling2_composite"])
 def test_dequantize_nf4_round_trips_experts_as_load_qlora_model(moe_bases, tmp_path, name):
     """Each expert's matrix is round-tripped as `quantize_experts` (load_qlora_model) quantizes it, also where the
     base stores gate and up of an expert apart; the expert LoRA is added on top of that round trip."""
@@ -221,7 +277,7 @@ def test_dequantize_nf4_round_trips_experts_as_load_qlora_model(moe_bases, tmp_p
         if isinstance(m, ParamWrapper)
     }
     layers = [(n, m) for n, m in trained.named_modules() if isinstance(m, QuantizedExperts)]
-    assert len(layers) == 2 and len(deltas) == 2
+    assert len(layers) == len(deltas) >= 2
     eps = torch.finfo(torch.bfloat16).eps
     for module_name, module in layers:
         for param in ("gate_up_proj", "down_proj"):

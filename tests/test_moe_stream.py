@@ -53,11 +53,12 @@ def _bnb():
                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
 
 
-def _today(path):
+def _today(path, cls=None):
     """What load_qlora_model did before streaming: from_pretrained with every expert 16-bit, then packed."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=_bnb(), dtype=torch.bfloat16)
+    cls = cls or AutoModelForCausalLM
+    model = cls.from_pretrained(path, quantization_config=_bnb(), dtype=torch.bfloat16)
     quantize_experts(model, quant_type="nf4", double_quant=True, dtype=torch.bfloat16)
     return model
 
@@ -115,6 +116,36 @@ def test_streamed_experts_equal_todays_bit_for_bit(checkpoints, case, caplog):
         model.train()  # an eval-mode no_grad forward would repack the 4-bit weights for the CPU kernel (FACTS.md)
     with torch.no_grad():
         assert torch.equal(streamed(input_ids=ids).logits, oracle(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("composite", [False, True])
+def test_interleaved_experts_stream_equal_todays(tmp_path, caplog, composite):
+    """Inkling 2's original format stores each expert's gate and up rows interleaved (`w13_weight`; transformers
+    de-interleaves them on load): the stream reads them in the model's order, so the packed experts equal today's
+    path (from_pretrained, then packed) to the bit, for the text model and the image-text class. Before, the plan
+    refused the operation and loaded them 16-bit first."""
+    from family_build import build
+    from test_merge_moe import _inkling2_composite
+    from transformers import Inkling2ForConditionalGeneration
+
+    from hf_fsdp_qlora.safetensors_io import checkpoint_shards, read_header
+
+    path = _inkling2_composite(tmp_path / "inkling2") if composite else build("inkling2_text", tmp_path / "inkling2")
+    names = [k for f in checkpoint_shards(path)[0] for k in read_header(path / f)[0]]
+    assert any(k.endswith("mlp.experts.w13_weight") for k in names)
+    with caplog.at_level(logging.INFO, logger="hf_fsdp_qlora"):
+        streamed = load_qlora_model(str(path), lora_config=_lora(), gradient_checkpointing=False)
+    assert any("streamed the experts of" in r.message for r in caplog.records)
+    oracle = _today(path, Inkling2ForConditionalGeneration if composite else None)
+    pairs = list(
+        zip(*[[m for m in model.modules() if isinstance(m, QuantizedExperts)] for model in (streamed, oracle)])
+    )
+    assert len(pairs) >= 2
+    for mine, expected in pairs:
+        assert mine._meta == expected._meta
+        for (n, a), (m, b) in zip([*mine.named_parameters(), *mine.named_buffers()],
+                                  [*expected.named_parameters(), *expected.named_buffers()]):  # fmt: skip
+            assert n == m and torch.equal(_bytes(a), _bytes(b)), n
 
 
 def test_a_checkpoint_the_plan_cannot_follow_loads_as_before(checkpoints, caplog):

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from hf_fsdp_qlora.errors import MergeError
+from .orders import Reorder, whole_tensor_reorder
 
 __all__ = ["ExpertSlice", "expert_file_slices"]
 
@@ -27,6 +28,7 @@ class ExpertSlice:
     stop: int = 0
     rows: tuple[int, int] | None = None
     transposed: bool = False
+    reorder: Reorder | None = None  # the whole parameter, stored permuted (Inkling 2's interleaved gate/up rows)
 
 
 def expert_file_slices(model, params: list[str], entries) -> dict[str, list[ExpertSlice]]:
@@ -61,6 +63,10 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
             continue
         converter = by_pattern[pattern]
         ops = converter.operations
+        reorder = whole_tensor_reorder(model, model_key, converter, tuple(entry.shape))
+        if reorder is not None:  # one stored tensor, the parameter's values in another order
+            found.setdefault(model_key, []).append((ExpertSlice(disk_key, reorder=reorder), None, tuple(entry.shape)))
+            continue
         if not (
             isinstance(ops[0], MergeModulelist)
             and ops[0].dim == 0
@@ -69,7 +75,8 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
             raise MergeError(
                 f"the base stores {model_key} as {disk_key}, converted by transformers with "
                 f"{[type(op).__name__ for op in ops]} when loading; merge-adapters maps only experts stacked (and "
-                "concatenated) from per-expert tensors. Save the base with its experts fused, "
+                "concatenated) from per-expert tensors, or stored whole with rows or columns interleaved or "
+                "transposed. Save the base with its experts fused, "
                 "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE, save_original_format=False), and "
                 "pass that as `base`."
             )

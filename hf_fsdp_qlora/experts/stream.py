@@ -7,7 +7,7 @@ to keys no module has, so transformers never reads them), the experts' parameter
 written (transformers would otherwise draw random values for the "missing" weights: 16 bits resident again), and
 :meth:`StreamedExperts.quantize` then reads each experts module's tensors with safetensors' lazy ``safe_open``
 slices (``pread``: no memory map keeps the pages), assembles that one layer in 16 bits exactly as transformers'
-conversion mapping would (stacked per expert, gate and up concatenated), packs it with
+conversion mapping would (stacked per expert, gate and up concatenated or de-interleaved), packs it with
 :class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts` and drops the 16-bit copy before the next layer.
 
 Host RAM per process while loading: the 4-bit model, one layer's 16-bit experts and the process's own runtime
@@ -16,8 +16,8 @@ ranks receive the packed bytes and quantization constants (:meth:`StreamedExpert
 land in).
 
 A checkpoint that cannot be streamed (not a local safetensors folder, experts converted by operations other than
-stacking and concatenation, a ``from_pretrained`` argument that changes which files or keys are read) loads as
-before, with a log line saying why.
+stacking, concatenation, interleaving and transposing, a ``from_pretrained`` argument that changes which files or
+keys are read) loads as before, with a log line saying why.
 """
 
 from __future__ import annotations
@@ -275,6 +275,8 @@ class StreamedExperts:
             found = handles[entry.path].get_slice(piece.disk_key)
             value = (found[...] if piece.rows is None else found[piece.rows[0] : piece.rows[1]]).to(like.dtype)
             value = value.T if piece.transposed else value  # DBRX's w2 holds down_proj transposed
+            if piece.reorder is not None:  # stored in another order (Inkling 2's interleaved gate/up rows)
+                value = piece.reorder.to_model(value)
             target = out if piece.expert is None else out[piece.expert]
             if piece.dim is not None:
                 target = target.narrow(piece.dim, piece.start, piece.stop - piece.start)

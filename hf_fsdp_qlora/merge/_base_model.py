@@ -112,8 +112,16 @@ def tied_map(base: Path, config: dict, keys) -> dict[str, str]:
 
 def meta_model(base: Path):
     """The base's causal-LM class built from its config.json on the meta device (nothing is allocated); built
-    once per config, as several steps of a merge ask (a 48-layer, 128-expert model takes seconds)."""
-    return _meta_model(str(Path(base).resolve()), (Path(base) / "config.json").read_text())
+    once per config, as several steps of a merge ask (a 48-layer, 128-expert model takes seconds). A composite
+    checkpoint ``AutoModelForCausalLM`` does not map (Inkling 2's ``Inkling2ForConditionalGeneration``): the first
+    class config.json's ``architectures`` names that builds."""
+    try:
+        return _meta_model(str(Path(base).resolve()), (Path(base) / "config.json").read_text())
+    except ValueError:  # "Unrecognized configuration class ... for this kind of AutoModel"
+        model = next(architecture_meta_models(base), None)
+        if model is None:
+            raise
+        return model
 
 
 @functools.lru_cache(maxsize=2)

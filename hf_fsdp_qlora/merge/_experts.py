@@ -111,6 +111,8 @@ class ParamTargets:
                 lhs = lhs[piece.start : piece.stop]
             elif piece.dim == 1:
                 rhs = rhs[:, piece.start : piece.stop]
+            if piece.reorder is not None:  # stored permuted (interleaved gate/up rows): the factors follow
+                lhs, rhs = piece.reorder.factors_to_disk(lhs, rhs)
             found.append((piece.disk_key, (rhs, lhs, scaling)))
         return found
 
@@ -156,7 +158,8 @@ def quantized_files(base: Path, params: set[str], entries) -> tuple[set[str], di
 
     Returns:
         (the disk tensors, {disk tensor: (the entries of its expert's whole matrix in concatenation order, the
-        dimension, its start, its stop)} for slices of an expert, e.g. gate and up stored apart). An expert is
+        dimension, its start, its stop)} for slices of an expert, e.g. gate and up stored apart, or its
+        :class:`~hf_fsdp_qlora.experts.orders.Reorder` for a parameter stored whole in another order). An expert is
         quantized as one matrix, so a slice's 4-bit round trip is that slice of the whole matrix's round trip.
     """
     from hf_fsdp_qlora.merge._base_model import meta_model
@@ -174,6 +177,8 @@ def quantized_files(base: Path, params: set[str], entries) -> tuple[set[str], di
             continue
         for piece in pieces:
             keys.add(piece.disk_key)
+            if piece.reorder is not None:  # round-tripped in the model's order, as training quantized it
+                groups[piece.disk_key] = piece.reorder
             if piece.dim is not None:
                 parts = sorted((p for p in pieces if p.expert == piece.expert), key=lambda p: p.start)
                 groups[piece.disk_key] = ([entries[p.disk_key] for p in parts], piece.dim, piece.start, piece.stop)

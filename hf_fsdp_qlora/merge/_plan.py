@@ -30,7 +30,8 @@ class Item:
     quantize: bool = False
     ready: torch.Tensor | None = None  # computed ahead (tied embeddings, task heads the base lacks)
     resized: tuple[int, ...] | None = None  # the output shape, where the adapter resized the vocabulary
-    group: tuple | None = None  # a slice of an expert quantized as one matrix: (its entries, dim, start, stop)
+    group: object = None  # a slice of an expert quantized as one matrix: (its entries, dim, start, stop); or a
+    # parameter stored in another order (experts.orders.Reorder)
     transposed: bool = False  # a Conv1D weight, stored (in, out): bitsandbytes quantized its transpose
     chunks: tuple[bool, ...] | None = None  # layers stored as equal row chunks: which of them were quantized
 

@@ -22,6 +22,7 @@ import torch
 
 from hf_fsdp_qlora.dtype_names import FLOAT_NAMES
 from hf_fsdp_qlora.errors import MergeError, MergeUsageError
+from hf_fsdp_qlora.experts.orders import Reorder
 from hf_fsdp_qlora.merge._base_model import (
     INDEX_NAME,
     base_entries,
@@ -164,9 +165,12 @@ def _produce(item: Item, fh, device: torch.device, quant, scratch: _Scratch, slo
 def _roundtrip(item: Item, weight: torch.Tensor, quant) -> torch.Tensor:
     """The quantization round trip training saw: per expert for fused experts (load_qlora_model quantizes each
     expert's matrix on its own), and for a slice of an expert (gate or up stored apart) that slice of its whole
-    matrix's round trip."""
+    matrix's round trip; for experts stored in another order (Inkling 2's interleaved gate/up rows), in the model's
+    order and back."""
     if callable(item.group):  # DBRX's 2-D expert stacks (hf_fsdp_qlora/experts/dbrx.py)
         return item.group(weight, quant, quantize_roundtrip, _read_entry)
+    if isinstance(item.group, Reorder):
+        return item.group.roundtrip(weight, lambda matrix: quantize_roundtrip(matrix, *quant))
     if item.group is not None:
         parts, dim, start, stop = item.group
         pieces = []
