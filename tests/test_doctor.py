@@ -757,7 +757,7 @@ def test_dbrx_experts_are_planned_and_loaded_4bit(tmp_path):
     loader fuses them into transformers' layout (hf_fsdp_qlora/experts/dbrx.py) and packs them: the doctor plans
     them 4-bit, the packed bytes the loader holds (the oracle) within its plan."""
     from hf_fsdp_qlora import load_qlora_model
-    from hf_fsdp_qlora.loading.experts import QuantizedExperts, packed_expert_bytes
+    from hf_fsdp_qlora.experts.quantized import QuantizedExperts, packed_expert_bytes
 
     _tiny_dbrx(tmp_path)
     d = diagnose(tmp_path, accelerate_config=F2Q, quantization="4bit")
@@ -774,7 +774,8 @@ def test_moe_family_we_cannot_quantize_is_an_error(tmp_path, monkeypatch):
     named entry (DBRX's own DbrxExperts, with the loader's fusing switched off): load_qlora_model refuses it (the
     real loader, the oracle) naming the module path and the tensors, and the doctor says so with the fix; with
     --no-quantize-experts it plans them 16-bit."""
-    from hf_fsdp_qlora import dbrx_experts, load_qlora_model
+    from hf_fsdp_qlora import load_qlora_model
+    from hf_fsdp_qlora.experts import dbrx as dbrx_experts
     from hf_fsdp_qlora.errors import UnsupportedSetupError
 
     _tiny_dbrx(tmp_path)

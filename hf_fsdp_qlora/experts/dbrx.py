@@ -191,7 +191,7 @@ def file_slices(model: nn.Module, params: list[str], entries: dict, slice_class)
 
 
 def stock_stream_names(modules: dict) -> tuple[list[str], tuple] | None:
-    """For streamed loading (loading/_expert_stream.py), when `modules` (name -> experts module of a fused meta
+    """For streamed loading (experts/stream.py), when `modules` (name -> experts module of a fused meta
     model) are DBRX's: the stock parameter names ``from_pretrained`` leaves unread (``<experts>.mlp.w1`` / ``v1`` /
     ``w2``) and the stock classes whose initialisation it must skip; None for any other family."""
     names = [n for n, m in modules.items() if type(m).__name__ in FUSED_CLASSES]

@@ -1,7 +1,7 @@
 """Where a checkpoint's files hold a model's fused expert parameters: whole, or per expert (``experts.0.gate_proj.weight``
 ...: transformers' ``save_pretrained`` writes Qwen3-MoE and Mixtral that way, and so are their Hub checkpoints), read
 with transformers' own conversion mapping (the one ``from_pretrained`` applies). Below both readers: the merge
-(merge/_experts.py) and the streamed expert loading (loading/_expert_stream.py)."""
+(merge/_experts.py) and the streamed expert loading (experts/stream.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 
 from hf_fsdp_qlora.errors import MergeError
+
 from .orders import Reorder, whole_tensor_reorder
 
 __all__ = ["ExpertSlice", "expert_file_slices"]

@@ -1,6 +1,6 @@
 """Grouped compute for 4-bit experts: one dequantization and one grouped matmul per projection.
 
-The per-expert loop of :class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts` dequantizes and multiplies one
+The per-expert loop of :class:`~hf_fsdp_qlora.experts.quantized.QuantizedExperts` dequantizes and multiplies one
 routed expert at a time: the operator calls of a layer grow with the experts hit (at Qwen3-30B-A3B's shape about
 30 per routed expert, forward and backward). Here the routed rows are sorted by expert once, the routed experts of
 each weight are dequantized in one bitsandbytes call into one ``[k, out, in]`` buffer, and each projection is one

@@ -3,7 +3,7 @@
 peft 0.21 adapts a fused 3-D expert weight ``[E, out, in]`` with a ``ParamWrapper`` module holding ``lora_A``
 ``[r*E, in]`` and ``lora_B`` ``[out, r*E]`` (two targets on one module nest: the second wrapper wraps the first),
 and in its forward it adds the update to the weight through ``torch.nn.utils.parametrize``. A
-:class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts` has no 16-bit weight to parametrize - only packed bytes.
+:class:`~hf_fsdp_qlora.experts.quantized.QuantizedExperts` has no 16-bit weight to parametrize - only packed bytes.
 So here:
 
 * while peft injects adapters (:func:`peft_sees_expert_weights`), each 4-bit experts module shows peft a zero-byte

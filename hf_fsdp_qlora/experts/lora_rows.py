@@ -1,6 +1,6 @@
 """Expert LoRA, one routed expert's rows at a time: peft's ``lora_A`` / ``lora_B`` of a fused 3-D expert weight,
 read per expert, applied to the rows routed to it (the per-expert loop of
-:class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts`; the grouped path is :mod:`._grouped`)."""
+:class:`~hf_fsdp_qlora.experts.quantized.QuantizedExperts`; the grouped path is :mod:`.grouped`)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 bitsandbytes' 4-bit quantizer loads the whole model onto the rank's GPU (``device_map={"": current GPU}``), and it
 only packs ``nn.Linear``: the fused 3-D experts (about 95% of an MoE model's weights) arrive 16-bit on the GPU and
-:func:`~hf_fsdp_qlora.loading.experts.quantize_experts` packs them only afterwards. For Qwen3-30B-A3B that is ~58 GB
+:func:`~hf_fsdp_qlora.experts.quantized.quantize_experts` packs them only afterwards. For Qwen3-30B-A3B that is ~58 GB
 of 16-bit experts on each GPU before the first one is packed.
 
 So on an accelerator, :func:`experts_on_cpu_kwargs` gives ``from_pretrained`` a device map that puts every experts
@@ -12,7 +12,7 @@ what gets quantized by nothing). The flag goes in a copy of the quantization con
 run's, or for a pre-quantized checkpoint (a stock 4-bit save) the checkpoint's own, inside a copy of its config
 (:func:`placed_kwargs` merges it with the caller's kwargs). The GPU is the one bitsandbytes would pick without a map,
 or the one device a caller's ``device_map`` names (:func:`one_device`; :func:`placement_kwargs`), in
-``load_qlora_model`` and in trl's route (:mod:`~hf_fsdp_qlora.loading._script_stream`). Such a map makes
+``load_qlora_model`` and in trl's route (:mod:`~hf_fsdp_qlora.experts.script_stream`). Such a map makes
 transformers dispatch the model with accelerate hooks: the CPU modules' weights move to the meta device behind an
 offload hook, ``model.to`` is wrapped with a warning, and ``hf_device_map`` names two devices, which Trainer and
 accelerate read as model parallelism.
@@ -20,7 +20,7 @@ accelerate read as model parallelism.
 weights back on the CPU) before :func:`quantize_experts` packs the experts expert by expert onto the GPU.
 
 Host RAM: with a local safetensors checkpoint the experts are not read by ``from_pretrained`` at all; they stream
-from the files into 4 bits one layer at a time (:mod:`hf_fsdp_qlora.loading._expert_stream`). Otherwise each process
+from the files into 4 bits one layer at a time (:mod:`hf_fsdp_qlora.experts.stream`). Otherwise each process
 that loads the checkpoint holds the 16-bit experts on the CPU until they are packed (Qwen3-30B-A3B: ~58 GB).
 """
 

@@ -5,7 +5,7 @@ transformers 5 stores the experts of most MoE families as fused 3-D parameters (
 ``nn.Linear``: after ``load_in_4bit`` the experts - most of an MoE model's weights - are still 16-bit.
 :func:`quantize_experts` replaces each experts module by :class:`QuantizedExperts`, which holds every expert's
 weights as NF4 (or FP4) bytes and dequantizes the routed experts in its forward: all of a weight's at once for
-one grouped matmul (:mod:`._grouped`), or one at a time in the per-expert loop kept as reference and fallback.
+one grouped matmul (:mod:`.grouped`), or one at a time in the per-expert loop kept as reference and fallback.
 
 The packed bytes are a frozen ``nn.Parameter`` of shape ``[E, n]`` in the one storage dtype (the bytes viewed as
 that dtype, never converted), so FSDP1 flattens it with the rest of its unit and FSDP2 shards it on the expert
@@ -63,17 +63,17 @@ class QuantizedExperts(nn.Module):
     Built from the 16-bit experts module by :func:`quantize_experts`. The forward honours transformers' experts
     call, ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, and runs the family's
     own gate (``_apply_gate``). Only the experts that tokens were routed to are dequantized: grouped (``compute``,
-    :mod:`._grouped`), a weight's routed experts at once for one grouped matmul - the 16-bit stack autograd keeps
+    :mod:`.grouped`), a weight's routed experts at once for one grouped matmul - the 16-bit stack autograd keeps
     for the backward anyway; in the per-expert loop (reference and fallback) one at a time.
 
-    LoRA on the experts (peft's ``target_parameters``, :mod:`hf_fsdp_qlora.loading.expert_lora`): peft's
+    LoRA on the experts (peft's ``target_parameters``, :mod:`hf_fsdp_qlora.experts.lora`): peft's
     ``ParamWrapper`` modules hold the adapters in peft's own layout and format; while they run this module
     (:meth:`lora_active`) each routed expert's output gets ``scale * (x A_e^T) B_e^T``, with ``A_e``/``B_e`` that
     expert's slices of ``lora_A``/``lora_B`` - the update peft would add to that expert's weight, never formed.
     """
 
     packed_experts = True  # expert_layouts.is_experts_module: already ours, never swapped or counted again
-    # "auto": grouped (loading/_grouped.py) where grouped_mm runs this dtype and device, else the per-expert loop;
+    # "auto": grouped (experts/grouped.py) where grouped_mm runs this dtype and device, else the per-expert loop;
     # "loop": always the loop (the reference); "grouped": grouped or a clear error. Set per instance to compare.
     compute = "auto"
 
@@ -342,7 +342,7 @@ def quantize_experts(
         The names of the replaced modules (empty for a dense model).
 
     Raises:
-        UnsupportedSetupError: an experts module (by class: :func:`~hf_fsdp_qlora.expert_layouts.is_experts_module`)
+        UnsupportedSetupError: an experts module (by class: :func:`~hf_fsdp_qlora.experts.layouts.is_experts_module`)
             that declares no layout (transformers' ``use_experts_implementation``) and has no named entry; it names
             the module path, the tensors found and the way to load it knowingly in 16 bits, instead of leaving the
             experts unquantized silently.

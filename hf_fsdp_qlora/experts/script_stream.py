@@ -5,21 +5,21 @@ quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...), dtype=..., devic
 under a multi-GPU launch (accelerate's ``PartialState`` reads MULTI_GPU there, FSDP config or not) and on the CPU, and
 ``device_map="auto"`` in a single process on a GPU. bitsandbytes packs only linear layers, so that call materialises
 every fused expert weight 16-bit (Qwen3-30B-A3B: ~54 GiB per process) before the launcher's peft hook
-(:func:`~hf_fsdp_qlora.loading.expert_lora.quantize_experts_before_peft`) packs them.
+(:func:`~hf_fsdp_qlora.experts.lora.quantize_experts_before_peft`) packs them.
 
 So the launcher also wraps ``PreTrainedModel.from_pretrained`` (once per process:
 :func:`stream_experts_of_script_loads`). A 4-bit load of a local safetensors checkpoint with fused experts of a
 family we quantize leaves the experts unread, exactly as ``load_qlora_model`` does
-(:func:`~hf_fsdp_qlora.loading._expert_stream.experts_left_unread`), and before the call returns they stream from the
-files into :class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts` one layer at a time, with the quant type, double
+(:func:`~hf_fsdp_qlora.experts.stream.experts_left_unread`), and before the call returns they stream from the
+files into :class:`~hf_fsdp_qlora.experts.quantized.QuantizedExperts` one layer at a time, with the quant type, double
 quant and dtype the peft hook would have used (:func:`experts_quantization`).
 Each rank streams its own (nothing is shared between ranks on this route).
 
-Where they stream (:func:`~hf_fsdp_qlora.loading._experts_map.one_device`): a ``device_map`` that puts the whole
+Where they stream (:func:`~hf_fsdp_qlora.experts.placement.one_device`): a ``device_map`` that puts the whole
 model on one device. On a CUDA GPU - ``device_map=None`` (the current GPU), ``{"": d}``, ``"cuda:d"``, ``d`` or
 ``torch.device("cuda", d)``, and ``"auto"``, ``"balanced"``, ``"balanced_low_0"`` or ``"sequential"`` when exactly one
 CUDA device is visible (device 0) - the experts modules load on the CPU and are packed onto that GPU, the rest loads on
-it, as in ``load_qlora_model`` (:mod:`~hf_fsdp_qlora.loading._experts_map`). A pre-quantized checkpoint (a stock 4-bit
+it, as in ``load_qlora_model`` (:mod:`~hf_fsdp_qlora.experts.placement`). A pre-quantized checkpoint (a stock 4-bit
 save: packed linear layers, 16-bit experts) does too, with the checkpoint's own quantization: transformers loads with
 that one whatever the script passes, so the CPU offload the map needs is allowed in a copy of the config it gets. On
 the CPU - no map or a strategy string with no accelerator visible, ``{"": "cpu"}``, ``"cpu"`` - everything loads

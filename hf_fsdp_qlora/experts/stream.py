@@ -8,7 +8,7 @@ written (transformers would otherwise draw random values for the "missing" weigh
 :meth:`StreamedExperts.quantize` then reads each experts module's tensors with safetensors' lazy ``safe_open``
 slices (``pread``: no memory map keeps the pages), assembles that one layer in 16 bits exactly as transformers'
 conversion mapping would (stacked per expert, gate and up concatenated or de-interleaved), packs it with
-:class:`~hf_fsdp_qlora.loading.experts.QuantizedExperts` and drops the 16-bit copy before the next layer.
+:class:`~hf_fsdp_qlora.experts.quantized.QuantizedExperts` and drops the 16-bit copy before the next layer.
 
 Host RAM per process while loading: the 4-bit model, one layer's 16-bit experts and the process's own runtime
 (``doctor``'s ``host_per_process["loading"]``). With ``low_cpu_ram`` rank 0 streams and quantizes, and the other
@@ -57,7 +57,7 @@ class ExpertStream:
     """Where each experts module's weights lie in a local safetensors checkpoint.
 
     Attributes:
-        modules: experts module name -> {parameter name: [slices]} (:class:`~hf_fsdp_qlora.expert_files.ExpertSlice`:
+        modules: experts module name -> {parameter name: [slices]} (:class:`~hf_fsdp_qlora.experts.files.ExpertSlice`:
             the file tensor, the expert it holds (None: the whole parameter), and its place in that expert's matrix).
         entries: file tensor name -> where it lies (:class:`~hf_fsdp_qlora.safetensors_io.TensorEntry`).
         key_pattern: a regex matching exactly the file tensors of the experts (hidden from ``from_pretrained``).

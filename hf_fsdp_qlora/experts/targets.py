@@ -27,7 +27,7 @@ def lora_config_for_experts(model: nn.Module, lora_config):
     """`lora_config` made to fit a mixture-of-experts model (4-bit or 16-bit experts), before ``get_peft_model``.
 
     "all-linear" means the model's linear layers (attention, dense MLPs, shared experts), named here; never the
-    routers (:mod:`hf_fsdp_qlora.moe_routers`). peft 0.21's transformers-v5 conversion would otherwise turn it, and any target named
+    routers (:mod:`hf_fsdp_qlora.experts.routers`). peft 0.21's transformers-v5 conversion would otherwise turn it, and any target named
     ``gate_proj`` / ``up_proj`` / ``down_proj`` (full names too), into parameter targets on the routed experts: the
     dense layers lose their LoRA and the default dropout fails in ``ParamWrapper``. The returned config is marked so
     that :func:`keep_linear_targets` switches that conversion off while peft builds the adapter. LoRA on the experts
