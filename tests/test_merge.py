@@ -69,12 +69,13 @@ def load_base(base, dtype=torch.bfloat16):
     return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
 
 
-def make_adapter(base: Path, out: Path, seed: int = 1, **lora_kwargs) -> Path:
-    """A real peft adapter over `base` whose every trainable tensor is non-trivial, saved to `out`."""
+def make_adapter(base: Path, out: Path, seed: int = 1, load=None, **lora_kwargs) -> Path:
+    """A real peft adapter over `base` (loaded by `load`, default :func:`load_base`) whose every trainable tensor is
+    non-trivial, saved to `out`."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(load_base(base), LoraConfig(**lora_kwargs))
+    model = get_peft_model((load or load_base)(base), LoraConfig(**lora_kwargs))
     with torch.no_grad():
         for _, param in model.named_parameters():
             if param.requires_grad:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from family_build import build
 from safetensors import safe_open
+from test_merge import make_adapter
 from tiny_models import build_tiny_model, tiny_config
 
 from hf_fsdp_qlora.cli.main import merge_adapters_main
@@ -76,19 +77,8 @@ def _disk_keys(path: Path) -> set[str]:
 
 
 def _make_adapter(base: Path, out: Path, **lora_kwargs) -> Path:
-    """A real peft adapter over `base` whose every trainable tensor is non-trivial (test_merge.make_adapter, on
-    the class `_load` picks), saved to `out`."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(1)
-    # lora_dropout 0: peft refuses dropout on parameter targets
-    model = get_peft_model(_load(base), LoraConfig(lora_dropout=0.0, **lora_kwargs))
-    with torch.no_grad():
-        for _, param in model.named_parameters():
-            if param.requires_grad:
-                param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(out)
-    return out
+    """test_merge.make_adapter on the class `_load` picks (lora_dropout 0: peft refuses dropout on parameter targets)."""
+    return make_adapter(base, out, load=_load, lora_dropout=0.0, **lora_kwargs)
 
 
 def _assert_equals_peft(base: Path, adapter: Path, out: Path, must_change: list[str]) -> dict:
