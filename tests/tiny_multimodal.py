@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["COMPOSITE", "FAMILIES", "TEXT_ONLY", "build_multimodal", "multimodal_config"]
+__all__ = ["COMPOSITE", "FAMILIES", "TEXT_ONLY", "build_multimodal", "build_text_only", "multimodal_config"]
 
 TEXT = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
@@ -118,6 +118,18 @@ def build_multimodal(path: str | Path, family: str, dtype=torch.float32, seed: i
         for name, param in model.named_parameters():
             if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
                 param.fill_(0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def build_text_only(path: str | Path, family: str, dtype=torch.float32, seed: int = 0) -> Path:
+    """`family`'s language model saved alone from its text-only class (``TEXT_ONLY[family]``, e.g.
+    ``Llama4ForCausalLM``: ``architectures`` names it, so trl's loader picks it), random weights, at `path`."""
+    import transformers
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = getattr(transformers, TEXT_ONLY[family])(multimodal_config(family).get_text_config()).to(dtype)
     model.save_pretrained(path)
     return path
 
