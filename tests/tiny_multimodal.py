@@ -7,6 +7,7 @@ class ``AutoModelForCausalLM`` maps the family to (the composite itself for Gemm
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -226,6 +227,9 @@ PROCESSORS = {"gemma3": _gemma3_processor, "mllama": _mllama_processor, "gemma4"
               "qwen3_5": _qwen_processor, "qwen3_5_moe": _qwen_processor}  # fmt: skip
 # built without their video processor (see _image_only); AutoProcessor cannot load them without torchvision
 WITHOUT_VIDEO = {"gemma4": "Gemma4Processor", "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
+# the video processor class each names in the video_preprocessor_config.json released checkpoints ship
+VIDEO_PROCESSOR = {"gemma4": "Gemma4VideoProcessor", "qwen3_5": "Qwen3VLVideoProcessor",
+                   "qwen3_5_moe": "Qwen3VLVideoProcessor"}  # fmt: skip
 
 
 def _tokenizer_for(family: str):
@@ -254,5 +258,8 @@ def build_processor(model_path: str | Path, family: str) -> Path:
     processor, prefix = PROCESSORS[family](_tokenizer_for(family))
     path = Path(model_path)
     processor.save_pretrained(path)
+    if family in VIDEO_PROCESSOR:  # written by hand: the class cannot be built without torchvision
+        video = {"video_processor_type": VIDEO_PROCESSOR[family], "processor_class": WITHOUT_VIDEO[family]}
+        (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     (path / "image_prefix.txt").write_text(prefix + "\n")
     return path

@@ -14,6 +14,10 @@ The fused forward then fails: ``'MoeCausalLMOutputWithPast' object has no attrib
 :func:`expose_text_backbone` gives such a model (only such a model) a ``base_model`` that returns its text
 backbone, looked up by attribute path on each access, so FSDP1's wrappers and peft's layers are followed.
 
+``Llama4ForConditionalGeneration`` has no module that merges the image features and returns hidden states (its own
+forward does that inline), so its backbone here is the text model: a batch with images reaching it through the fused
+head is refused by name (:data:`IMAGE_INPUTS`) rather than trained with the images dropped.
+
 The same head adds the router load-balancing loss for a mixture of experts whose text config declares
 ``output_router_logits`` (trl turns it on when ``router_aux_loss_coef`` is set, 0.001 for Llama 4) and reads the expert
 count as ``text_config.num_experts``; ``Llama4TextConfig`` names it ``num_local_experts``: "'Llama4TextConfig' object
@@ -24,7 +28,10 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["expose_expert_count", "expose_text_backbone", "text_backbone_path"]
+__all__ = ["IMAGE_INPUTS", "expose_expert_count", "expose_text_backbone", "text_backbone_path"]
+
+# the inputs a text backbone would drop
+IMAGE_INPUTS = ("pixel_values", "pixel_values_videos", "input_features", "image_embeds")
 
 _CLASSES: dict[type, type] = {}
 
@@ -74,8 +81,26 @@ def expose_text_backbone(model: nn.Module) -> str | None:
     path = text_backbone_path(inner)
     if path is not None:
         inner.__class__ = _with_backbone(type(inner), path)
+        if "." in path:  # under a composite with towers: the text model alone must not see images
+            _refuse_images(inner.get_submodule(path), type(inner).__name__, path)
     expose_expert_count(inner)
     return path
+
+
+def _refuse_images(backbone: nn.Module, cls: str, path: str) -> None:
+    def refuse(module, args, kwargs):
+        given = [k for k in IMAGE_INPUTS if kwargs.get(k) is not None]
+        if given:
+            raise ValueError(
+                f"{cls}: image-text training through trl's SFTTrainer is not supported: trl's fused LM head runs the "
+                f"text backbone ({path}), which would drop {given}; the class has no backbone that merges the image "
+                "features (and Llama 4's image processor needs torchvision). Train it on text rows (the tokenizer as "
+                "processing_class), or use an image-text family whose backbone takes images (Gemma 3/4, Qwen3.5, Mllama)."
+            )
+
+    if not getattr(backbone, "_hf_fsdp_qlora_refuses_images", False):
+        backbone.register_forward_pre_hook(refuse, with_kwargs=True)
+        backbone._hf_fsdp_qlora_refuses_images = True
 
 
 def expose_expert_count(model: nn.Module) -> None:
