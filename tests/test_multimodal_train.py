@@ -37,12 +37,13 @@ pytestmark = pytest.mark.distributed
 # its processing class with AutoProcessor, which needs torchvision (not installed here) for Gemma 4 and Qwen3.5(-MoE)
 # (their video processors have no other backend) and Llama 4 (its image processor): their text rows go through the
 # same SFTTrainer given the tokenizer ("tokenizer"). "image": SFTTrainer with the processor on image-text rows.
-# "text-fsdp1": Gemma 3's text run again under FSDP1.
+# "text-fsdp1": the run again under FSDP1 (Gemma 3; Llama4ForCausalLM, whose fused-head failure was the same there).
 SFT_PY = ("gemma3", "mllama", "llama4_text")
 JOBS = [
     *((f, "text" if f in SFT_PY else "tokenizer") for f in (*FAMILIES, "llama4_text")),
     *((f, "image") for f in PROCESSORS),
     ("gemma3", "text-fsdp1"),
+    ("llama4_text", "text-fsdp1"),
 ]
 # the class trl's loader picks (the checkpoint's `architectures`) and the tower count of each checkpoint
 CLASS = {**COMPOSITE, "llama4_text": TEXT_ONLY["llama4"]}
