@@ -45,7 +45,7 @@ JOBS = [
     ("gemma3", "text-fsdp1"),
     ("llama4_text", "text-fsdp1"),
 ]
-# the class trl's loader picks (the checkpoint's `architectures`) and the tower count of each checkpoint
+# the class trl's loader picks (the checkpoint's `architectures`)
 CLASS = {**COMPOSITE, "llama4_text": TEXT_ONLY["llama4"]}
 
 
