@@ -67,8 +67,9 @@ def _with_backbone(cls: type, path: str) -> type:
         def base_model(self):
             return self.get_submodule(path)
 
-        _CLASSES[key] = type(cls.__name__, (cls,), {"base_model": property(base_model), "__module__": cls.__module__,
-                                                    "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})  # fmt: skip
+        namespace = {"base_model": property(base_model), "__module__": cls.__module__,
+                     "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}  # fmt: skip
+        _CLASSES[key] = type(cls.__name__, (cls,), namespace)
     return _CLASSES[key]
 
 
@@ -95,7 +96,7 @@ def _refuse_images(backbone: nn.Module, cls: str, path: str) -> None:
                 f"{cls}: image-text training through trl's SFTTrainer is not supported: trl's fused LM head runs the "
                 f"text backbone ({path}), which would drop {given}; the class has no backbone that merges the image "
                 "features (and Llama 4's image processor needs torchvision). Train it on text rows (the tokenizer as "
-                "processing_class), or use an image-text family whose backbone takes images (Gemma 3/4, Qwen3.5, Mllama)."
+                "processing_class), or an image-text family whose backbone takes images (Gemma 3/4, Qwen3.5, Mllama)."
             )
 
     if not getattr(backbone, "_hf_fsdp_qlora_refuses_images", False):

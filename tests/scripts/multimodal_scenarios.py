@@ -8,10 +8,10 @@ tokenizer (for families whose processor AutoProcessor cannot load without torchv
 under FSDP1. ROUTE ``text``: trl's own ``sft.py`` (from the installed trl, unchanged) with
 ``--use_peft --load_in_4bit --lora_target_modules all-linear`` on MODELS/FAMILY and the JSONL text data in TEXT.
 ROUTE ``image``: trl's ``SFTTrainer`` given the model path, a 4-bit ``BitsAndBytesConfig``, LoRA all-linear and the
-model's processor (saved beside it; tiny_multimodal.load_processor), on tiny random images made here with PIL. Each run meets on its own port
-of PORTS and writes ``OUT/FAMILY_ROUTE/record_rank{N}.pt``: what FSDP wrapped, the towers' storage, and the trainable
-tensors at the start and the end (gathered: train_scenarios.full_trainable); or, for a run that raised (the same
-on every rank), ``{"error": ...}``, and the next run goes on.
+model's processor (saved beside it; tiny_multimodal.load_processor), on tiny random images made here with PIL. Each
+run meets on its own port of PORTS and writes ``OUT/FAMILY_ROUTE/record_rank{N}.pt``: what FSDP wrapped, the towers'
+storage, and the trainable tensors at the start and the end (gathered: train_scenarios.full_trainable); or, for a run
+that raised (the same on every rank), ``{"error": ...}``, and the next run goes on.
 """
 
 from __future__ import annotations
