@@ -158,7 +158,7 @@ def test_doctor_plans_the_towers_16bit(checkpoints, family):
     assert plan.parameters["towers"] == real and plan.parameters["towers_bytes"] == 2 * real
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_5", "mllama"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_merged_checkpoint_reloads_in_its_class_with_towers_byte_identical(checkpoints, family, tmp_path):
     """An adapter trained with ``load_qlora_model`` on the image-text class (4-bit language model, 16-bit towers),
     merged by ``merge-adapters`` onto the 16-bit checkpoint: the original class loads the result, every tower tensor
@@ -283,3 +283,76 @@ def test_a_text_model_saved_alone_loads_through_its_own_class(family, cls, tmp_p
     config = AutoConfig.from_pretrained(build(family, tmp_path / family))
     assert config.architectures == [cls] and causal_lm_problem(config) is None
     assert auto_class_for(config).__name__ == cls
+
+
+@pytest.mark.parametrize(
+    "family, cls",
+    [("llama4", "Llama4ForCausalLM"), ("llama4", "Llama4ForConditionalGeneration"), ("mllama", "MllamaForCausalLM")],
+)
+def test_trl_fused_lm_head_finds_the_text_backbone(family, cls):
+    """trl 1.16's SFTTrainer always patches in its fused LM head, which runs ``model.base_model`` and reads
+    ``last_hidden_state``. These three classes' ``base_model`` is the whole model (head included): before, the fused
+    forward failed ("'...CausalLMOutputWithPast' object has no attribute 'last_hidden_state'"). Oracle: the class's own
+    loss on the same tokens."""
+    import transformers
+    from tiny_multimodal import multimodal_config
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_fsdp_qlora.train.backbone import expose_text_backbone
+
+    torch.manual_seed(0)
+    config = multimodal_config(family)
+    model = getattr(transformers, cls)(config if cls == COMPOSITE[family] else config.get_text_config()).eval()
+    ids = torch.randint(8, 500, (2, 12))
+    with torch.no_grad():
+        stock = model(input_ids=ids, labels=ids).loss
+        assert expose_text_backbone(model) is not None and type(model).__name__ == cls  # the class keeps its name
+        add_fused_lm_head(model)
+        fused = model(input_ids=ids, labels=ids, fused_lm_head=True).loss
+    torch.testing.assert_close(fused, stock, rtol=1e-5, atol=1e-5)
+    assert expose_text_backbone(model.base_model) is None and expose_text_backbone(model) is None  # idempotent
+
+
+def test_llama4_image_batch_through_trl_fused_head_is_refused_by_name():
+    """Llama4ForConditionalGeneration's own forward merges the image features inline (it trains on an image here, in
+    transformers 5.23), but it has no backbone module that does: trl's fused LM head runs the text model we give it,
+    which takes ``**kwargs`` and would drop ``pixel_values`` silently. Refused by name instead (before: no error,
+    the image ignored)."""
+    import transformers
+    from tiny_multimodal import multimodal_config
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_fsdp_qlora.train.backbone import expose_text_backbone
+
+    config = multimodal_config("llama4")
+    config.vision_config.intermediate_size = 128  # 4 x hidden: what the pixel shuffle (ratio 0.5) hands the adapter
+    config.image_token_index = 5
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    ids, pixels = torch.tensor([[1, 5, 10, 11, 12]]), torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids, pixel_values=pixels, labels=ids).loss)  # upstream works
+        expose_text_backbone(model)
+        add_fused_lm_head(model)
+        model(input_ids=ids, labels=ids, fused_lm_head=True)  # text rows train
+        with pytest.raises(ValueError, match=r"Llama4ForConditionalGeneration: image-text training through trl"):
+            model(input_ids=ids, pixel_values=pixels, labels=ids, fused_lm_head=True)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])
+def test_processors_load_without_torchvision_only_without_their_video_processor(family, tmp_path):
+    """Why trl's sft.py cannot run Gemma 4 and Qwen3.5 here (tests/test_multimodal_train.py gives their text rows
+    the tokenizer): sft.py builds its processing class with AutoProcessor, which loads the video processor, and
+    Gemma4VideoProcessor / Qwen3VLVideoProcessor have a torchvision backend only. Their image processors have a PIL
+    backend, so the processor without its video processor loads and expands the image tokens. Llama 4's image
+    processor has no PIL backend at all."""
+    import transformers
+    from tiny_multimodal import build_multimodal, build_processor, load_processor
+
+    path = build_processor(build_multimodal(tmp_path / family, family), family)
+    with pytest.raises(ImportError, match="VideoProcessor requires the Torchvision library"):
+        transformers.AutoProcessor.from_pretrained(path)
+    processor = load_processor(path, family)
+    assert type(processor.image_processor).__name__.endswith("ImageProcessorPil")
+    with pytest.raises(ImportError, match="Torchvision"):
+        transformers.Llama4ImageProcessor()

@@ -7,11 +7,13 @@ class ``AutoModelForCausalLM`` maps the family to (the composite itself for Gemm
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-__all__ = ["COMPOSITE", "FAMILIES", "TEXT_ONLY", "build_multimodal", "multimodal_config"]
+__all__ = ["COMPOSITE", "FAMILIES", "PROCESSORS", "TEXT_ONLY", "WITHOUT_VIDEO", "build_multimodal",
+           "build_processor", "build_text_only", "load_processor", "multimodal_config"]  # fmt: skip
 
 TEXT = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
@@ -122,6 +124,18 @@ def build_multimodal(path: str | Path, family: str, dtype=torch.float32, seed: i
     return path
 
 
+def build_text_only(path: str | Path, family: str, dtype=torch.float32, seed: int = 0) -> Path:
+    """`family`'s language model saved alone from its text-only class (``TEXT_ONLY[family]``, e.g.
+    ``Llama4ForCausalLM``: ``architectures`` names it, so trl's loader picks it), random weights, at `path`."""
+    import transformers
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = getattr(transformers, TEXT_ONLY[family])(multimodal_config(family).get_text_config()).to(dtype)
+    model.save_pretrained(path)
+    return path
+
+
 # the special tokens of every family's processor (ids 3..), then words t{id}
 SPECIALS = ["<boi>", "<eoi>", "<image>", "<|image|>", "<|python_tag|>"]
 MLLAMA_IMAGE_TOKEN = 3 + SPECIALS.index("<|image|>")
@@ -160,17 +174,92 @@ def _mllama_processor(tokenizer):
     return MllamaProcessor(image_processor=image, tokenizer=tokenizer), "<|image|>"
 
 
-# The others' processors (Gemma 4, Qwen3.5, Llama 4) need torchvision (their video or image processors), which the
-# CPU test environment does not install.
-PROCESSORS = {"gemma3": _gemma3_processor, "mllama": _mllama_processor}
+class _WithoutVideo:
+    """Drops a ``video_processor=None`` on its way to ``ProcessorMixin.__init__`` (put after the processor class)."""
+
+    def __init__(self, *args, **kwargs):
+        if "video_processor" in kwargs and kwargs["video_processor"] is None:
+            del kwargs["video_processor"]
+        super().__init__(*(a for a in args if a is not None), **kwargs)
+
+
+def _init_with_audio(self, feature_extractor, image_processor, tokenizer, chat_template=None, **kwargs):
+    type(self).__mro__[1].__init__(self, feature_extractor, image_processor, tokenizer, None,
+                                   chat_template=chat_template, **kwargs)  # fmt: skip
+
+
+def _init_images(self, image_processor, tokenizer, chat_template=None, **kwargs):
+    type(self).__mro__[1].__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+def _image_only(processor_cls):
+    """`processor_cls` without its video processor. Gemma 4's and Qwen3.5's processors hold one, and their video
+    processors have a torchvision backend only (not installed here): neither the processor nor AutoProcessor's load
+    can be built without it. Images go through the PIL image processor. Same name, so it saves as released; its
+    ``__init__`` names the attributes kept (ProcessorMixin reads them from the signature)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    mixin = type("WithoutVideo", (_WithoutVideo, ProcessorMixin), {})
+    init = _init_with_audio if "feature_extractor" in processor_cls.get_attributes() else _init_images
+    return type(processor_cls.__name__, (processor_cls, mixin), {"__init__": init})
+
+
+def _gemma4_processor(tokenizer):
+    from transformers import Gemma4AudioFeatureExtractor, Gemma4ImageProcessorPil, Gemma4Processor
+
+    # 70 soft tokens is the smallest budget Gemma 4's image processor takes (a 32x32 image gives 64)
+    image = Gemma4ImageProcessorPil(patch_size=8, pooling_kernel_size=2, max_soft_tokens=70)
+    return _image_only(Gemma4Processor)(
+        Gemma4AudioFeatureExtractor(), image, tokenizer, image_seq_length=70
+    ), "<image>"
+
+
+def _qwen_processor(tokenizer):
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
+
+    pixels = 32 * 32  # one 32x32 image: 4x4 patches of 8, merged 2x2 into 4 tokens
+    image = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                                     size={"shortest_edge": pixels, "longest_edge": pixels})  # fmt: skip
+    return _image_only(Qwen3VLProcessor)(image, tokenizer), "<image>"
+
+
+PROCESSORS = {"gemma3": _gemma3_processor, "mllama": _mllama_processor, "gemma4": _gemma4_processor,
+              "qwen3_5": _qwen_processor, "qwen3_5_moe": _qwen_processor}  # fmt: skip
+# built without their video processor (see _image_only); AutoProcessor cannot load them without torchvision
+WITHOUT_VIDEO = {"gemma4": "Gemma4Processor", "qwen3_5": "Qwen3VLProcessor", "qwen3_5_moe": "Qwen3VLProcessor"}
+# the video processor class each names in the video_preprocessor_config.json released checkpoints ship
+VIDEO_PROCESSOR = {"gemma4": "Gemma4VideoProcessor", "qwen3_5": "Qwen3VLVideoProcessor",
+                   "qwen3_5_moe": "Qwen3VLVideoProcessor"}  # fmt: skip
+
+
+def _tokenizer_for(family: str):
+    if family == "mllama":
+        return build_tokenizer(image_token="<|image|>")
+    if family == "gemma4":  # Gemma 4's processor checks for the audio tokens even on images (ids as in the config)
+        return build_tokenizer(audio_token="<|python_tag|>", boa_token="<boi>", eoa_token="<eoi>")
+    return build_tokenizer()
+
+
+def load_processor(model_path: str | Path, family: str):
+    """The processor saved beside the model: ``AutoProcessor`` where it loads here, else the class without its video
+    processor, with the word-level tokenizer read as such (AutoTokenizer would take Qwen3.5's BPE class)."""
+    import transformers
+    from transformers import AutoProcessor, PreTrainedTokenizerFast
+
+    if family not in WITHOUT_VIDEO:
+        return AutoProcessor.from_pretrained(model_path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    return _image_only(getattr(transformers, WITHOUT_VIDEO[family])).from_pretrained(model_path, tokenizer=tokenizer)
 
 
 def build_processor(model_path: str | Path, family: str) -> Path:
     """`family`'s processor over the tiny tokenizer, saved beside the model (as released checkpoints ship it) with
     ``image_prefix.txt``: the text that stands for one image in a row (the processor expands it to its tokens)."""
-    tokenizer = build_tokenizer(image_token="<|image|>") if family == "mllama" else build_tokenizer()
-    processor, prefix = PROCESSORS[family](tokenizer)
+    processor, prefix = PROCESSORS[family](_tokenizer_for(family))
     path = Path(model_path)
     processor.save_pretrained(path)
+    if family in VIDEO_PROCESSOR:  # written by hand: the class cannot be built without torchvision
+        video = {"video_processor_type": VIDEO_PROCESSOR[family], "processor_class": WITHOUT_VIDEO[family]}
+        (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     (path / "image_prefix.txt").write_text(prefix + "\n")
     return path

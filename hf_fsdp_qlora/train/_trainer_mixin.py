@@ -6,6 +6,7 @@ Each hook is a few lines that hand the stock method to the module of ``train/`` 
 Trainer hook                         owner
 ==================================== ===================================================================
 create_accelerator_and_postprocess   accelerator_setup (settings set aside, activation checkpointing),
+                                     backbone (trl's fused LM head finds the text backbone: Llama 4, Mllama),
                                      compile, offload, long_context (sequence parallelism, tiled MLP),
                                      consistency.follow_wrapping (after-wrap fix-ups),
                                      vllm_sync (trl's GRPO/RLOO with use_vllm: adapter-only sync)
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 from . import checkpoint_hooks
 from .accelerator_setup import resolve_activation_checkpointing, set_aside_refused_settings
+from .backbone import expose_text_backbone
 from .callbacks import FSDPQLoRACallback
 from .compile import enable_layer_compilation
 from .consistency import follow_wrapping
@@ -95,6 +97,8 @@ class FSDPSaveMixin:
         with set_aside_refused_settings(self.args):
             super().create_accelerator_and_postprocess()
         resolve_activation_checkpointing(self)
+        # trl's SFTTrainer patches its fused LM head in after this returns; the head finds the backbone per call
+        expose_text_backbone(self.model)
         enable_layer_compilation(self)  # before prepare(), where accelerate compiles
         if getattr(self.args, "activation_offloading", False):
             install_activation_offloading(self.model)

@@ -4,13 +4,14 @@ launch:
     accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run multimodal_scenarios.py OUT PORTS JOBS MODELS TEXT
 
 JOBS: comma-separated ``FAMILY:ROUTE``. ROUTE ``tokenizer``: as ``text`` through trl's ``SFTTrainer`` with the
-tokenizer (for families whose processor needs torchvision). ``ROUTE-fsdp1``: that run under FSDP1. ROUTE ``text``: trl's own ``sft.py`` (from the installed trl, unchanged) with
+tokenizer (for families whose processor AutoProcessor cannot load without torchvision). ``ROUTE-fsdp1``: that run
+under FSDP1. ROUTE ``text``: trl's own ``sft.py`` (from the installed trl, unchanged) with
 ``--use_peft --load_in_4bit --lora_target_modules all-linear`` on MODELS/FAMILY and the JSONL text data in TEXT.
 ROUTE ``image``: trl's ``SFTTrainer`` given the model path, a 4-bit ``BitsAndBytesConfig``, LoRA all-linear and the
-model's processor (saved beside it), on tiny random images made here with PIL. Each run meets on its own port
-of PORTS and writes ``OUT/FAMILY_ROUTE/record_rank{N}.pt``: what FSDP wrapped, the towers' storage, and the trainable
-tensors at the start and the end (gathered: train_scenarios.full_trainable); or, for a run that raised (the same
-on every rank), ``{"error": ...}``, and the next run goes on.
+model's processor (saved beside it; tiny_multimodal.load_processor), on tiny random images made here with PIL. Each
+run meets on its own port of PORTS and writes ``OUT/FAMILY_ROUTE/record_rank{N}.pt``: what FSDP wrapped, the towers'
+storage, and the trainable tensors at the start and the end (gathered: train_scenarios.full_trainable); or, for a run
+that raised (the same on every rank), ``{"error": ...}``, and the next run goes on.
 """
 
 from __future__ import annotations
@@ -119,10 +120,11 @@ def run_image(model: Path, text: Path, out: Path) -> None:
     from datasets import Dataset
     from peft import LoraConfig
     from PIL import Image
-    from transformers import AutoProcessor, BitsAndBytesConfig
+    from tiny_multimodal import load_processor
+    from transformers import BitsAndBytesConfig
     from trl import SFTConfig, SFTTrainer
 
-    processor = AutoProcessor.from_pretrained(model)
+    processor = load_processor(model, model.name)  # AutoProcessor, or the class without its video processor
     prefix = (model / "image_prefix.txt").read_text().strip()
     rng = np.random.default_rng(0)
     rows = [
@@ -146,8 +148,8 @@ def run_image(model: Path, text: Path, out: Path) -> None:
 
 
 def run_tokenizer(model: Path, text: Path, out: Path) -> None:
-    """trl's SFTTrainer on the image-text class with text rows and the tokenizer as its processing class (for the
-    families whose processor needs torchvision, which this environment lacks: sft.py would load the processor)."""
+    """trl's SFTTrainer on the image-text class with text rows and the tokenizer as its processing class: what sft.py
+    builds, for the families whose processor AutoProcessor cannot load without torchvision (not installed here)."""
     from datasets import load_dataset
     from peft import LoraConfig
     from transformers import BitsAndBytesConfig, PreTrainedTokenizerFast
