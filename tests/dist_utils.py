@@ -35,6 +35,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def job_port(job_out: Path, used: set[str], timeout: float = 300.0) -> str:
+    """The port one job of a batched launch meets on: chosen by rank 0 just before the job's rendezvous and handed
+    to the other ranks through a file beside `job_out` (the job's own, fresh folder; left untouched itself). A port chosen when the launch started can be taken by
+    the time a later job meets (by some connection's ephemeral port: EADDRINUSE on rank 0, the other ranks waiting
+    out their store timeout); never one an earlier job used (a rank still leaving the old group must not meet the
+    new one)."""
+    path = job_out.parent / f"{job_out.name}.master_port"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        port = str(free_port())
+        while port in used:
+            port = str(free_port())
+        path.with_suffix(".tmp").write_text(port)
+        os.replace(path.with_suffix(".tmp"), path)
+    else:
+        deadline = time.monotonic() + timeout
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 wrote no port into {path} within {timeout:.0f} s")
+            time.sleep(0.05)
+        port = path.read_text()
+    used.add(port)
+    return port
+
+
 def _env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import CONFIGS, _fork_cmd, _run, check, free_port
+from dist_utils import CONFIGS, _fork_cmd, _run, check
 from tiny_multimodal import (
     COMPOSITE,
     FAMILIES,
@@ -68,7 +68,7 @@ def records(tmp_path_factory):
             path = build_multimodal(root / family, family, dtype=torch.bfloat16)
         build_processor(path, family) if family in PROCESSORS else build_tokenizer(path)
     out = root / "runs"
-    rest = [str(out), ",".join(str(free_port()) for _ in JOBS), ",".join(f"{f}:{r}" for f, r in JOBS), str(root),
+    rest = [str(out), ",".join(f"{f}:{r}" for f, r in JOBS), str(root),
             str(_text_data(root / "text"))]  # fmt: skip
     cmd = _fork_cmd("multimodal_scenarios.py", rest, 600, config=CONFIGS / "cpu_fsdp2_rehearsal.yaml")
     at = len(cmd) - len(rest) - 1  # before the script: fork_launch's `-m MODULE SCRIPT ARGS`

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import CONFIGS, SCRIPTS, _fork_cmd, _run, check, free_port, trained_from_launch_start
+from dist_utils import CONFIGS, SCRIPTS, _fork_cmd, _run, check, trained_from_launch_start
 from tiny_models import build_tiny_model
 
 sys.path.insert(0, str(SCRIPTS))
@@ -83,9 +83,9 @@ def inputs(shared_models, tmp_path_factory):
 
 
 def _launch(version: int, record: Path, args: list[str], timeout: int = 420):
-    """Forked ranks running ``python -m hf_fsdp_qlora.run tests/scripts/trl_sft_recorder.py RECORD LRS PORTS ARGS``."""
+    """Forked ranks running ``python -m hf_fsdp_qlora.run tests/scripts/trl_sft_recorder.py RECORD LRS ARGS``."""
     config = CONFIGS / f"cpu_fsdp{version}_rehearsal.yaml"
-    rest = [str(record), ",".join(LRS), ",".join(str(free_port()) for _ in LRS), *args]  # a port per run
+    rest = [str(record), ",".join(LRS), *args]  # a port per run: the script's dist_utils.job_port
     cmd = _fork_cmd("trl_sft_recorder.py", rest, timeout, config=config)
     at = len(cmd) - len(rest) - 1  # before the script: fork_launch's `-m MODULE SCRIPT ARGS`
     return _run([*cmd[:at], "-m", "hf_fsdp_qlora.run", *cmd[at:]], timeout, None)
@@ -130,7 +130,7 @@ def _stock_sft(model, data, lr, init, micro_batches, out):
     # A row index per dataset item: the collator stacks the recorded rows back into the recorded micro-batches.
     rows = [{k: v[i] for k, v in batch.items()} for batch in micro_batches for i in range(len(batch["input_ids"]))]
     index = Dataset.from_dict({"row": list(range(len(rows)))})
-    stack = lambda feats: {k: torch.stack([rows[f["row"]][k] for f in feats]) for k in rows[0]}  # noqa: E731
+    stack = lambda feats: {k: torch.stack([rows[f["row"]][k] for f in feats]) for k in rows[0]}
     return trained_from_launch_start(
         lambda: SFTTrainer(
             model=str(model), args=args, train_dataset=index, data_collator=stack,

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import BIN, REPO, SCRIPTS, _env, check, free_port, launch_via_run
+from dist_utils import BIN, REPO, SCRIPTS, _env, check, launch_via_run
 from readme_blocks import blocks, program, shell_commands
 from refresh_recipe_figures import settings_block
 from test_recipes_docs import RUNS, _excerpts
@@ -301,7 +301,7 @@ def rehearsal(tiny, tmp_path_factory):
             steps = setup.save_steps if kind == "slurm" else 1
             script, argv = _script_and_args(_without_env(words), tiny[kind], root / name, steps)
             runs.append({"name": name, "script": script, "argv": argv, "out": str(root / name / "record"),
-                         "port": free_port(), "cwd": str(REPO)})  # fmt: skip
+                         "cwd": str(REPO)})  # fmt: skip
             config = args[args.index("--training-config") + 1]
             plans[name] = (where, setup, read_training_config(config), kind)
     plan = root / "plan.json"

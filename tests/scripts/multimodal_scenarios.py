@@ -1,7 +1,7 @@
 """Multimodal checkpoints trained under ``-m hf_fsdp_qlora.run`` (tests/test_multimodal_train.py), several runs in one
 launch:
 
-    accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run multimodal_scenarios.py OUT PORTS JOBS MODELS TEXT
+    accelerate launch --config_file CONFIG -m hf_fsdp_qlora.run multimodal_scenarios.py OUT JOBS MODELS TEXT
 
 JOBS: comma-separated ``FAMILY:ROUTE``. ROUTE ``tokenizer``: as ``text`` through trl's ``SFTTrainer`` with the
 tokenizer (for families whose processor AutoProcessor cannot load without torchvision). ``ROUTE-fsdp1``: that run
@@ -9,7 +9,7 @@ under FSDP1. ROUTE ``text``: trl's own ``sft.py`` (from the installed trl, uncha
 ``--use_peft --load_in_4bit --lora_target_modules all-linear`` on MODELS/FAMILY and the JSONL text data in TEXT.
 ROUTE ``image``: trl's ``SFTTrainer`` given the model path, a 4-bit ``BitsAndBytesConfig``, LoRA all-linear and the
 model's processor (saved beside it; tiny_multimodal.load_processor), on tiny random images made here with PIL. Each
-run meets on its own port of PORTS and writes ``OUT/FAMILY_ROUTE/record_rank{N}.pt``: what FSDP wrapped, the towers'
+run meets on its own port (dist_utils.job_port) and writes ``OUT/FAMILY_ROUTE/record_rank{N}.pt``: what FSDP wrapped, the towers'
 storage, and the trainable tensors at the start and the end (gathered: train_scenarios.full_trainable); or, for a run
 that raised (the same on every rank), ``{"error": ...}``, and the next run goes on.
 """
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import trl.scripts.sft as trl_sft
 from accelerate.state import AcceleratorState, GradientState
+from dist_utils import job_port
 from train_scenarios import full_trainable
 from transformers import Trainer, TrainerCallback
 
@@ -175,17 +176,19 @@ ROUTES = {"text": run_text, "image": run_image, "tokenizer": run_tokenizer}
 
 
 def main() -> None:
-    out, ports, jobs = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3].split(",")
-    models, text = Path(sys.argv[4]), Path(sys.argv[5])
-    for job, port in zip(jobs, ports, strict=True):
+    out, jobs = Path(sys.argv[1]), sys.argv[2].split(",")
+    models, text = Path(sys.argv[3]), Path(sys.argv[4])
+    used: set[str] = set()
+    for job in jobs:
         family, route = job.split(":")
         # "ROUTE-fsdp1": this run under FSDP1 (accelerate's plugin reads FSDP_VERSION when the trainer builds it)
         route, _, fsdp1 = route.partition("-fsdp")
         os.environ["FSDP_VERSION"] = fsdp1 or "2"
         torch.manual_seed(0)
-        # each run meets on a port of its own (a rank still leaving the old group must not meet the new one)
-        os.environ["MASTER_PORT"] = port
         run_out = out / job.replace(":", "_")
+        # each run meets on a port of its own, chosen as it starts (a rank still leaving the old group must not
+        # meet the new one)
+        os.environ["MASTER_PORT"] = job_port(run_out, used)
         with recording(run_out):
             try:
                 ROUTES[route](models / family, text, run_out)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState
+from dist_utils import job_port
 from transformers import Trainer, TrainerCallback
 
 ARGS = (
@@ -102,12 +103,13 @@ def _run(run: dict) -> None:
 def main() -> None:
     runs = json.loads(Path(sys.argv[1]).read_text())
     os.chdir(runs[0]["cwd"])  # the pages' commands run from the repository's root (paths, GRPO's reward import)
+    used: set[str] = set()
     for run in runs:
         hooked = _install(Path(run["out"]))
         torch.manual_seed(0)
         # A port of its own: a trl script's trainer.end() destroyed the last group without a barrier, and a
         # rendezvous on the same port could meet a rank still in it (a group still alive is simply reused).
-        os.environ["MASTER_PORT"] = str(run["port"])
+        os.environ["MASTER_PORT"] = job_port(Path(run["out"]), used)
         try:
             _run(run)
         finally:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import trl.scripts.sft as trl_sft
 from accelerate.state import AcceleratorState, GradientState
+from dist_utils import job_port
 from train_scenarios import full_trainable
 from transformers import Trainer, TrainerCallback
 
@@ -100,14 +101,15 @@ def recording(out: Path):
 
 
 def main() -> None:
-    record, lrs, ports, sft_args = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3].split(","), sys.argv[4:]
+    record, lrs, sft_args = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3:]
     script = trl_sft.__file__
-    for lr, port in zip(lrs, ports, strict=True):
+    used: set[str] = set()
+    for lr in lrs:
         out = record / f"lr{lr}"
         torch.manual_seed(0)  # the same fresh adapters in every run (rank 0's, broadcast): one oracle per lr
         # sft.py ends with trainer.end(), which destroys the process group without a barrier; a rendezvous on the
         # same port could meet a rank still in the old group (seen: a hang), so each run meets on a port of its own
-        os.environ["MASTER_PORT"] = port
+        os.environ["MASTER_PORT"] = job_port(out, used)
         sys.argv = [script, *sft_args, "--learning_rate", lr, "--output_dir", str(out)]
         with recording(out):
             runpy.run_path(script, run_name="__main__")
