@@ -313,30 +313,53 @@ def test_trl_fused_lm_head_finds_the_text_backbone(family, cls):
     assert expose_text_backbone(model.base_model) is None and expose_text_backbone(model) is None  # idempotent
 
 
-def test_llama4_image_batch_through_trl_fused_head_is_refused_by_name():
-    """Llama4ForConditionalGeneration's own forward merges the image features inline (it trains on an image here, in
-    transformers 5.23), but it has no backbone module that does: trl's fused LM head runs the text model we give it,
-    which takes ``**kwargs`` and would drop ``pixel_values`` silently. Refused by name instead (before: no error,
-    the image ignored)."""
+def _llama4_image_batch():
+    """Two rows, each one 32x32 image (its 4 image tokens between <boi> and <eoi>) and words; labels skip the image."""
+    from tiny_multimodal import BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN, LLAMA4_IMAGE_TOKENS
+
+    image = [BOI_TOKEN, *[IMAGE_TOKEN] * LLAMA4_IMAGE_TOKENS, EOI_TOKEN]
+    ids = torch.tensor([[1, *image, *row] for row in torch.randint(8, 500, (2, 7)).tolist()])
+    labels = ids.masked_fill(ids == IMAGE_TOKEN, -100)
+    return ids, labels, torch.randn(2, 3, 32, 32)
+
+
+def test_llama4_image_batch_through_trl_fused_head_equals_the_class_forward():
+    """Llama4ForConditionalGeneration merges the image features inline in its own forward; trl's fused LM head runs
+    the backbone we give it (the text model), which takes ``**kwargs``. Before, ``pixel_values`` reaching it were
+    refused by name; now they become the class's merged ``inputs_embeds`` (backbone.py). Oracle: the class's own
+    forward loss on the same image batch, float32; a text batch still equal; images change the loss (so dropping them
+    would fail); image inputs the class does not take are refused by name."""
     import transformers
-    from tiny_multimodal import multimodal_config
+    from tiny_multimodal import llama4_image_config
     from trl.trainer.utils import add_fused_lm_head
 
     from hf_fsdp_qlora.train.backbone import expose_text_backbone
 
-    config = multimodal_config("llama4")
-    config.vision_config.intermediate_size = 128  # 4 x hidden: what the pixel shuffle (ratio 0.5) hands the adapter
-    config.image_token_index = 5
     torch.manual_seed(0)
-    model = transformers.Llama4ForConditionalGeneration(config).eval()
-    ids, pixels = torch.tensor([[1, 5, 10, 11, 12]]), torch.randn(1, 3, 32, 32)
+    model = transformers.Llama4ForConditionalGeneration(llama4_image_config()).eval()
+    ids, labels, pixels = _llama4_image_batch()
     with torch.no_grad():
-        assert torch.isfinite(model(input_ids=ids, pixel_values=pixels, labels=ids).loss)  # upstream works
+        stock = model(input_ids=ids, pixel_values=pixels, labels=labels).loss
+        stock_text = model(input_ids=ids, labels=labels).loss
+        assert not torch.allclose(stock, stock_text, rtol=1e-4, atol=1e-4)  # the images count
         expose_text_backbone(model)
         add_fused_lm_head(model)
-        model(input_ids=ids, labels=ids, fused_lm_head=True)  # text rows train
-        with pytest.raises(ValueError, match=r"Llama4ForConditionalGeneration: image-text training through trl"):
-            model(input_ids=ids, pixel_values=pixels, labels=ids, fused_lm_head=True)
+        fused = model(input_ids=ids, pixel_values=pixels, labels=labels, fused_lm_head=True).loss
+        fused_text = model(input_ids=ids, labels=labels, fused_lm_head=True).loss
+        print(f"image batch: stock {stock.item():.6f} fused {fused.item():.6f}; text {stock_text.item():.6f}")
+        with pytest.raises(ValueError, match=r"Llama4ForConditionalGeneration: .*\['pixel_values_videos'\]"):
+            model(input_ids=ids, pixel_values_videos=pixels, labels=labels, fused_lm_head=True)
+    torch.testing.assert_close(fused, stock, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused_text, stock_text, rtol=1e-6, atol=1e-6)
+    # the gradient reaches the projector as through the class's forward (fused_lm_head=False: the original forward)
+    projector = model.multi_modal_projector.linear_1.weight
+    grads = []
+    for fused_head in (False, True):
+        projector.grad = None
+        model(input_ids=ids, pixel_values=pixels, labels=labels, fused_lm_head=fused_head).loss.backward()
+        grads.append(projector.grad.clone())
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("family", ["gemma4", "qwen3_5"])

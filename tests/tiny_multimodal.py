@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["COMPOSITE", "FAMILIES", "PROCESSORS", "TEXT_ONLY", "WITHOUT_VIDEO", "build_multimodal",
-           "build_processor", "build_text_only", "load_processor", "multimodal_config"]  # fmt: skip
+__all__ = ["COMPOSITE", "FAMILIES", "LLAMA4_IMAGE_TOKENS", "PROCESSORS", "TEXT_ONLY", "WITHOUT_VIDEO",
+           "build_multimodal", "build_processor", "build_text_only", "llama4_image_config", "load_processor",
+           "multimodal_config"]  # fmt: skip
 
 TEXT = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
@@ -93,6 +94,20 @@ def _llama4():
     return Llama4Config(text_config=text, vision_config=vision)
 
 
+# Llama 4 with a vision tower whose forward runs (`_llama4`'s does not: other tests only store or merge it). The pixel
+# shuffle (ratio 0.5) hands the vision adapter 4 x the tower's width, so intermediate_size must be 4 x hidden_size;
+# 32x32 images in 8x8 patches give 4 image tokens each; image_token_index inside the tiny vocabulary.
+LLAMA4_IMAGE_TOKENS = 4
+
+
+def llama4_image_config():
+    config = _llama4()
+    config.vision_config.intermediate_size = 4 * config.vision_config.hidden_size
+    config.vision_config.patch_size = 8
+    config.image_token_index = IMAGE_TOKEN
+    return config
+
+
 _CONFIGS = {"gemma3": _gemma3, "gemma4": _gemma4, "mllama": _mllama, "qwen3_5": _qwen3_5,
             "qwen3_5_moe": _qwen3_5_moe, "llama4": _llama4}  # fmt: skip
 FAMILIES = tuple(_CONFIGS)
@@ -109,13 +124,14 @@ def multimodal_config(family: str):
     return _CONFIGS[family]()
 
 
-def build_multimodal(path: str | Path, family: str, dtype=torch.float32, seed: int = 0) -> Path:
-    """A tiny `family` checkpoint saved from its composite class (random weights, `seed`) at `path`."""
+def build_multimodal(path: str | Path, family: str, dtype=torch.float32, seed: int = 0, config=None) -> Path:
+    """A tiny `family` checkpoint saved from its composite class (random weights, `seed`; `config`: another config
+    of the family, e.g. :func:`llama4_image_config`) at `path`."""
     import transformers
 
     path = Path(path)
     torch.manual_seed(seed)
-    model = getattr(transformers, COMPOSITE[family])(multimodal_config(family)).to(dtype)
+    model = getattr(transformers, COMPOSITE[family])(config or multimodal_config(family)).to(dtype)
     with torch.no_grad():  # Mllama's cross-attention gates start at 0 (tanh(0): no image signal, no gradient there)
         for name, param in model.named_parameters():
             if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):

@@ -15,8 +15,11 @@ The fused forward then fails: ``'MoeCausalLMOutputWithPast' object has no attrib
 backbone, looked up by attribute path on each access, so FSDP1's wrappers and peft's layers are followed.
 
 ``Llama4ForConditionalGeneration`` has no module that merges the image features and returns hidden states (its own
-forward does that inline), so its backbone here is the text model: a batch with images reaching it through the fused
-head is refused by name (:data:`IMAGE_INPUTS`) rather than trained with the images dropped.
+forward does that inline, then runs the whole ``Llama4ForCausalLM``), so its backbone here is the text model with a
+forward pre-hook: a batch whose ``pixel_values`` reach it is turned into the ``inputs_embeds`` the class's forward
+builds, through the class's own methods (``get_input_embeddings``, ``get_image_features``, ``multi_modal_projector``,
+``get_placeholder_mask``), and the text model returns the final-norm hidden states the class's LM head would read.
+Other image inputs (:data:`IMAGE_INPUTS`) that the class does not take are refused by name, never dropped.
 
 The same head adds the router load-balancing loss for a mixture of experts whose text config declares
 ``output_router_logits`` (trl turns it on when ``router_aux_loss_coef`` is set, 0.001 for Llama 4) and reads the expert
@@ -25,6 +28,8 @@ has no attribute 'num_experts'". :func:`expose_text_backbone` gives such a confi
 """
 
 from __future__ import annotations
+
+import weakref
 
 from torch import nn
 
@@ -82,26 +87,55 @@ def expose_text_backbone(model: nn.Module) -> str | None:
     path = text_backbone_path(inner)
     if path is not None:
         inner.__class__ = _with_backbone(type(inner), path)
-        if "." in path:  # under a composite with towers: the text model alone must not see images
-            _refuse_images(inner.get_submodule(path), type(inner).__name__, path)
+        if "." in path:  # under a composite with towers: the text model alone must not drop the images
+            _merge_images(inner.get_submodule(path), inner, path)
     expose_expert_count(inner)
     return path
 
 
-def _refuse_images(backbone: nn.Module, cls: str, path: str) -> None:
-    def refuse(module, args, kwargs):
+def _image_embeds(composite: nn.Module, input_ids, pixel_values):
+    """The ``inputs_embeds`` ``Llama4ForConditionalGeneration.forward`` hands its language model for `input_ids` with
+    image tokens and `pixel_values`, built with the class's own methods in the order its forward calls them."""
+    embeds = composite.get_input_embeddings()(input_ids)
+    features = composite.get_image_features(pixel_values=pixel_values, return_dict=True).last_hidden_state
+    projected = composite.multi_modal_projector(features.reshape(-1, features.size(-1)))
+    projected = projected.to(embeds.device, embeds.dtype)
+    mask = composite.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=projected)
+    return embeds.masked_scatter(mask, projected)
+
+
+def _merges_images(composite: nn.Module) -> bool:
+    return all(callable(getattr(composite, name, None)) for name in
+               ("get_image_features", "multi_modal_projector", "get_placeholder_mask"))  # fmt: skip
+
+
+def _merge_images(backbone: nn.Module, composite: nn.Module, path: str) -> None:
+    """A forward pre-hook on the text `backbone` of `composite`: ``pixel_values`` become the merged ``inputs_embeds``
+    (:func:`_image_embeds`); image inputs it cannot merge are refused by name."""
+    cls, merges = type(composite).__name__, _merges_images(composite)
+    owner = weakref.ref(composite)  # the composite holds the backbone, which holds this hook: no cycle through it
+
+    def merge(module, args, kwargs):
+        kwargs.pop("vision_feature_select_strategy", None)  # the class's forward takes and ignores it
+        pixels = kwargs.pop("pixel_values", None) if merges else None
         given = [k for k in IMAGE_INPUTS if kwargs.get(k) is not None]
         if given:
             raise ValueError(
-                f"{cls}: image-text training through trl's SFTTrainer is not supported: trl's fused LM head runs the "
-                f"text backbone ({path}), which would drop {given}; the class has no backbone that merges the image "
-                "features (and Llama 4's image processor needs torchvision). Train it on text rows (the tokenizer as "
-                "processing_class), or an image-text family whose backbone takes images (Gemma 3/4, Qwen3.5, Mllama)."
+                f"{cls}: image-text training through trl's SFTTrainer is not supported for {given}: trl's fused LM "
+                f"head runs the text backbone ({path}), which would drop them. Train it on text rows (the tokenizer "
+                "as processing_class) or with pixel_values only."
             )
+        if pixels is None:
+            return None
+        ids = args[0] if args else kwargs.pop("input_ids", None)
+        if ids is None or kwargs.get("inputs_embeds") is not None:
+            raise ValueError(f"{cls}: pass input_ids with the image tokens and pixel_values, not inputs_embeds")
+        kwargs["inputs_embeds"] = _image_embeds(owner(), ids, pixels)
+        return (None, *args[1:]) if args else args, kwargs
 
-    if not getattr(backbone, "_hf_fsdp_qlora_refuses_images", False):
-        backbone.register_forward_pre_hook(refuse, with_kwargs=True)
-        backbone._hf_fsdp_qlora_refuses_images = True
+    if not getattr(backbone, "_hf_fsdp_qlora_merges_images", False):
+        backbone.register_forward_pre_hook(merge, with_kwargs=True)
+        backbone._hf_fsdp_qlora_merges_images = True
 
 
 def expose_expert_count(model: nn.Module) -> None:
