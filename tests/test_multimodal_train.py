@@ -28,6 +28,7 @@ from tiny_multimodal import (
     build_processor,
     build_text_only,
     build_tokenizer,
+    llama4_image_config,
 )
 
 pytestmark = pytest.mark.distributed
@@ -37,11 +38,13 @@ pytestmark = pytest.mark.distributed
 # its processing class with AutoProcessor, which needs torchvision (not installed here) for Gemma 4 and Qwen3.5(-MoE)
 # (their video processors have no other backend) and Llama 4 (its image processor): their text rows go through the
 # same SFTTrainer given the tokenizer ("tokenizer"). "image": SFTTrainer with the processor on image-text rows.
+# "pixels": image-text rows made without the processor (Llama 4's needs torchvision), pixel_values made with torch.
 # "text-fsdp1": the run again under FSDP1 (Gemma 3; Llama4ForCausalLM, whose fused-head failure was the same there).
 SFT_PY = ("gemma3", "mllama", "llama4_text")
 JOBS = [
     *((f, "text" if f in SFT_PY else "tokenizer") for f in (*FAMILIES, "llama4_text")),
     *((f, "image") for f in PROCESSORS),
+    ("llama4", "pixels"),
     ("gemma3", "text-fsdp1"),
     ("llama4_text", "text-fsdp1"),
 ]
@@ -64,8 +67,9 @@ def records(tmp_path_factory):
     for family in sorted({f for f, _ in JOBS}):
         if family == "llama4_text":
             path = build_text_only(root / family, "llama4", dtype=torch.bfloat16)
-        else:
-            path = build_multimodal(root / family, family, dtype=torch.bfloat16)
+        else:  # Llama 4 with a vision tower whose forward runs (its image job goes through it)
+            config = llama4_image_config() if family == "llama4" else None
+            path = build_multimodal(root / family, family, dtype=torch.bfloat16, config=config)
         build_processor(path, family) if family in PROCESSORS else build_tokenizer(path)
     out = root / "runs"
     rest = [str(out), ",".join(f"{f}:{r}" for f, r in JOBS), str(root),
@@ -108,7 +112,7 @@ def test_trains_with_16bit_frozen_towers_sharded_in_their_own_units(records, job
     print(f"{family} {route}: units {rec['units']}, tower units {rec['tower_units']}, towers {rec['towers']}")
     assert rec["language_4bit"] > 0
     assert rec["steps"] == 2
-    if route == "image":
+    if route in ("image", "pixels"):
         assert "pixel_values" in rec["batch_keys"], rec["batch_keys"]
     # Mllama's layer 1 is a cross-attention layer: text rows skip it (no image states), so its LoRA has no gradient
     idle = ".language_model.layers.1." if (family, route) == ("mllama", "text") else None

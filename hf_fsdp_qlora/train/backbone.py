@@ -105,8 +105,9 @@ def _image_embeds(composite: nn.Module, input_ids, pixel_values):
 
 
 def _merges_images(composite: nn.Module) -> bool:
-    return all(callable(getattr(composite, name, None)) for name in
-               ("get_image_features", "multi_modal_projector", "get_placeholder_mask"))  # fmt: skip
+    methods = ("get_image_features", "multi_modal_projector", "get_placeholder_mask")
+    tower = getattr(composite, "vision_model", None)
+    return isinstance(tower, nn.Module) and all(callable(getattr(composite, name, None)) for name in methods)
 
 
 def _merge_images(backbone: nn.Module, composite: nn.Module, path: str) -> None:
@@ -123,7 +124,7 @@ def _merge_images(backbone: nn.Module, composite: nn.Module, path: str) -> None:
             raise ValueError(
                 f"{cls}: image-text training through trl's SFTTrainer is not supported for {given}: trl's fused LM "
                 f"head runs the text backbone ({path}), which would drop them. Train it on text rows (the tokenizer "
-                "as processing_class) or with pixel_values only."
+                f"as processing_class){' or on pixel_values' if merges else ''}."
             )
         if pixels is None:
             return None

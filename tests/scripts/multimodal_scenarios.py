@@ -8,7 +8,9 @@ tokenizer (for families whose processor AutoProcessor cannot load without torchv
 under FSDP1. ROUTE ``text``: trl's own ``sft.py`` (from the installed trl, unchanged) with
 ``--use_peft --load_in_4bit --lora_target_modules all-linear`` on MODELS/FAMILY and the JSONL text data in TEXT.
 ROUTE ``image``: trl's ``SFTTrainer`` given the model path, a 4-bit ``BitsAndBytesConfig``, LoRA all-linear and the
-model's processor (saved beside it; tiny_multimodal.load_processor), on tiny random images made here with PIL. Each
+model's processor (saved beside it; tiny_multimodal.load_processor), on tiny random images made here with PIL. ROUTE
+``pixels``: the same without a processor (Llama 4's needs torchvision): token rows with image placeholders and
+``pixel_values`` made with torch, through a collator. Each
 run meets on its own port (dist_utils.job_port) and writes ``OUT/FAMILY_ROUTE/record_rank{N}.pt``: what FSDP wrapped, the towers'
 storage, and the trainable tensors at the start and the end (gathered: train_scenarios.full_trainable); or, for a run
 that raised (the same on every rank), ``{"error": ...}``, and the next run goes on.
@@ -172,7 +174,43 @@ def run_tokenizer(model: Path, text: Path, out: Path) -> None:
         dist.destroy_process_group()
 
 
-ROUTES = {"text": run_text, "image": run_image, "tokenizer": run_tokenizer}
+def run_pixels(model: Path, text: Path, out: Path) -> None:
+    """trl's SFTTrainer on image-text rows made without a processor, for a family whose processor cannot load here
+    (Llama 4's image processor needs torchvision): token rows with the image placeholders (labels skip them) and
+    float32 ``pixel_values`` made with torch, as a processor gives them, stacked by a collator."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from tiny_multimodal import BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN, LLAMA4_IMAGE_TOKENS
+    from transformers import BitsAndBytesConfig, PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    gen = torch.Generator().manual_seed(0)
+    image = [BOI_TOKEN, *[IMAGE_TOKEN] * LLAMA4_IMAGE_TOKENS, EOI_TOKEN]
+    ids = [[1, *image, *torch.randint(8, 500, (6,), generator=gen).tolist()] for _ in range(2 * 2 * STEPS)]
+    rows = [{"input_ids": row, "labels": [-100 if t == IMAGE_TOKEN else t for t in row],
+             "pixel_values": torch.rand(3, 32, 32, generator=gen).tolist()} for row in ids]  # fmt: skip
+
+    def collate(batch):
+        out = {key: torch.tensor([row[key] for row in batch]) for key in ("input_ids", "labels", "pixel_values")}
+        return {**out, "attention_mask": torch.ones_like(out["input_ids"])}
+
+    args = SFTConfig(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, report_to="none", save_strategy="no",
+        logging_steps=1, learning_rate=1e-3, remove_unused_columns=False, model_init_kwargs={"dtype": torch.bfloat16},
+    )  # fmt: skip
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    trainer = SFTTrainer(model=str(model), args=args, train_dataset=Dataset.from_list(rows), data_collator=collate,
+                         processing_class=PreTrainedTokenizerFast.from_pretrained(model), peft_config=lora,
+                         quantization_config=quant)  # fmt: skip
+    trainer.train()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+ROUTES = {"text": run_text, "image": run_image, "tokenizer": run_tokenizer, "pixels": run_pixels}
 
 
 def main() -> None:
