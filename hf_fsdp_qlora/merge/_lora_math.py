@@ -13,6 +13,11 @@ The adapter is read as peft saves it (keys without the adapter name, `base_model
   layers saved whole, also resized for added tokens): a full tensor that replaces the base tensor of the
   same name, with the `.base_layer` / `.modules_to_save` wrapper parts removed from the key.
 
+A LoRA on a fused 3-D experts parameter has factors batched over the experts (``[E, out, r]`` and ``[E, r, in]``).
+The same batched factors may change a 2-D tensor whose rows are E blocks, one per expert (DBRX's ``mlp.w1`` stacks,
+hf_fsdp_qlora/experts/dbrx.py): expert e's factors update its own block of rows, so the product is ``bmm`` over the
+experts, not one block-diagonal matrix product over the whole tensor (E times the arithmetic).
+
 Each update runs in float32 on one explicit device and is cast once, by the caller.
 """
 
@@ -246,7 +251,12 @@ def _add_param_updates(updates: dict, found, sources: list[str], module: str) ->
         update.sources += sources
 
 
-def _implied_shapes(key: str, update: TensorUpdate) -> list[tuple[str, tuple[int, ...], int | None]]:
+def _row_blocks(shape, f: LoraFactors) -> bool:
+    """Whether `f` (batched over experts) updates a 2-D tensor of shape `shape` a block of rows per expert."""
+    return f.a.dim() == 3 and len(shape) == 2
+
+
+def _implied_shapes(key: str, update: TensorUpdate, base_shape=()) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(adapter key, shape it implies for the base tensor, or None, and for DoRA the number of output rows)."""
     found = []
     if update.replacement is not None:
@@ -257,6 +267,9 @@ def _implied_shapes(key: str, update: TensorUpdate) -> list[tuple[str, tuple[int
             found.append((update.sources[-2], (f.a.shape[1], f.b.shape[0]), None))
         else:  # (out, in), after the expert dimension of a fused 3-D tensor
             out_in = (f.b.shape[-2], f.a.shape[-1])
+            if _row_blocks(base_shape, f):  # experts' row blocks stacked in one 2-D tensor
+                found.append((update.sources[-2], (f.a.shape[0] * out_in[0], out_in[1]), None))
+                return found
             found.append(
                 (update.sources[-2], (*f.a.shape[:-2], *(out_in[::-1] if f.fan_in_fan_out else out_in)), None)
             )
@@ -283,7 +296,7 @@ def check_shape(key: str, update: TensorUpdate, base_shape: tuple[int, ...], bas
     base_shape = tuple(base_shape)
     if update.token_rows is not None:
         _check_token_rows(key, update, base_shape, base_model)
-    for source, shape, rows in _implied_shapes(key, update):
+    for source, shape, rows in _implied_shapes(key, update, base_shape):
         out_rows = base_shape[-1] if update.lora is not None and update.lora.fan_in_fan_out else base_shape[0]
         if (shape is not None and shape != base_shape) or (rows is not None and rows != out_rows):
             trained_on = f" (adapter_config.json: base_model_name_or_path={base_model!r})" if base_model else ""
@@ -327,7 +340,8 @@ def apply_update(
         # Batched over the experts of a fused 3-D tensor: (E, out, r) @ (E, r, in).
         delta = torch.matmul(b, a, out=buffer("delta", (*a.shape[:-2], b.shape[-2], a.shape[-1])))
         delta.mul_(f.scaling)
-        w.add_(_t(delta, f.embedding or f.fan_in_fan_out))
+        target = w.view(delta.shape) if _row_blocks(w.shape, f) else w  # expert e's delta on its rows
+        target.add_(_t(delta, f.embedding or f.fan_in_fan_out))
         if f.magnitude is not None:
             # DoRA: each output row of W + dW is rescaled to the trained magnitude; the norm is taken over
             # the input dimension of the (out, in) layout, from the unmerged weight as in training.
@@ -367,7 +381,7 @@ def apply_update_into(
         and update.lora_bias is None
         and update.token_rows is None
         and weight is not None
-        and weight.dim() == f.a.dim()
+        and (weight.dim() == f.a.dim() or _row_blocks(weight.shape, f))
         and weight.dim() in (2, 3)
     )
     if not blockwise:
@@ -375,10 +389,14 @@ def apply_update_into(
     a = f.a.to(device=device, dtype=torch.float32)
     b = f.b.to(device=device, dtype=torch.float32)
     left, right = (a.T, b.T) if (f.embedding or f.fan_in_fan_out) else (b, a)
-    if weight.dim() == 3:  # a fused experts tensor: expert by expert, each a 2-D update
+    result = out
+    if _row_blocks(weight.shape, f):  # experts' row blocks of one 2-D tensor: as the 3-D experts tensor they are
+        shape = (a.shape[0], b.shape[-2], a.shape[-1])
+        weight, out = weight.reshape(shape), out.view(shape)
+    if weight.dim() == 3:  # a fused experts tensor: expert by expert, each a 2-D update from its own factors
         for expert in range(weight.shape[0]):
             _blockwise(out[expert], weight[expert], left[expert], right[expert], f.scaling, device, scratch)
-        return out
+        return result
     return _blockwise(out, weight, left, right, f.scaling, device, scratch)
 
 
