@@ -13,10 +13,8 @@ The adapter is read as peft saves it (keys without the adapter name, `base_model
   layers saved whole, also resized for added tokens): a full tensor that replaces the base tensor of the
   same name, with the `.base_layer` / `.modules_to_save` wrapper parts removed from the key.
 
-A LoRA on a fused 3-D experts parameter has factors batched over the experts (``[E, out, r]`` and ``[E, r, in]``).
-The same batched factors may change a 2-D tensor whose rows are E blocks, one per expert (DBRX's ``mlp.w1`` stacks,
-hf_fsdp_qlora/experts/dbrx.py): expert e's factors update its own block of rows, so the product is ``bmm`` over the
-experts, not one block-diagonal matrix product over the whole tensor (E times the arithmetic).
+LoRA on a fused 3-D experts parameter has factors batched over the experts (``[E, out, r]``, ``[E, r, in]``); such
+factors may also update a 2-D tensor of E row blocks, expert e's from its own (DBRX's ``mlp.w1``, experts/dbrx.py).
 
 Each update runs in float32 on one explicit device and is cast once, by the caller.
 """
@@ -38,7 +36,6 @@ __all__ = [
     "apply_update_into",
     "check_shape",
     "collect_updates",
-    "quantize_roundtrip",
 ]
 
 PREFIX = "base_model.model."
@@ -416,23 +413,3 @@ def _blockwise(out, weight, left, right, scaling: float, device, scratch) -> tor
         w.add_(d)
         out[start:stop].copy_(w)
     return out
-
-
-def quantize_roundtrip(weight: torch.Tensor, quant_type: str, blocksize: int, double_quant: bool) -> torch.Tensor:
-    """Quantize to 4 bit (nf4 / fp4) or 8 bit (int8) and back with bitsandbytes, as training saw the weight.
-
-    Computed from the 16-bit base tensor: never from a weight bitsandbytes already packed (on CPUs with
-    avx512_bf16 an eval-mode forward repacks 4-bit weights in place and dequantizing those is wrong).
-    """
-    import bitsandbytes.functional as bnb_f
-
-    if quant_type == "int8":
-        # Int8Params quantizes the float16 copy of the loaded weight, one absmax scale per row (LLM.int8); its
-        # outlier handling splits activations, never the stored weight, so this is the weight training used.
-        codes, row_scales, _ = bnb_f.int8_vectorwise_quant(weight.to(torch.float16).contiguous())
-        return bnb_f.int8_vectorwise_dequant(codes, row_scales)
-
-    packed, state = bnb_f.quantize_4bit(
-        weight.contiguous(), blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type
-    )
-    return bnb_f.dequantize_4bit(packed, state)
