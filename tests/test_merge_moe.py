@@ -400,3 +400,20 @@ def test_dbrx_expert_rows_merge_from_their_own_factors():
         check_shape(key, new, tuple(weight.shape), None)
         with pytest.raises(MergeError, match=r"implies shape \(96, 16\)"):
             check_shape(key, new, (experts * ffn, hidden + 1), None)
+
+
+def test_dbrx_merge_benchmark_small(capsys):
+    """benchmarks/dbrx_merge.py in a small shape: both forms write bit-identical tensors, and the old one's FLOPs are
+    E times the new one's."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import dbrx_merge
+
+    argv = ["--experts", "4", "--ffn", "32", "--hidden", "16", "--rank", "2", "--repeat", "1", "--json"]
+    assert dbrx_merge.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bit_equal"] and result["old_gflop"] == pytest.approx(4 * result["new_gflop"])
+    # released DBRX (40 layers, E=16, ffn 10752, hidden 6144) at r=2: 3 products of 2 * E*ffn * r * hidden per layer
+    assert result["released_new_tflop"] == pytest.approx(40 * 3 * 2 * 16 * 10752 * 2 * 6144 / 1e12)
+    assert result["released_old_tflop"] == pytest.approx(16 * result["released_new_tflop"])
