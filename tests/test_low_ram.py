@@ -24,7 +24,13 @@ SCENARIOS = {
     "lt": ("llama_tied", "lowram"),
     "lq": ("qwen2", "lowram"),
     "lw": ("llama", "lowram_whole"),
+    # DBRX: rank 0 streams its 2-D expert stacks into the fused experts (hf_fsdp_qlora/experts/dbrx.py) and packs
+    # them; rank 1 receives the packed bytes into a stand-in skeleton fused the same way (experts/stream.py).
+    "ld": ("dbrx", "lowram"),
 }
+# With 4-bit experts (the default) every rank receives whole tensors, not its rows (loading/low_ram.py): the rows
+# tests are the dense models'.
+PARTIAL = sorted(name for name in SCENARIOS if name != "ld")
 
 
 # Run in the suite's shared FSDP2 launch (tests/conftest.py), with other modules' trainer scenarios.
@@ -36,14 +42,18 @@ def run(shared_launch):
     import json
 
     models, out, results, proc = shared_launch(2)
+
+    def read(name, path):  # absent when the scenario failed before its load ended: its own tests show the traceback
+        return json.loads(path.read_text()) if path.exists() else {"missing": str(path), **results[0].get(name, {})}
+
     lowram = {
-        name: {r: json.loads((out / f"lowram_{kind}_{arch}_rank{r}.json").read_text()) for r in (0, 1)}
+        name: {r: read(name, out / f"lowram_{kind}_{arch}_rank{r}.json") for r in (0, 1)}
         for name, (arch, kind) in SCENARIOS.items()
     }
     return models, out, results, lowram, proc
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name", PARTIAL)
 def test_each_rank_holds_its_rows_of_a_normal_load(run, name):
     """Rank 0 streamed the checkpoint: each rank holds exactly the packed rows FSDP2 keeps on it, bit for bit
     those of a normal single-process load, and every quant state whole."""
@@ -61,7 +71,7 @@ def test_each_rank_holds_its_rows_of_a_normal_load(run, name):
         assert found[rank]["meta_left"] == []
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name", PARTIAL)
 def test_partial_rank_refuses_use_before_fsdp2_wrapped_it(run, name):
     _, _, _, lowram, _ = run
     found = lowram[name]
@@ -114,3 +124,35 @@ def test_single_process_falls_back_to_normal_load(tmp_path, caplog):
         model = load_qlora_model(str(path), gradient_checkpointing=False, low_cpu_ram=True)
     assert any("single process" in r.message for r in caplog.records)
     assert sum(type(p).__name__ == "Params4bit" for p in model.parameters()) > 0
+
+
+def test_dbrx_experts_received_equal_rank_0_and_a_plain_load(run):
+    """DBRX under low_cpu_ram: the 4-bit experts rank 1 received equal rank 0's streamed and fused ones byte for
+    byte, and a plain single-process load's (load_qlora_model without low_cpu_ram); FSDP2 shards them, half each,
+    and training leaves them unchanged."""
+    import hashlib
+
+    import torch
+    import train_scenarios as worker
+
+    from hf_fsdp_qlora import load_qlora_model
+
+    models, _, results, _, _ = run
+    r0, r1 = results[0]["ld"], results[1]["ld"]
+    assert r0["ok"] and r1["ok"], (r0.get("traceback"), r1.get("traceback"))
+    _, _, _, lowram, _ = run
+    for rank in (0, 1):  # streamed: rank 0 never held 16-bit experts, rank 1 received packed bytes
+        assert not [line for line in lowram["ld"][rank]["load_log"] if "16 bits" in line], lowram["ld"][rank]
+    assert r0["expert_digest_before_wrap"] == r1["expert_digest_before_wrap"] is not None
+    assert r0["expert_digest_after_training"] == r1["expert_digest_after_training"] == r0["expert_digest_before_wrap"]
+    plain = load_qlora_model(str(models / "dbrx"), lora_config=worker.lora_config(), gradient_checkpointing=False)
+    packed = {n: p for n, p in plain.named_parameters() if n.endswith("_proj_4bit")}
+    assert {n.rpartition(".")[2] for n in packed} == {"gate_up_proj_4bit", "down_proj_4bit"}, sorted(packed)
+    sha = hashlib.sha256()
+    for name in sorted(packed):  # as tests/scripts/train_scenarios.py's expert_digest hashes them
+        sha.update(packed[name].detach().clone().view(torch.uint8).numpy().tobytes())
+    assert r0["expert_digest_before_wrap"] == sha.hexdigest()
+    full = r0["expert_bytes_before_wrap"]
+    assert full > 0 and r1["expert_bytes_before_wrap"] == full
+    assert [r0["expert_bytes_local"], r1["expert_bytes_local"]] == [full // 2, full // 2]
+    assert r0["expert_bytes_dtensor"] == full // 2

@@ -359,3 +359,51 @@ def test_fused_expert_update_blockwise_equals_whole_tensor():
     torch.testing.assert_close(blockwise, whole, rtol=1e-6, atol=1e-6)
     expected = weight.float() + 0.5 * torch.stack([b @ a for a, b in zip(update.lora.a, update.lora.b)])
     torch.testing.assert_close(whole, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_dbrx_expert_rows_merge_from_their_own_factors():
+    """DBRX's 2-D expert stacks (``mlp.w1`` / ``v1`` / ``w2``, ``[E * ffn, hidden]``): each file tensor's update is
+    batched factors (``[E, ffn, r]`` / ``[E, r, cols]``, expert e's rows from its own, 1/E of the arithmetic), and it
+    equals bit for bit the one block-diagonal product (``[E * ffn, E * r] @ [E * r, cols]``) the merge did before,
+    on the CPU path (a block of rows at a time) and the whole-tensor path; the shape check reads it as the 2-D tensor."""
+    from hf_fsdp_qlora.experts.dbrx import block_factors
+    from hf_fsdp_qlora.experts.files import ExpertSlice
+    from hf_fsdp_qlora.merge._lora_math import LoraFactors, TensorUpdate, apply_update, apply_update_into, check_shape
+
+    experts, ffn, hidden, rank = 4, 24, 16, 3
+    torch.manual_seed(0)
+    rows = [(e * ffn, (e + 1) * ffn) for e in range(experts)]
+    gate_up = [
+        ExpertSlice(f"mlp.{n}", e, 0, s, s + ffn, rows[e]) for n, s in (("w1", 0), ("v1", ffn)) for e in [2, 0, 3, 1]
+    ]
+    down = [ExpertSlice("mlp.w2", e, rows=rows[e], transposed=True) for e in range(experts)]
+    found = dict(block_factors(gate_up, torch.randn(experts, 2 * ffn, rank), torch.randn(experts, rank, hidden)))
+    found |= dict(block_factors(down, torch.randn(experts, hidden, rank), torch.randn(experts, rank, ffn)))
+    weight, cpu = torch.randn(experts * ffn, hidden).to(torch.bfloat16), torch.device("cpu")
+    for key, (a, b) in found.items():
+        assert (tuple(a.shape), tuple(b.shape)) == ((experts, rank, hidden), (experts, ffn, rank)), key
+        new = TensorUpdate(lora=LoraFactors(a, b, 0.5, False, False, None, key), sources=["A", "B"])
+        old = TensorUpdate(lora=LoraFactors(torch.cat(list(a)), torch.block_diag(*b), 0.5, False, False, None, key))
+        expected = apply_update(weight, old, cpu).clone()
+        assert torch.equal(apply_update(weight, new, cpu), expected), key
+        assert torch.equal(apply_update_into(torch.empty(weight.shape), weight, new, cpu), expected), key
+        check_shape(key, new, tuple(weight.shape), None)
+        with pytest.raises(MergeError, match=r"implies shape \(96, 16\)"):
+            check_shape(key, new, (experts * ffn, hidden + 1), None)
+
+
+def test_dbrx_merge_benchmark_small(capsys):
+    """benchmarks/dbrx_merge.py in a small shape: both forms write bit-identical tensors, and the old one's FLOPs are
+    E times the new one's."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import dbrx_merge
+
+    argv = ["--experts", "4", "--ffn", "32", "--hidden", "16", "--rank", "2", "--repeat", "1", "--json"]
+    assert dbrx_merge.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bit_equal"] and result["old_gflop"] == pytest.approx(4 * result["new_gflop"])
+    # released DBRX (40 layers, E=16, ffn 10752, hidden 6144) at r=2: 3 products of 2 * E*ffn * r * hidden per layer
+    assert result["released_new_tflop"] == pytest.approx(40 * 3 * 2 * 16 * 10752 * 2 * 6144 / 1e12)
+    assert result["released_old_tflop"] == pytest.approx(16 * result["released_new_tflop"])

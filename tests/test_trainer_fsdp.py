@@ -151,7 +151,10 @@ def _assert_adapter_equals(adapter_dir, weights, base_path):
     from transformers import AutoModelForCausalLM
 
     assert (adapter_dir / "adapter_model.safetensors").is_file()
+    from hf_fsdp_qlora.experts.dbrx import fuse_dbrx_experts
+
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16)
+    fuse_dbrx_experts(base)  # DBRX: its experts as training held them, where the adapter lies (a no-op elsewhere)
     loaded = PeftModel.from_pretrained(base, adapter_dir)
     lora = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
     trained = {n: v for n, v in weights["trained"].items() if "lora_" in n}

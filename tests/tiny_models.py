@@ -17,6 +17,8 @@ MOE_ARCHS = ("qwen3_moe", "mixtral", "gpt_oss")
 # family sweep's generic shrink (tests/family_build.py): Aria (transposed experts) and MiniMax-M2 (not Phi-MoE: its
 # router samples in training, so no single-process run can reproduce a step-0 loss).
 DECLARED_MOE_ARCHS = ("aria_text", "minimax_m2")
+# DBRX: 2-D expert stacks the loader fuses into a declared class (hf_fsdp_qlora/experts/dbrx.py), 4 experts, top 1.
+FUSED_MOE_ARCHS = ("dbrx",)
 
 DECODER_LAYER = {
     "llama": "LlamaDecoderLayer",
@@ -64,7 +66,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 256, num_layers: int = 2)
         return Qwen2Config(**common, tie_word_embeddings=False)
     if arch in MOE_ARCHS:
         return _moe_config(arch, common)
-    if arch in DECLARED_MOE_ARCHS:
+    if arch in DECLARED_MOE_ARCHS + FUSED_MOE_ARCHS:
         from family_build import tiny_config as family_config
 
         return family_config(arch)

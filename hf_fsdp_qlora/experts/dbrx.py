@@ -204,8 +204,10 @@ def stock_stream_names(modules: dict) -> tuple[list[str], tuple] | None:
 
 def block_factors(pieces: list, left: torch.Tensor, right: torch.Tensor) -> list[tuple[str, tuple]]:
     """[(file tensor, (a, b))]: the LoRA update of a fused parameter (``left[e] @ right[e]`` for expert e, ``[E, out,
-    r] @ [E, r, in]``) as low-rank factors of each 2-D DBRX file tensor it lies in: ``b @ a`` is that tensor's update,
-    ``b`` block-diagonal (one block of rows per expert), ``a`` the experts' factors stacked."""
+    r] @ [E, r, in]``) as batched low-rank factors of each 2-D DBRX file tensor it lies in: ``b`` ``[E, rows, r]``,
+    ``a`` ``[E, r, cols]``, expert e's ``b[e] @ a[e]`` the update of its block of rows (``bmm(b, a)`` reshaped to
+    ``[E * rows, cols]`` is the tensor's update, :mod:`hf_fsdp_qlora.merge._lora_math`). Each expert's rows come from
+    its own factors only: 1/E of the arithmetic of one block-diagonal product over the whole tensor."""
     by_key: dict[str, list] = {}
     for piece in pieces:
         if piece.transposed:  # w2_e holds down_e transposed: (B_e A_e)^T = A_e^T B_e^T
@@ -215,9 +217,9 @@ def block_factors(pieces: list, left: torch.Tensor, right: torch.Tensor) -> list
         by_key.setdefault(piece.disk_key, []).append((piece.rows, lhs, rhs))
     found = []
     for disk_key, blocks in by_key.items():
-        blocks.sort(key=lambda block: block[0][0])
-        b = torch.block_diag(*[lhs for _, lhs, _ in blocks])
-        a = torch.cat([rhs for _, _, rhs in blocks])
+        blocks.sort(key=lambda block: block[0][0])  # expert e's rows are block e of the file tensor
+        b = torch.stack([lhs for _, lhs, _ in blocks])
+        a = torch.stack([rhs for _, _, rhs in blocks])
         found.append((disk_key, (a, b)))
     return found
 

@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return merge_adapters
     if name == "quantize_roundtrip":  # the NF4/FP4 round trip training saw (merge --dequantize, vLLM's base sync)
-        from ._lora_math import quantize_roundtrip
+        from ._roundtrip import quantize_roundtrip
 
         return quantize_roundtrip
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

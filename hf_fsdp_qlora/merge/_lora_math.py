@@ -13,6 +13,9 @@ The adapter is read as peft saves it (keys without the adapter name, `base_model
   layers saved whole, also resized for added tokens): a full tensor that replaces the base tensor of the
   same name, with the `.base_layer` / `.modules_to_save` wrapper parts removed from the key.
 
+LoRA on a fused 3-D experts parameter has factors batched over the experts (``[E, out, r]``, ``[E, r, in]``); such
+factors may also update a 2-D tensor of E row blocks, expert e's from its own (DBRX's ``mlp.w1``, experts/dbrx.py).
+
 Each update runs in float32 on one explicit device and is cast once, by the caller.
 """
 
@@ -33,7 +36,6 @@ __all__ = [
     "apply_update_into",
     "check_shape",
     "collect_updates",
-    "quantize_roundtrip",
 ]
 
 PREFIX = "base_model.model."
@@ -246,7 +248,12 @@ def _add_param_updates(updates: dict, found, sources: list[str], module: str) ->
         update.sources += sources
 
 
-def _implied_shapes(key: str, update: TensorUpdate) -> list[tuple[str, tuple[int, ...], int | None]]:
+def _row_blocks(shape, f: LoraFactors) -> bool:
+    """Whether `f` (batched over experts) updates a 2-D tensor of shape `shape` a block of rows per expert."""
+    return f.a.dim() == 3 and len(shape) == 2
+
+
+def _implied_shapes(key: str, update: TensorUpdate, base_shape=()) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(adapter key, shape it implies for the base tensor, or None, and for DoRA the number of output rows)."""
     found = []
     if update.replacement is not None:
@@ -257,6 +264,9 @@ def _implied_shapes(key: str, update: TensorUpdate) -> list[tuple[str, tuple[int
             found.append((update.sources[-2], (f.a.shape[1], f.b.shape[0]), None))
         else:  # (out, in), after the expert dimension of a fused 3-D tensor
             out_in = (f.b.shape[-2], f.a.shape[-1])
+            if _row_blocks(base_shape, f):  # experts' row blocks stacked in one 2-D tensor
+                found.append((update.sources[-2], (f.a.shape[0] * out_in[0], out_in[1]), None))
+                return found
             found.append(
                 (update.sources[-2], (*f.a.shape[:-2], *(out_in[::-1] if f.fan_in_fan_out else out_in)), None)
             )
@@ -283,7 +293,7 @@ def check_shape(key: str, update: TensorUpdate, base_shape: tuple[int, ...], bas
     base_shape = tuple(base_shape)
     if update.token_rows is not None:
         _check_token_rows(key, update, base_shape, base_model)
-    for source, shape, rows in _implied_shapes(key, update):
+    for source, shape, rows in _implied_shapes(key, update, base_shape):
         out_rows = base_shape[-1] if update.lora is not None and update.lora.fan_in_fan_out else base_shape[0]
         if (shape is not None and shape != base_shape) or (rows is not None and rows != out_rows):
             trained_on = f" (adapter_config.json: base_model_name_or_path={base_model!r})" if base_model else ""
@@ -327,7 +337,8 @@ def apply_update(
         # Batched over the experts of a fused 3-D tensor: (E, out, r) @ (E, r, in).
         delta = torch.matmul(b, a, out=buffer("delta", (*a.shape[:-2], b.shape[-2], a.shape[-1])))
         delta.mul_(f.scaling)
-        w.add_(_t(delta, f.embedding or f.fan_in_fan_out))
+        target = w.view(delta.shape) if _row_blocks(w.shape, f) else w  # expert e's delta on its rows
+        target.add_(_t(delta, f.embedding or f.fan_in_fan_out))
         if f.magnitude is not None:
             # DoRA: each output row of W + dW is rescaled to the trained magnitude; the norm is taken over
             # the input dimension of the (out, in) layout, from the unmerged weight as in training.
@@ -367,7 +378,7 @@ def apply_update_into(
         and update.lora_bias is None
         and update.token_rows is None
         and weight is not None
-        and weight.dim() == f.a.dim()
+        and (weight.dim() == f.a.dim() or _row_blocks(weight.shape, f))
         and weight.dim() in (2, 3)
     )
     if not blockwise:
@@ -375,10 +386,14 @@ def apply_update_into(
     a = f.a.to(device=device, dtype=torch.float32)
     b = f.b.to(device=device, dtype=torch.float32)
     left, right = (a.T, b.T) if (f.embedding or f.fan_in_fan_out) else (b, a)
-    if weight.dim() == 3:  # a fused experts tensor: expert by expert, each a 2-D update
+    result = out
+    if _row_blocks(weight.shape, f):  # experts' row blocks of one 2-D tensor: as the 3-D experts tensor they are
+        shape = (a.shape[0], b.shape[-2], a.shape[-1])
+        weight, out = weight.reshape(shape), out.view(shape)
+    if weight.dim() == 3:  # a fused experts tensor: expert by expert, each a 2-D update from its own factors
         for expert in range(weight.shape[0]):
             _blockwise(out[expert], weight[expert], left[expert], right[expert], f.scaling, device, scratch)
-        return out
+        return result
     return _blockwise(out, weight, left, right, f.scaling, device, scratch)
 
 
@@ -398,23 +413,3 @@ def _blockwise(out, weight, left, right, scaling: float, device, scratch) -> tor
         w.add_(d)
         out[start:stop].copy_(w)
     return out
-
-
-def quantize_roundtrip(weight: torch.Tensor, quant_type: str, blocksize: int, double_quant: bool) -> torch.Tensor:
-    """Quantize to 4 bit (nf4 / fp4) or 8 bit (int8) and back with bitsandbytes, as training saw the weight.
-
-    Computed from the 16-bit base tensor: never from a weight bitsandbytes already packed (on CPUs with
-    avx512_bf16 an eval-mode forward repacks 4-bit weights in place and dequantizing those is wrong).
-    """
-    import bitsandbytes.functional as bnb_f
-
-    if quant_type == "int8":
-        # Int8Params quantizes the float16 copy of the loaded weight, one absmax scale per row (LLM.int8); its
-        # outlier handling splits activations, never the stored weight, so this is the weight training used.
-        codes, row_scales, _ = bnb_f.int8_vectorwise_quant(weight.to(torch.float16).contiguous())
-        return bnb_f.int8_vectorwise_dequant(codes, row_scales)
-
-    packed, state = bnb_f.quantize_4bit(
-        weight.contiguous(), blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type
-    )
-    return bnb_f.dequantize_4bit(packed, state)

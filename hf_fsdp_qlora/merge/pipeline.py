@@ -38,11 +38,9 @@ from hf_fsdp_qlora.merge._job import (
     read_base_config,
     update_config,
 )
-from hf_fsdp_qlora.merge._lora_math import (
-    apply_update_into,
-    quantize_roundtrip,
-)
+from hf_fsdp_qlora.merge._lora_math import apply_update_into
 from hf_fsdp_qlora.merge._plan import Item, torch_dtype
+from hf_fsdp_qlora.merge._roundtrip import quantize_roundtrip
 from hf_fsdp_qlora.merge.adapter_io import load_adapter
 from hf_fsdp_qlora.merge.output_dir import check_output
 from hf_fsdp_qlora.merge.serving import TOKENIZER_CORE, adapter_notes, has_tokenizer, model_notes

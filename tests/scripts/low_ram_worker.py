@@ -7,6 +7,7 @@ after loading, for the test to compare across ranks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -30,9 +31,10 @@ def _build_model(path, kind):
     from hf_fsdp_qlora.loading._transfer import _FLAG_ATTR, _ROWS_ATTR
     from hf_fsdp_qlora.loading.low_ram import verify_partial_rows
 
-    model = load_qlora_model(
-        path, lora_config=base.lora_config(), gradient_checkpointing=False, low_cpu_ram=True, **extra
-    )
+    with _info_log() as load_log:
+        model = load_qlora_model(
+            path, lora_config=base.lora_config(), gradient_checkpointing=False, low_cpu_ram=True, **extra
+        )
     out = Path(OUT)
     world = dist.get_world_size() if dist.is_initialized() else 1
     partial = any(getattr(m, _FLAG_ATTR, False) for m in model.modules())
@@ -44,6 +46,7 @@ def _build_model(path, kind):
         "digests": packed_digests(model, rank, world if partial else None),
         "world_size": world,
         "meta_left": [n for n, p in model.named_parameters() if p.device.type == "meta"],
+        "load_log": load_log,  # what the loader said (e.g. "the experts load in 16 bits before they are packed")
     }
     # Before FSDP2 has wrapped it, a rank with partial rows must refuse a forward, and the check must fail.
     # (Not tried on a rank holding the whole model: an eval-mode CPU forward may repack its 4-bit weights.)
@@ -62,6 +65,27 @@ def _build_model(path, kind):
         info["verify_before_wrap"] = "peer: " + str(err)
     (out / f"lowram_{kind}_{Path(path).name}_rank{base.rank()}.json").write_text(json.dumps(info))
     return model, base.LossRecorder, None
+
+
+@contextlib.contextmanager
+def _info_log():
+    """The package's INFO log lines while inside (its loggers are quiet by default)."""
+    import logging
+
+    lines, root = [], logging.getLogger("hf_fsdp_qlora")
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler, level = Keep(logging.INFO), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
 
 
 def _timed_scenario(*args, **kwargs):

@@ -9,6 +9,7 @@ rank<N>.json with what it saw; the pytest side asserts.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import traceback
 from pathlib import Path
@@ -55,8 +56,13 @@ def lora_config(**kw):
     return LoraConfig(**kwargs)
 
 
-def expert_lora_config():
-    """LoRA on the experts' fused weights (peft's target_parameters, as trl's --lora_target_parameters) and q/v."""
+def expert_lora_config(path=None):
+    """LoRA on the experts' fused weights (peft's target_parameters, as trl's --lora_target_parameters) and q/v.
+    DBRX (`path`'s config says so): its experts as the loader fuses them (``ffn.experts``, hf_fsdp_qlora/experts/
+    dbrx.py) and its attention's fused ``Wqkv``."""
+    if path is not None and json.loads((Path(path) / "config.json").read_text()).get("model_type") == "dbrx":
+        targets = ["ffn.experts.gate_up_proj", "ffn.experts.down_proj"]
+        return lora_config(target_modules=["Wqkv"], target_parameters=targets)
     targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     return lora_config(target_modules=["q_proj", "v_proj"], target_parameters=targets)
 
@@ -314,12 +320,12 @@ def build_model(path, kind):
         return load_qlora_model(path, lora_config=lora_config(), gradient_checkpointing=False), NoSampler, None
     if kind == "expertlora":  # MoE: LoRA on the 4-bit experts (peft target_parameters) and on attention
         return (
-            load_qlora_model(path, lora_config=expert_lora_config(), gradient_checkpointing=False),
+            load_qlora_model(path, lora_config=expert_lora_config(path), gradient_checkpointing=False),
             LossRecorder,
             None,
         )
     if kind == "expertlora_callback":  # the same, trained by a stock Trainer with our callback
-        model = load_qlora_model(path, lora_config=expert_lora_config(), gradient_checkpointing=False)
+        model = load_qlora_model(path, lora_config=expert_lora_config(path), gradient_checkpointing=False)
         return model, _recording(Trainer), [FSDPQLoRACallback()]
     if kind == "int8_loader":  # tests/test_int8.py: load_qlora_model(bits=8)
         return (
@@ -353,7 +359,7 @@ def build_model(path, kind):
         # earlier, at the first LoRA matmul ("expected m1 and m2 to have the same dtype"), hiding peft's reshape.
         "expertlora16": lambda: load_qlora_model(
             path,
-            lora_config=expert_lora_config(),
+            lora_config=expert_lora_config(path),
             gradient_checkpointing=False,
             quantize_experts=False,
             adapter_dtype=torch.bfloat16,
