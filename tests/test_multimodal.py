@@ -313,6 +313,27 @@ def test_trl_fused_lm_head_finds_the_text_backbone(family, cls):
     assert expose_text_backbone(model.base_model) is None and expose_text_backbone(model) is None  # idempotent
 
 
+@pytest.mark.parametrize(
+    "family, cls",
+    [("llama4", "Llama4ForCausalLM"), ("llama4", "Llama4ForConditionalGeneration"), ("mllama", "MllamaForCausalLM")],
+)
+def test_stock_trl_fused_lm_head_fails_on_these_classes(family, cls):
+    """The canary of hf_fsdp_qlora/_compat/trl.py's ``trl_fused_head_backbone``: stock trl's fused LM head on these
+    classes (no backbone exposed) still fails as it did. When this fails, trl finds their backbone itself: remove
+    train/backbone.py's class swap."""
+    import transformers
+    from tiny_multimodal import multimodal_config
+    from trl.trainer.utils import add_fused_lm_head
+
+    torch.manual_seed(0)
+    config = multimodal_config(family)
+    model = getattr(transformers, cls)(config if cls == COMPOSITE[family] else config.get_text_config()).eval()
+    ids = torch.randint(8, 500, (2, 12))
+    add_fused_lm_head(model)
+    with torch.no_grad(), pytest.raises(AttributeError, match="has no attribute 'last_hidden_state'"):
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+
+
 def _llama4_image_batch():
     """Two rows, each one 32x32 image (its 4 image tokens between <boi> and <eoi>) and words; labels skip the image."""
     from tiny_multimodal import BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN, LLAMA4_IMAGE_TOKENS

@@ -1,4 +1,5 @@
-"""trl: its colocated vLLM generation (GRPO/RLOO), which merges the adapter into the base at every sync."""
+"""trl: its colocated vLLM generation (GRPO/RLOO), which merges the adapter into the base at every sync; its fused LM
+head, which takes ``model.base_model`` for the text backbone."""
 
 from __future__ import annotations
 
@@ -28,5 +29,19 @@ WORKAROUNDS: tuple[Workaround, ...] = (
         where=("hf_fsdp_qlora.train.finish._stop_idle_thread_pools",),
         remove_when="never while finish_distributed skips the interpreter's teardown; the canary runs the path",
         canary="tests/test_finish.py::test_finished_ranks_leave_without_waiting_and_keep_threads_and_none",
+    ),
+    Workaround(
+        key="trl_fused_head_backbone",
+        upstream="trl <= 1.16 (SFTTrainer always patches in trl.trainer.utils.add_fused_lm_head, which runs "
+        "model.base_model and reads last_hidden_state) with transformers 5.23 (Llama4ForCausalLM and "
+        "MllamaForCausalLM: base_model_prefix 'language_model' but the backbone is .model; "
+        "Llama4ForConditionalGeneration: prefix 'model', no .model)",
+        works_around="\"'...CausalLMOutputWithPast' object has no attribute 'last_hidden_state'\" at the first step: "
+        "the model's class becomes a same-named subclass whose base_model is the text backbone; for "
+        "Llama4ForConditionalGeneration a pre-hook merges the image features as the class's forward does (a marker "
+        "attribute of ours, _hf_fsdp_qlora_merges_images, keeps it registered once)",
+        where=("hf_fsdp_qlora.train.backbone.expose_text_backbone", "hf_fsdp_qlora.train.backbone._merge_images"),
+        remove_when="trl finds these classes' text backbone itself (the canary then fails)",
+        canary="tests/test_multimodal.py::test_stock_trl_fused_lm_head_fails_on_these_classes",
     ),
 )
