@@ -117,15 +117,34 @@ def run_text(model: Path, text: Path, out: Path) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def _train(model: Path, out: Path, dataset, processing_class, collator=None, **config) -> None:
+    """trl's SFTTrainer given the model's path, a 4-bit BitsAndBytesConfig and LoRA all-linear, for STEPS steps;
+    then the group ends as after sft.py's trainer.end() (the next run makes a new one)."""
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, report_to="none", save_strategy="no",
+        logging_steps=1, learning_rate=1e-3, model_init_kwargs={"dtype": torch.bfloat16}, **config,
+    )  # fmt: skip
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    trainer = SFTTrainer(model=str(model), args=args, train_dataset=dataset, data_collator=collator,
+                         processing_class=processing_class, peft_config=lora, quantization_config=quant)  # fmt: skip
+    trainer.train()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run_image(model: Path, text: Path, out: Path) -> None:
     """trl's SFTTrainer on image-text rows, with the model's processor, as its docs show for vision models."""
     import numpy as np
     from datasets import Dataset
-    from peft import LoraConfig
     from PIL import Image
     from tiny_multimodal import load_processor
-    from transformers import BitsAndBytesConfig
-    from trl import SFTConfig, SFTTrainer
 
     processor = load_processor(model, model.name)  # AutoProcessor, or the class without its video processor
     prefix = (model / "image_prefix.txt").read_text().strip()
@@ -135,43 +154,17 @@ def run_image(model: Path, text: Path, out: Path) -> None:
          "text": f"{prefix} " + " ".join(f"t{rng.integers(8, 500)}" for _ in range(6))}
         for _ in range(2 * 2 * STEPS)
     ]  # fmt: skip
-    args = SFTConfig(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, report_to="none", save_strategy="no",
-        logging_steps=1, learning_rate=1e-3, remove_unused_columns=False, model_init_kwargs={"dtype": torch.bfloat16},
-    )  # fmt: skip
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
-                               bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    trainer = SFTTrainer(model=str(model), args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=processor, peft_config=lora, quantization_config=quant)  # fmt: skip
-    trainer.train()
-    if dist.is_initialized():  # as sft.py's trainer.end(): the next run makes a new group
-        dist.barrier()
-        dist.destroy_process_group()
+    _train(model, out, Dataset.from_list(rows), processor, remove_unused_columns=False)
 
 
 def run_tokenizer(model: Path, text: Path, out: Path) -> None:
     """trl's SFTTrainer on the image-text class with text rows and the tokenizer as its processing class: what sft.py
     builds, for the families whose processor AutoProcessor cannot load without torchvision (not installed here)."""
     from datasets import load_dataset
-    from peft import LoraConfig
-    from transformers import BitsAndBytesConfig, PreTrainedTokenizerFast
-    from trl import SFTConfig, SFTTrainer
+    from transformers import PreTrainedTokenizerFast
 
-    args = SFTConfig(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, report_to="none", save_strategy="no",
-        logging_steps=1, learning_rate=1e-3, max_length=32, model_init_kwargs={"dtype": torch.bfloat16},
-    )  # fmt: skip
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
-                               bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    trainer = SFTTrainer(model=str(model), args=args, train_dataset=load_dataset(str(text), split="train"),
-                         processing_class=PreTrainedTokenizerFast.from_pretrained(model), peft_config=lora,
-                         quantization_config=quant)  # fmt: skip
-    trainer.train()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
+    _train(model, out, load_dataset(str(text), split="train"), tokenizer, max_length=32)
 
 
 def run_pixels(model: Path, text: Path, out: Path) -> None:
@@ -179,10 +172,8 @@ def run_pixels(model: Path, text: Path, out: Path) -> None:
     (Llama 4's image processor needs torchvision): token rows with the image placeholders (labels skip them) and
     float32 ``pixel_values`` made with torch, as a processor gives them, stacked by a collator."""
     from datasets import Dataset
-    from peft import LoraConfig
     from tiny_multimodal import BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN, LLAMA4_IMAGE_TOKENS
-    from transformers import BitsAndBytesConfig, PreTrainedTokenizerFast
-    from trl import SFTConfig, SFTTrainer
+    from transformers import PreTrainedTokenizerFast
 
     gen = torch.Generator().manual_seed(0)
     image = [BOI_TOKEN, *[IMAGE_TOKEN] * LLAMA4_IMAGE_TOKENS, EOI_TOKEN]
@@ -194,20 +185,8 @@ def run_pixels(model: Path, text: Path, out: Path) -> None:
         out = {key: torch.tensor([row[key] for row in batch]) for key in ("input_ids", "labels", "pixel_values")}
         return {**out, "attention_mask": torch.ones_like(out["input_ids"])}
 
-    args = SFTConfig(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, report_to="none", save_strategy="no",
-        logging_steps=1, learning_rate=1e-3, remove_unused_columns=False, model_init_kwargs={"dtype": torch.bfloat16},
-    )  # fmt: skip
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16,
-                               bnb_4bit_quant_storage=torch.bfloat16)  # fmt: skip
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-    trainer = SFTTrainer(model=str(model), args=args, train_dataset=Dataset.from_list(rows), data_collator=collate,
-                         processing_class=PreTrainedTokenizerFast.from_pretrained(model), peft_config=lora,
-                         quantization_config=quant)  # fmt: skip
-    trainer.train()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
+    _train(model, out, Dataset.from_list(rows), tokenizer, collate, remove_unused_columns=False)
 
 
 ROUTES = {"text": run_text, "image": run_image, "tokenizer": run_tokenizer, "pixels": run_pixels}
