@@ -36,13 +36,7 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
     """Where the base's files hold `params` (absent from them under the model's names): per expert, mapped
     with transformers' conversion mapping (the one `from_pretrained` applies)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        Concatenate,
-        MergeModulelist,
-        WeightConverter,
-        WeightRenaming,
-        rename_source_key,
-    )
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     from .dbrx import file_slices
 
@@ -59,38 +53,51 @@ def expert_file_slices(model, params: list[str], entries) -> dict[str, list[Expe
         model_key, pattern = rename_source_key(disk_key, renamings, converters)
         if model_key not in wanted:
             continue
+        shape = tuple(entry.shape)
         if pattern is None:  # only renamed: the whole parameter in one tensor
-            found.setdefault(model_key, []).append((ExpertSlice(disk_key), None, tuple(entry.shape)))
-            continue
-        converter = by_pattern[pattern]
-        ops = converter.operations
-        reorder = whole_tensor_reorder(model, model_key, converter, tuple(entry.shape))
-        if reorder is not None:  # one stored tensor, the parameter's values in another order
-            found.setdefault(model_key, []).append((ExpertSlice(disk_key, reorder=reorder), None, tuple(entry.shape)))
-            continue
-        if not (
-            isinstance(ops[0], MergeModulelist)
-            and ops[0].dim == 0
-            and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim >= 1))
-        ):
-            raise MergeError(
-                f"the base stores {model_key} as {disk_key}, converted by transformers with "
-                f"{[type(op).__name__ for op in ops]} when loading; merge-adapters maps only experts stacked (and "
-                "concatenated) from per-expert tensors, or stored whole with rows or columns interleaved or "
-                "transposed. Save the base with its experts fused, "
-                "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE, save_original_format=False), and "
-                "pass that as `base`."
-            )
-        expert = _expert_index(pattern, disk_key)
-        if expert is None:
-            raise MergeError(
-                f"cannot tell which expert the base's tensor {disk_key} holds (transformers converts it with the "
-                f"pattern {pattern!r}). Save the base with its experts fused, AutoModelForCausalLM.from_pretrained(BASE)"
-                ".save_pretrained(NEW_BASE, save_original_format=False), and pass that as `base`."
-            )
-        index = converter.source_patterns.index(pattern)
-        dim = ops[1].dim - 1 if len(ops) == 2 else None
-        found.setdefault(model_key, []).append((ExpertSlice(disk_key, expert, dim), index, tuple(entry.shape)))
+            piece = (ExpertSlice(disk_key), None, shape)
+        else:
+            piece = _converted_slice(model, model_key, disk_key, shape, by_pattern[pattern], pattern)
+        found.setdefault(model_key, []).append(piece)
+    return _placed(params, found)
+
+
+def _converted_slice(model, model_key: str, disk_key: str, shape: tuple, converter, pattern: str) -> tuple:
+    """(slice, source index, shape) of one file tensor that transformers' `converter` turns into (part of)
+    `model_key`: the whole parameter in another order, or one expert's matrix (or a part of it, concatenated)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = converter.operations
+    reorder = whole_tensor_reorder(model, model_key, converter, shape)
+    if reorder is not None:  # one stored tensor, the parameter's values in another order
+        return ExpertSlice(disk_key, reorder=reorder), None, shape
+    if not (
+        isinstance(ops[0], MergeModulelist)
+        and ops[0].dim == 0
+        and (len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim >= 1))
+    ):
+        raise MergeError(
+            f"the base stores {model_key} as {disk_key}, converted by transformers with "
+            f"{[type(op).__name__ for op in ops]} when loading; merge-adapters maps only experts stacked (and "
+            "concatenated) from per-expert tensors, or stored whole with rows or columns interleaved or "
+            "transposed. Save the base with its experts fused, "
+            "AutoModelForCausalLM.from_pretrained(BASE).save_pretrained(NEW_BASE, save_original_format=False), and "
+            "pass that as `base`."
+        )
+    expert = _expert_index(pattern, disk_key)
+    if expert is None:
+        raise MergeError(
+            f"cannot tell which expert the base's tensor {disk_key} holds (transformers converts it with the "
+            f"pattern {pattern!r}). Save the base with its experts fused, AutoModelForCausalLM.from_pretrained(BASE)"
+            ".save_pretrained(NEW_BASE, save_original_format=False), and pass that as `base`."
+        )
+    dim = ops[1].dim - 1 if len(ops) == 2 else None
+    return ExpertSlice(disk_key, expert, dim), converter.source_patterns.index(pattern), shape
+
+
+def _placed(params: list[str], found: dict) -> dict[str, list[ExpertSlice]]:
+    """Each parameter's slices, each concatenated source's offset set from the earlier sources' sizes; an error
+    for a parameter the files do not hold."""
     out = {}
     for key in params:
         pieces = found.get(key)
